@@ -1,0 +1,10 @@
+"""lengthgen: length generalization of attention.
+
+One composable attention layer (`AttentionSpec`, `attend`, `Attention`), a GPT-style model, tasks, a
+trainer and an evaluation harness that measures behaviour far beyond the training length.
+"""
+
+from lengthgen.attention import Attention, AttentionSpec, attend
+
+__all__ = ["Attention", "AttentionSpec", "attend"]
+__version__ = "0.1.0"

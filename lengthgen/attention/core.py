@@ -1,0 +1,50 @@
+"""`attend()`: the parameter-free attention core (masks, query scaling, distance terms, p-softmax)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lengthgen.attention import backends
+from lengthgen.attention.functional import dense_attention, scale_queries
+from lengthgen.attention.spec import AttentionSpec, resolve_spec
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attend expects (batch, heads, length, head_dim) tensors, got q{tuple(q.shape)}, "
+                         f"k{tuple(k.shape)}, v{tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attend: incompatible shapes q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"attend: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if q.shape[2] > k.shape[2]:
+        raise ValueError(f"attend: {q.shape[2]} queries but only {k.shape[2]} keys (queries are the last positions)")
+    if doc_ids is not None and tuple(doc_ids.shape) != (k.shape[0], k.shape[2]):
+        raise ValueError(f"attend: doc_ids must be (batch, key length) = {(k.shape[0], k.shape[2])}, "
+                         f"got {tuple(doc_ids.shape)}")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | str | dict[str, Any] | None = None,
+           *, doc_ids: torch.Tensor | None = None, multipliers: torch.Tensor | float | None = None,
+           backend: str = "auto", return_weights: bool = False):
+    """Causal p-softmax attention with every `AttentionSpec` mechanism (DESIGN.md section 2).
+
+    q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv and Lq <= Lk (queries are the last Lq
+    positions). ``doc_ids`` (B, Lk): document ids, used when ``spec.doc_masking``. ``multipliers``: the
+    query-scaling multiplier (s for log_n, r for sqrt_log_n), scalar or (H,); default ``spec.scaling_init``.
+    ``backend``: auto | dense | tiled | sdpa | flex | triton. ``return_weights`` uses the dense oracle and
+    returns ``(out, weights)``. Returns (B, H, Lq, Dv).
+    """
+    spec = resolve_spec(spec)
+    _check_shapes(q, k, v, doc_ids)
+    qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers)
+    if return_weights:
+        return dense_attention(qs, k, v, spec, doc_ids, return_weights=True)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, k, v))
+    name = backends.choose(spec, q, k.shape[-2], training) if backend == "auto" else backend
+    reason = backends.unsupported(name, spec, q, training)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} cannot run this spec here: {reason}")
+    return backends.module(name).attention(qs, k, v, spec, doc_ids)

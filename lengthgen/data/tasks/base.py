@@ -1,0 +1,52 @@
+"""The task interface: every synthetic task samples batches at any length from a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    """One batch of a task.
+
+    tokens:    (B, L) long, model input.
+    targets:   (B, L) long for ``lm`` heads, (B, L) float for ``regress``, (B,) long for ``classify``.
+    loss_mask: (B, L) bool, positions that count in the loss (for ``classify``: all True).
+    doc_ids:   optional (B, L) long, document ids for document masking.
+    extra:     task-specific tensors the metrics need (e.g. legal-next-token masks).
+    """
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Batch(move(self.tokens), move(self.targets), move(self.loss_mask), move(self.doc_ids),
+                     {k: move(v) for k, v in self.extra.items()})
+
+
+class Task:
+    """Base class. Subclasses set ``name``, ``vocab_size``, ``head`` (``lm | regress | classify``),
+    ``num_classes`` (classify only), ``metric`` (the headline metric's name) and ``higher_is_better``."""
+
+    name: str = ""
+    vocab_size: int = 0
+    head: str = "lm"
+    num_classes: int = 0
+    metric: str = "loss"
+    higher_is_better: bool = False
+    max_length: int | None = None   # longest length the task can generate (None: unbounded)
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        raise NotImplementedError
+
+    def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-position metrics, each (B, L) float with NaN where undefined, or per-sequence (B,) for
+        ``classify`` tasks. ``output`` is the model head's output: (B, L, V) logits for ``lm``, (B, L)
+        predictions for ``regress``, (B, C) logits for ``classify``."""
+        raise NotImplementedError
