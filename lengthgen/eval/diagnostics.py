@@ -1,0 +1,73 @@
+"""Attention diagnostics by query position (seed 000, seed 003, seed 004), computed blockwise.
+
+For each query the attention *distribution* is ``softmax(logit_i)``; p-softmax weights are a per-query
+rescaling of it (seed 001), so the distribution's shape is what these measure:
+
+* ``inv_wmax``  ``1 / max_j w_ij``: the effective number of attended tokens (seed 004).
+* ``entropy``   ``-sum_j w_ij log w_ij`` (nats): dispersion (seed 003).
+* ``participation`` ``sum_j w_ij^2``: the output variance factor for uncorrelated unit-variance values (seed 001).
+* ``rms_pre`` / ``rms_post``: RMS of each head's attention output before / after out-norm (seed 000).
+
+Queries are processed in blocks against all their visible keys, so memory is linear in length; the
+(L, L) matrix is never built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lengthgen.attention import Attention
+from lengthgen.attention import functional as fn
+
+STATS = ("inv_wmax", "entropy", "participation", "rms_pre", "rms_post")
+
+
+def _query_block(batch: int, heads: int, length: int, budget: int = 1 << 24) -> int:
+    return max(1, min(length, budget // max(1, batch * heads * length)))
+
+
+@torch.no_grad()
+def attention_stats(q, k, v, spec, *, multiplier=None, doc_ids=None, y=None, y_norm=None) -> dict[str, torch.Tensor]:
+    """Per-head, per-position diagnostics (each (H, Lq), averaged over the batch) for one layer's q, k, v
+    (after QK-norm and RoPE, before query scaling: what `Attention.record` stores)."""
+    b, h, lq, _ = q.shape
+    lk = k.shape[-2]
+    qs = fn.scale_queries(q.double(), spec, lk, doc_ids, None if multiplier is None else multiplier.double())
+    k = fn.repeat_kv(k, h // k.shape[1]).double()
+    q_pos_all, k_pos_all = fn.positions(lq, lk, q.device)
+    q_run, k_run = fn.runs(doc_ids, spec, lq)
+    out = {name: torch.empty(h, lq, dtype=torch.float64) for name in ("inv_wmax", "entropy", "participation")}
+    step = _query_block(b, h, lk)
+    for qa in range(0, lq, step):
+        qb = min(qa + step, lq)
+        hi = lk - lq + qb
+        lo = 0 if spec.window is None else max(0, lk - lq + qa - spec.window + 1)
+        qr = None if q_run is None else q_run[:, qa:qb]
+        kr = None if k_run is None else k_run[:, lo:hi]
+        logit = fn.logits(qs[:, :, qa:qb], k[:, :, lo:hi], q_pos_all[qa:qb], k_pos_all[lo:hi], spec, qr, kr)
+        w = torch.softmax(logit, dim=-1)
+        out["inv_wmax"][:, qa:qb] = (1.0 / w.amax(-1)).mean(0)
+        out["entropy"][:, qa:qb] = torch.special.entr(w).sum(-1).mean(0)
+        out["participation"][:, qa:qb] = w.pow(2).sum(-1).mean(0)
+    for name, t in (("rms_pre", y), ("rms_post", y_norm)):
+        if t is not None:
+            out[name] = t.double().pow(2).mean(-1).sqrt().mean(0)
+    return {name: t.float() for name, t in out.items()}
+
+
+@torch.no_grad()
+def model_diagnostics(model: torch.nn.Module, run_forward) -> list[dict[str, torch.Tensor]]:
+    """Diagnostics for every `Attention` layer of ``model`` during ``run_forward()`` (one forward pass).
+
+    Returns one dict per layer (in module order) of (H, L) tensors, see `STATS`."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for layer in layers:
+        layer.record = {}
+    try:
+        run_forward()
+        return [attention_stats(r["q"], r["k"], r["v"], layer.spec, multiplier=layer.multiplier,
+                                doc_ids=r["doc_ids"], y=r["y"], y_norm=r["y_norm"])
+                for layer, r in ((layer, layer.record) for layer in layers)]
+    finally:
+        for layer in layers:
+            layer.record = None
