@@ -5,6 +5,7 @@ trainer and an evaluation harness that measures behaviour far beyond the trainin
 """
 
 from lengthgen.attention import Attention, AttentionSpec, attend
+from lengthgen.model import GPT, GPTConfig
 
-__all__ = ["Attention", "AttentionSpec", "attend"]
+__all__ = ["Attention", "AttentionSpec", "GPT", "GPTConfig", "attend"]
 __version__ = "0.1.0"

@@ -1,0 +1,63 @@
+"""Normalization layers of the GPT: ``layer`` (LayerNorm), ``rms`` (RMSNorm), ``batch`` (BatchNorm).
+
+``batch`` exists only to reproduce seed 001 ("Attention Normalizes the Wrong Norm"), whose counting models
+used BatchNorm. It is NOT causal: in training mode its mean and variance are taken over every position of
+every sequence in the batch, so a token's normalized value depends on later tokens and on other sequences
+(it leaks statistics across positions and across the batch), and in eval mode it uses running statistics
+gathered at the training length. Do not use it for language modelling.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lengthgen.attention import functional as fn
+
+NORMS = ("layer", "rms", "batch")
+
+
+class SequenceBatchNorm(nn.BatchNorm1d):
+    """BatchNorm over (B, L, D) inputs: statistics per channel over all B*L tokens (see module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        return super().forward(x.reshape(-1, shape[-1])).reshape(shape)
+
+
+def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
+    """A norm over the last axis of width ``dim``: ``layer`` | ``rms`` | ``batch``."""
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=eps)
+    if kind == "rms":
+        return nn.RMSNorm(dim, eps=eps)
+    if kind == "batch":
+        return SequenceBatchNorm(dim, eps=eps)
+    raise ValueError(f"norm={kind!r} is not valid; choose one of {', '.join(NORMS)}")
+
+
+class HeadNormLinear(nn.Linear):
+    """A linear projection followed by a per-head norm over ``head_dim`` (the V part of HybridNorm's QKV-norm).
+
+    It replaces `Attention.v_proj` (same ``weight`` name, so checkpoints and optimizer grouping are unchanged);
+    ``kind`` is ``rms`` or ``layer`` as in `functional.head_norm`, with an optional per-channel weight.
+    """
+
+    def __init__(self, linear: nn.Linear, head_dim: int, kind: str, eps: float, affine: bool) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            self.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                self.bias.copy_(linear.bias)
+        self.head_dim, self.kind, self.eps = head_dim, kind, eps
+        self.norm_weight = nn.Parameter(torch.ones(head_dim)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        shape = y.shape
+        y = y.reshape(*shape[:-1], shape[-1] // self.head_dim, self.head_dim)
+        return fn.head_norm(y, self.kind, self.eps, self.norm_weight).reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, head_dim={self.head_dim}, norm={self.kind}"
