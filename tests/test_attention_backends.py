@@ -1,0 +1,331 @@
+"""Backends against the dense oracle, and the oracle against an explicit-loop reference (issue "attention core").
+
+`tiled` runs with small query/key blocks so that several blocks, windows crossing blocks and documents
+crossing blocks are exercised; `sdpa` runs wherever it supports the spec.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lengthgen.attention import AttentionSpec, attend
+from lengthgen.attention import functional as fn
+from lengthgen.attention.backends import sdpa, tiled
+
+F64 = dict(rtol=1e-10, atol=1e-10)
+F32 = dict(rtol=1e-5, atol=1e-5)
+
+# Every attention-core option of AttentionSpec on its own (module-level options are in test_attention_module.py).
+OPTIONS = {
+    "baseline": {},
+    "p0.5": dict(softmax_p=0.5),
+    "p2": dict(softmax_p=2.0),
+    "p3": dict(softmax_p=3.0),
+    "log_n": dict(query_scaling="log_n"),
+    "log_n_s": dict(query_scaling="log_n", scaling_init=0.6),
+    "sqrt_log_n": dict(query_scaling="sqrt_log_n"),
+    "sqrt_log_n_abc": dict(query_scaling="sqrt_log_n", scaling_a=0.4, scaling_b=0.5, scaling_c=1.2, scaling_init=1.5),
+    "scale_invariant": dict(distance="scale_invariant"),
+    "scale_invariant_tau": dict(distance="scale_invariant", tau=2.0),
+    "alibi": dict(distance="alibi"),
+    "log_bias": dict(distance="log_bias"),
+    "log_bias_lambda": dict(distance="log_bias", tau=3.0, log_bias_lambda=2.5),
+    "window": dict(window=5),
+    "window1": dict(window=1),
+    "doc": dict(doc_masking=True),
+    "base_scale": dict(base_scale=0.9),
+}
+
+
+def make_inputs(b=2, h=4, hkv=2, lq=13, lk=13, d=8, dtype=torch.float64, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, lq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hkv, lk, d, generator=g, dtype=torch.float64).to(dtype)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def make_docs(b: int, length: int, seed: int = 0, max_len: int = 6) -> torch.Tensor:
+    """(b, length) ids in contiguous runs of random lengths 1..max_len (ids not sorted, repeats allowed
+    between non-adjacent runs: documents are runs, not id values)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        ids, doc = [], int(torch.randint(0, 3, (1,), generator=g))
+        while len(ids) < length:
+            run = int(torch.randint(1, max_len + 1, (1,), generator=g))
+            ids += [doc] * run
+            doc = (doc + 1 + int(torch.randint(0, 2, (1,), generator=g))) % 3
+        rows.append(ids[:length])
+    return torch.tensor(rows)
+
+
+def run_tiled(q, k, v, spec, doc_ids=None, multipliers=None, q_block=4, k_block=3, **kw):
+    qs = fn.scale_queries(q, spec, k.shape[-2], doc_ids, multipliers)
+    return tiled.attention(qs, k, v, spec, doc_ids, q_block=q_block, k_block=k_block, **kw)
+
+
+def run_sdpa(q, k, v, spec, doc_ids=None):
+    return sdpa.attention(fn.scale_queries(q, spec, k.shape[-2], doc_ids), k, v, spec, doc_ids)
+
+
+def grads(out, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad(out, inputs, upstream)
+
+
+def test_make_docs_has_several_documents_crossing_blocks():
+    docs = make_docs(2, 13)
+    run, start = fn.segments(docs)
+    assert int(run.max()) >= 2                                  # several documents per row
+    assert (start % 4 != 0).any()                               # documents start inside query blocks of 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# every option, tiled and sdpa vs dense
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, F64), (torch.float32, F32)], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_tiled_forward_matches_dense(name, dtype, tol):
+    spec = AttentionSpec(**OPTIONS[name])
+    q, k, v = make_inputs(dtype=dtype)
+    docs = make_docs(2, 13)
+    want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
+    torch.testing.assert_close(run_tiled(q, k, v, spec, docs), want, **tol)
+    # the public entry point with its default blocks too
+    torch.testing.assert_close(attend(q, k, v, spec, doc_ids=docs, backend="tiled"), want, **tol)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_tiled_gradients_match_dense(name):
+    spec = AttentionSpec(**OPTIONS[name])
+    q, k, v = make_inputs(requires_grad=True)
+    docs = make_docs(2, 13, seed=3)
+    want = grads(attend(q, k, v, spec, doc_ids=docs, backend="dense"), (q, k, v))
+    got = grads(run_tiled(q, k, v, spec, docs), (q, k, v))
+    for g_got, g_want in zip(got, want):
+        torch.testing.assert_close(g_got, g_want, **F64)
+
+
+SDPA_OPTIONS = [n for n in OPTIONS if sdpa.unsupported(AttentionSpec(**OPTIONS[n])) is None]
+
+
+def test_sdpa_support_is_what_it_claims():
+    assert set(SDPA_OPTIONS) == {"baseline", "log_n", "log_n_s", "sqrt_log_n", "sqrt_log_n_abc", "window",
+                                 "window1", "doc", "base_scale"}
+    q, k, v = make_inputs()
+    with pytest.raises(ValueError, match="softmax_p"):
+        attend(q, k, v, AttentionSpec(softmax_p=2.0), backend="sdpa")
+    with pytest.raises(ValueError, match="distance"):
+        attend(q, k, v, AttentionSpec(distance="alibi"), backend="sdpa")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, F64), (torch.float32, F32)], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", SDPA_OPTIONS)
+def test_sdpa_matches_dense(name, dtype, tol):
+    spec = AttentionSpec(**OPTIONS[name])
+    q, k, v = make_inputs(dtype=dtype, requires_grad=dtype == torch.float64)
+    docs = make_docs(2, 13, seed=5)
+    want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
+    got = run_sdpa(q, k, v, spec, docs)
+    torch.testing.assert_close(got, want, **tol)
+    if dtype == torch.float64:
+        for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+            torch.testing.assert_close(g_got, g_want, **F64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# shapes: GQA, Lq < Lk, several documents, p values
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0, 2.0, 3.0])
+@pytest.mark.parametrize("hkv", [1, 2, 4])
+def test_gqa_and_p_values(hkv, p):
+    spec = AttentionSpec(softmax_p=p, distance="alibi")       # alibi: a per-query-head term, sensitive to head order
+    q, k, v = make_inputs(hkv=hkv, requires_grad=True)
+    want = attend(q, k, v, spec, backend="dense")
+    got = run_tiled(q, k, v, spec)
+    torch.testing.assert_close(got, want, **F64)
+    for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        torch.testing.assert_close(g_got, g_want, **F64)
+    # GQA means query head h uses key/value head h // (H / Hkv): compare with explicitly expanded k, v
+    groups = 4 // hkv
+    expanded = attend(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), spec, backend="dense")
+    torch.testing.assert_close(want, expanded, **F64)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(window=4, softmax_p=2.0), dict(doc_masking=True, query_scaling="log_n"),
+                                     dict(distance="scale_invariant", query_scaling="sqrt_log_n", window=6)],
+                         ids=["plain", "window_p2", "doc_log_n", "si_sqrt_window"])
+def test_fewer_queries_are_the_last_positions(changes):
+    """Lq < Lk (decoding with a cache) equals the last Lq rows of the full Lq == Lk attention."""
+    spec = AttentionSpec(**changes)
+    q, k, v = make_inputs(lq=13, lk=13, requires_grad=True)
+    docs = make_docs(2, 13, seed=7)
+    full = attend(q, k, v, spec, doc_ids=docs, backend="dense")
+    for lq in (1, 5):
+        q_last = q[:, :, -lq:]
+        want = attend(q_last, k, v, spec, doc_ids=docs, backend="dense")
+        torch.testing.assert_close(want, full[:, :, -lq:], **F64)
+        got = run_tiled(q_last, k, v, spec, docs)
+        torch.testing.assert_close(got, want, **F64)
+        for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+            torch.testing.assert_close(g_got, g_want, **F64)
+        if sdpa.unsupported(spec) is None:
+            torch.testing.assert_close(run_sdpa(q_last, k, v, spec, docs), want, **F64)
+
+
+def test_many_documents_and_blocks():
+    """Long-ish input, many documents of varied lengths, window, blocks of several sizes."""
+    spec = AttentionSpec(doc_masking=True, window=9, softmax_p=2.0, distance="log_bias", query_scaling="log_n")
+    q, k, v = make_inputs(b=3, h=2, hkv=1, lq=70, lk=70, d=4, seed=11, requires_grad=True)
+    docs = make_docs(3, 70, seed=12, max_len=20)
+    want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
+    gw = grads(want, (q, k, v))
+    for qb, kb in [(1, 1), (7, 5), (16, 32), (70, 70)]:
+        got = run_tiled(q, k, v, spec, docs, q_block=qb, k_block=kb)
+        torch.testing.assert_close(got, want, **F64)
+        for g_got, g_want in zip(grads(got, (q, k, v)), gw):
+            torch.testing.assert_close(g_got, g_want, **F64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# random combinations
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=st.sampled_from([0.5, 1.0, 2.0, 3.0]), scaling=st.sampled_from(["none", "log_n", "sqrt_log_n"]),
+       distance=st.sampled_from(["none", "scale_invariant", "alibi", "log_bias"]),
+       window=st.one_of(st.none(), st.integers(1, 12)), doc=st.booleans(), hkv=st.sampled_from([1, 2, 4]),
+       lq=st.integers(1, 11), q_block=st.integers(1, 6), k_block=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_random_combinations(p, scaling, distance, window, doc, hkv, lq, q_block, k_block, seed):
+    spec = AttentionSpec(softmax_p=p, query_scaling=scaling, distance=distance, window=window, doc_masking=doc)
+    q, k, v = make_inputs(b=2, h=4, hkv=hkv, lq=lq, lk=11, d=4, seed=seed, requires_grad=True)
+    docs = make_docs(2, 11, seed=seed)
+    want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
+    got = run_tiled(q, k, v, spec, docs, q_block=q_block, k_block=k_block)
+    torch.testing.assert_close(got, want, **F64)
+    for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        torch.testing.assert_close(g_got, g_want, **F64)
+    if sdpa.unsupported(spec) is None:
+        torch.testing.assert_close(run_sdpa(q, k, v, spec, docs), want, **F64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# gradcheck (float64, tiny shapes)
+
+GRADCHECK = {
+    "p1": dict(softmax_p=1.0),
+    "p0.5_alibi_window": dict(softmax_p=0.5, distance="alibi", window=3),
+    "p2_si_doc": dict(softmax_p=2.0, distance="scale_invariant", doc_masking=True),
+    "p3_log_bias_log_n": dict(softmax_p=3.0, distance="log_bias", query_scaling="log_n", window=4),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADCHECK))
+def test_tiled_gradcheck(name):
+    spec = AttentionSpec(**GRADCHECK[name])
+    q, k, v = make_inputs(b=1, h=2, hkv=1, lq=6, lk=6, d=3, seed=2, requires_grad=True)
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    assert torch.autograd.gradcheck(lambda q, k, v: run_tiled(q, k, v, spec, docs, q_block=2, k_block=3),
+                                    (q, k, v))
+
+
+@pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])
+def test_gradcheck_multipliers_through_attend(scaling):
+    spec = AttentionSpec(query_scaling=scaling, softmax_p=2.0, window=4, distance="alibi")
+    q, k, v = make_inputs(b=1, h=2, hkv=1, lq=5, lk=6, d=3, seed=4, requires_grad=True)
+    head_mult = torch.tensor([0.7, 1.3], dtype=torch.float64, requires_grad=True)
+    global_mult = torch.tensor(1.1, dtype=torch.float64, requires_grad=True)
+    for mult in (head_mult, global_mult):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, m: attend(q, k, v, spec, multipliers=m, backend="tiled"), (q, k, v, mult))
+    # the multiplier gradient through tiled equals the oracle's, with small blocks too
+    want = torch.autograd.grad(attend(q, k, v, spec, multipliers=head_mult, backend="dense").sum(), head_mult)[0]
+    got = torch.autograd.grad(run_tiled(q, k, v, spec, multipliers=head_mult, q_block=2, k_block=2).sum(),
+                              head_mult)[0]
+    assert want.abs().min() > 1e-6
+    torch.testing.assert_close(got, want, **F64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the oracle against an explicit-loop reference
+
+
+def naive_attention(q, k, v, spec, doc_ids, multipliers):
+    """Loops over (b, h, i, j) in plain Python floats, written from the design doc's formulas only."""
+    b_sz, heads, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    base = spec.base_scale if spec.base_scale is not None else 1 / math.sqrt(d)
+    out = torch.zeros(b_sz, heads, lq, v.shape[-1], dtype=torch.float64)
+    for b in range(b_sz):
+        docs = [int(x) for x in doc_ids[b]]
+        for h in range(heads):
+            kh = h // (heads // hkv)
+            mult = float(multipliers[h])
+            slope = 2.0 ** (-8.0 * (h + 1) / heads)
+            for qi in range(lq):
+                i = lk - lq + qi                     # absolute position of the query
+                visible = []
+                for j in range(lk):
+                    same_doc = all(docs[x] == docs[i] for x in range(j, i + 1)) if spec.doc_masking else True
+                    inside = spec.window is None or i - j < spec.window
+                    if j <= i and same_doc and inside:
+                        visible.append(j)
+                n = len(visible)
+                if spec.query_scaling == "log_n":
+                    g = mult * math.log(n)
+                elif spec.query_scaling == "sqrt_log_n":
+                    g = spec.scaling_a + mult * math.sqrt(2 * math.log(spec.scaling_b * n + spec.scaling_c))
+                else:
+                    g = 1.0
+                logit = {}
+                for j in visible:
+                    t = i - j
+                    s = sum(float(q[b, h, qi, c]) * float(k[b, kh, j, c]) for c in range(d)) * base
+                    a, bias = 1.0, 0.0
+                    if spec.distance == "scale_invariant":
+                        a = math.sqrt(1 + 2 * math.log(1 + t / spec.tau))
+                        bias = -2 * math.log(1 + t / spec.tau)
+                    elif spec.distance == "alibi":
+                        bias = -slope * t
+                    elif spec.distance == "log_bias":
+                        bias = -spec.log_bias_lambda * math.log(1 + t / spec.tau)
+                    logit[j] = g * a * s + bias
+                p = spec.softmax_p
+                norm = sum(math.exp(p * x) for x in logit.values()) ** (1 / p)
+                for j, x in logit.items():
+                    out[b, h, qi] += math.exp(x) / norm * v[b, kh, j]
+    return out
+
+
+@pytest.mark.parametrize("distance", ["scale_invariant", "alibi", "log_bias"])
+@pytest.mark.parametrize("scaling,p", [("log_n", 2.0), ("sqrt_log_n", 3.0), ("sqrt_log_n", 0.5)])
+def test_dense_oracle_matches_explicit_loops(distance, scaling, p):
+    spec = AttentionSpec(softmax_p=p, query_scaling=scaling, distance=distance, window=4, doc_masking=True,
+                         tau=2.5, log_bias_lambda=1.7, scaling_a=0.2, base_scale=0.8)
+    q, k, v = make_inputs(b=2, h=4, hkv=2, lq=6, lk=8, d=3, seed=9)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 3, 3, 3, 3, 2, 2]])   # second row: id 2 twice, 3 runs
+    mult = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64)
+    want = naive_attention(q, k, v, spec, docs, mult)
+    torch.testing.assert_close(attend(q, k, v, spec, doc_ids=docs, multipliers=mult, backend="dense"), want, **F64)
+    torch.testing.assert_close(attend(q, k, v, spec, doc_ids=docs, multipliers=mult, backend="tiled"), want, **F64)
+
+
+def test_explicit_loops_reference_is_sensitive():
+    """The reference itself distinguishes the mechanisms it is used to check (not a constant function)."""
+    q, k, v = make_inputs(b=1, h=4, hkv=2, lq=6, lk=8, d=3, seed=9)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    mult = torch.ones(4, dtype=torch.float64)
+    outs = [naive_attention(q, k, v, AttentionSpec(**c), docs, mult) for c in
+            ({}, dict(window=3), dict(doc_masking=True), dict(distance="alibi"), dict(softmax_p=2.0))]
+    for i in range(len(outs)):
+        for j in range(i):
+            assert (outs[i] - outs[j]).abs().max() > 1e-3

@@ -1,0 +1,216 @@
+"""Identities of the attention math (DESIGN.md section 2), each checked numerically."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lengthgen.attention import Attention, AttentionSpec, attend
+from lengthgen.attention import functional as fn
+from lengthgen.attention.backends import tiled
+
+F64 = dict(rtol=1e-10, atol=1e-10)
+
+
+def randn(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("backend", ["dense", "tiled", "sdpa"])
+def test_p1_equals_torch_causal_sdpa(backend):
+    q, k, v = randn(2, 3, 17, 8, seed=1), randn(2, 3, 17, 8, seed=2), randn(2, 3, 17, 8, seed=3)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = attend(q, k, v, AttentionSpec(softmax_p=1.0), backend=backend)
+    torch.testing.assert_close(got, want, **F64)
+
+
+def test_p_softmax_normalizes_the_p_norm():
+    x = randn(5, 9, seed=4)
+    x[:, 6:] = float("-inf")
+    for p in (0.5, 1.0, 2.0, 3.0):
+        w = fn.p_softmax(x, p)
+        torch.testing.assert_close(w.pow(p).sum(-1), torch.ones(5, dtype=torch.float64), **F64)
+        assert (w[:, 6:] == 0).all()
+    torch.testing.assert_close(fn.p_softmax(x, 1.0), torch.softmax(x, -1), **F64)
+
+
+@pytest.mark.parametrize("kind", ["head_layer", "global_layer", "head_rms", "global_rms"])
+def test_out_norm_matches_torch_norms(kind):
+    b, h, length, d = 2, 4, 5, 6
+    y = randn(b, h, length, d, seed=5) * 3 + 1.5
+    flat = y.transpose(1, 2).reshape(b * length, h * d)      # (tokens, heads*head_dim)
+    got = fn.out_norm(y, kind, 1e-5).transpose(1, 2).reshape(b * length, h * d)
+    if kind == "head_layer":
+        want = torch.nn.GroupNorm(h, h * d, eps=1e-5, affine=False).double()(flat)
+    elif kind == "global_layer":
+        want = F.layer_norm(flat, (h * d,), eps=1e-5)
+    elif kind == "head_rms":
+        want = F.rms_norm(flat.view(-1, h, d), (d,), eps=1e-5).reshape(-1, h * d)
+    else:
+        want = F.rms_norm(flat, (h * d,), eps=1e-5)
+    torch.testing.assert_close(got, want, **F64)
+    torch.testing.assert_close(fn.out_norm(y, "none", 1e-5), y)
+
+
+def test_scale_invariant_leaves_distance_zero_unchanged():
+    spec = AttentionSpec(distance="scale_invariant", tau=4.0)
+    t = torch.tensor([0.0, 4.0, 12.0], dtype=torch.float64)
+    a, bias = fn.distance_scale(t, spec), fn.distance_bias(t, spec, heads=1)[0]
+    torch.testing.assert_close(a, torch.tensor([1.0, math.sqrt(1 + 2 * math.log(2)), math.sqrt(1 + 2 * math.log(4))],
+                                               dtype=torch.float64), **F64)
+    torch.testing.assert_close(bias, torch.tensor([0.0, -2 * math.log(2), -2 * math.log(4)], dtype=torch.float64),
+                               **F64)
+    # in the logits: the diagonal (t = 0) equals the plain scores, off-diagonal entries do not
+    qs, k = randn(1, 2, 6, 4, seed=6), randn(1, 2, 6, 4, seed=7)
+    pos = torch.arange(6)
+    with_si = fn.logits(qs, k, pos, pos, spec)
+    plain = fn.logits(qs, k, pos, pos, AttentionSpec())
+    torch.testing.assert_close(with_si.diagonal(dim1=-2, dim2=-1), plain.diagonal(dim1=-2, dim2=-1), **F64)
+    below = torch.tril(torch.ones(6, 6, dtype=torch.bool), -1)
+    assert ((with_si - plain)[..., below].abs() > 1e-6).all()
+
+
+DOC_CASES = {"plain": {}, "log_n_alibi_p2": dict(query_scaling="log_n", distance="alibi", softmax_p=2.0),
+             "sqrt_window_si": dict(query_scaling="sqrt_log_n", window=3, distance="scale_invariant"),
+             "sqrt_window": dict(query_scaling="sqrt_log_n", window=3)}
+
+
+@pytest.mark.parametrize("name,backend", [(n, b) for n in DOC_CASES for b in ("dense", "tiled", "sdpa")
+                                          if b != "sdpa" or n in ("plain", "sqrt_window")])
+def test_document_masking_equals_each_document_alone(name, backend):
+    spec = AttentionSpec(doc_masking=True, **DOC_CASES[name])
+    lengths = [4, 1, 7, 3]
+    length = sum(lengths)
+    q, k, v = randn(1, 2, length, 4, seed=8), randn(1, 2, length, 4, seed=9), randn(1, 2, length, 4, seed=10)
+    docs = torch.cat([torch.full((n,), i % 2) for i, n in enumerate(lengths)])[None]   # ids 0,1,0,1: runs
+    packed = attend(q, k, v, spec, doc_ids=docs, backend=backend)
+    alone, start = [], 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        alone.append(attend(q[:, :, sl], k[:, :, sl], v[:, :, sl], spec.replace(doc_masking=False), backend="dense"))
+        start += n
+    torch.testing.assert_close(packed, torch.cat(alone, dim=2), **F64)
+    # and without doc masking the result differs (the documents do interact)
+    assert (attend(q, k, v, spec.replace(doc_masking=False), backend="dense") - packed).abs().max() > 1e-3
+
+
+def test_p2_keeps_output_variance_p1_shrinks_it():
+    """Seed 001: with uniform attention (q = 0) over n i.i.d. unit-variance values, p=1 averages them
+    (variance 1/n) while p=2 weights each by 1/sqrt(n) (variance 1)."""
+    torch.manual_seed(0)
+    b, h, length, d = 8, 4, 256, 64
+    q = torch.zeros(b, h, length, d)
+    k, v = torch.randn(b, h, length, d), torch.randn(b, h, length, d)
+    out1 = attend(q, k, v, AttentionSpec(softmax_p=1.0), backend="tiled")
+    out2 = attend(q, k, v, AttentionSpec(softmax_p=2.0), backend="tiled")
+    for n in (1, 4, 16, 64, 256):
+        var1 = out1[:, :, n - 1].var().item()
+        var2 = out2[:, :, n - 1].var().item()
+        assert var2 == pytest.approx(1.0, rel=0.15), (n, var2)
+        assert var1 * n == pytest.approx(1.0, rel=0.15), (n, var1)
+
+
+@pytest.mark.parametrize("p", [0.5, 2.0, 3.0])
+def test_fast_backend_lse_identity(p):
+    """out_p = out_1 * exp(LSE_1 - LSE_p / p), and the LSEs are the logsumexps of the oracle's logits."""
+    spec = AttentionSpec(softmax_p=p, distance="log_bias", window=7, doc_masking=True)
+    q, k, v = randn(2, 2, 15, 4, seed=11), randn(2, 2, 15, 4, seed=12), randn(2, 2, 15, 4, seed=13)
+    docs = torch.tensor([[0] * 6 + [1] * 9, [0] * 2 + [1] * 11 + [2] * 2])
+    qs = fn.scale_queries(q, spec, 15, docs)
+    out_p, lse_1, lse_p = tiled.attention(qs, k, v, spec, docs, q_block=4, k_block=3, return_lse=True)
+    out_1 = tiled.attention(qs, k, v, spec.replace(softmax_p=1.0), docs, q_block=4, k_block=3)
+    torch.testing.assert_close(out_p, out_1 * torch.exp(lse_1 - lse_p / p), **F64)
+    pos = torch.arange(15)
+    q_run, k_run = fn.runs(docs, spec, 15)
+    logit = fn.logits(qs, k, pos, pos, spec, q_run, k_run)
+    torch.testing.assert_close(lse_1, torch.logsumexp(logit, -1, keepdim=True), **F64)
+    torch.testing.assert_close(lse_p, torch.logsumexp(p * logit, -1, keepdim=True), **F64)
+    assert (out_p - out_1).abs().max() > 1e-3
+
+
+def test_visible_counts():
+    spec = AttentionSpec(doc_masking=True)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]])
+    assert fn.visible_counts(8, 8, spec, docs).tolist() == [[1, 2, 3, 1, 2, 1, 2, 3]]
+    assert fn.visible_counts(3, 8, spec, docs).tolist() == [[1, 2, 3]]
+    assert fn.visible_counts(8, 8, AttentionSpec(window=2), docs).tolist() == [[1, 2, 2, 2, 2, 2, 2, 2]]
+    assert fn.visible_counts(8, 8, spec.replace(window=2), docs).tolist() == [[1, 2, 2, 1, 2, 1, 2, 2]]
+
+
+@pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])
+def test_query_gains_equal_their_formulas(scaling):
+    spec = AttentionSpec(query_scaling=scaling, scaling_a=0.3, scaling_b=0.25, scaling_c=1.1, window=9)
+    n = torch.tensor([[1.0, 2.0, 5.0, 9.0]], dtype=torch.float64)
+    mult = torch.tensor([0.5, 2.0], dtype=torch.float64)
+    g = fn.query_gain(n, spec, mult)
+    assert g.shape == (1, 2, 4, 1)
+    for h in range(2):
+        for i, ni in enumerate(n[0].tolist()):
+            if scaling == "log_n":
+                want = mult[h].item() * math.log(ni)
+            else:
+                want = 0.3 + mult[h].item() * math.sqrt(2 * math.log(0.25 * ni + 1.1))
+            assert g[0, h, i, 0].item() == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert fn.query_gain(n, AttentionSpec()) is None
+    # in attend(): the gain multiplies the query of position i by g(n_i), with n_i = min(i + 1, window)
+    q, k, v = randn(1, 2, 12, 4, seed=14), randn(1, 2, 12, 4, seed=15), randn(1, 2, 12, 4, seed=16)
+    n_i = torch.arange(1, 13, dtype=torch.float64).clamp(max=9)[None]
+    scaled_q = q * fn.query_gain(n_i, spec, mult)
+    want = attend(scaled_q, k, v, spec.replace(query_scaling="none"), backend="dense")
+    torch.testing.assert_close(attend(q, k, v, spec, multipliers=mult, backend="dense"), want, **F64)
+    torch.testing.assert_close(attend(q, k, v, spec, multipliers=mult, backend="tiled"), want, **F64)
+
+
+def test_alibi_slopes():
+    torch.testing.assert_close(fn.alibi_slopes(8, dtype=torch.float64),
+                               torch.tensor([2.0 ** -(i + 1) for i in range(8)], dtype=torch.float64), **F64)
+    torch.testing.assert_close(fn.alibi_slopes(4, dtype=torch.float64),
+                               torch.tensor([2.0 ** (-2 * (i + 1)) for i in range(4)], dtype=torch.float64), **F64)
+
+
+def test_rope_frequencies_and_fraction():
+    full = fn.rope_frequencies(16, 10000.0, 1.0)
+    torch.testing.assert_close(full, torch.tensor([10000.0 ** (-i / 8) for i in range(8)]))
+    half = fn.rope_frequencies(16, 10000.0, 0.5)
+    torch.testing.assert_close(half[:4], full[:4])          # the highest frequencies are kept
+    assert (half[4:] == 0).all()
+    assert (fn.rope_frequencies(16, 10000.0, 0.0) == 0).all()
+
+
+def test_prope_fraction_0_is_nope_and_1_is_rope():
+    torch.manual_seed(0)
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+
+    def output(**changes):
+        torch.manual_seed(1)                                   # same weights for every variant
+        return Attention(32, 4, AttentionSpec(**changes), backend="dense").double()(x)
+
+    nope, rope = output(position="nope"), output(position="rope")
+    torch.testing.assert_close(output(position="prope", prope_fraction=0.0), nope, **F64)
+    torch.testing.assert_close(output(position="prope", prope_fraction=1.0), rope, **F64)
+    half = output(position="prope", prope_fraction=0.5)
+    assert (half - nope).abs().max() > 1e-4 and (half - rope).abs().max() > 1e-4
+    assert (rope - nope).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.75])
+def test_rope_logit_depends_only_on_relative_position(fraction):
+    d = 16
+    freqs = fn.rope_frequencies(d, 10000.0, fraction)
+    q, k = torch.randn(1, 1, 1, d, dtype=torch.float64), torch.randn(1, 1, 1, d, dtype=torch.float64)
+
+    def score(i, j):
+        qi = fn.apply_rope(q, torch.tensor([i]), freqs)
+        kj = fn.apply_rope(k, torch.tensor([j]), freqs)
+        return (qi * kj).sum().item()
+
+    for i, j in [(5, 2), (9, 9), (40, 3)]:
+        for shift in (1, 17, 100):
+            assert score(i + shift, j + shift) == pytest.approx(score(i, j), rel=1e-4, abs=1e-4)
+    assert abs(score(5, 2) - score(5, 4)) > 1e-3               # and it does depend on i - j
+    # rotation preserves norms
+    rotated = fn.apply_rope(q.expand(1, 1, 7, d), torch.arange(7), freqs)
+    torch.testing.assert_close(rotated.norm(dim=-1), q.norm(dim=-1).expand(1, 1, 7))
