@@ -10,6 +10,7 @@ p-RoPE (Barbero et al. 2024); gated attention (Qiu et al. 2025).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +33,8 @@ def _positive(name: str, value: Any, *, allow_none: bool = False, integer: bool 
     if value is None and allow_none:
         return
     kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        what = "a positive integer" if integer else "a positive number"
+    if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value < math.inf:
+        what = "a positive integer" if integer else "a positive (finite) number"
         raise ValueError(f"AttentionSpec.{name}={value!r} is not valid; it must be {what}"
                          + (" or None" if allow_none else ""))
 
@@ -101,7 +102,8 @@ class AttentionSpec:
         _positive("qk_norm_eps", self.qk_norm_eps)
         _choice("position", self.position, POSITIONS)
         _positive("rope_theta", self.rope_theta)
-        if not (isinstance(self.prope_fraction, (int, float)) and 0 <= self.prope_fraction <= 1):
+        if isinstance(self.prope_fraction, bool) or not (isinstance(self.prope_fraction, (int, float))
+                                                         and 0 <= self.prope_fraction <= 1):
             raise ValueError(f"AttentionSpec.prope_fraction={self.prope_fraction!r} is not valid; it must be in [0, 1]")
         _choice("out_norm", self.out_norm, OUT_NORMS)
         _positive("out_norm_eps", self.out_norm_eps)

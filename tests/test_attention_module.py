@@ -1,0 +1,364 @@
+"""The `Attention` layer, `AttentionSpec` validation and `backends.choose`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lengthgen.attention import FIELDS, PRESETS, Attention, AttentionSpec, attend, resolve_spec
+from lengthgen.attention import backends
+from lengthgen.attention import functional as fn
+from lengthgen.attention import spec as spec_mod
+
+F64 = dict(rtol=1e-10, atol=1e-10)
+DIM, HEADS = 32, 4
+
+# name -> (spec changes, whether the output differs from the baseline layer with the same weights at init)
+MODULE_OPTIONS = {
+    "baseline": ({}, False),
+    "p2": (dict(softmax_p=2.0), True),
+    "log_n": (dict(query_scaling="log_n"), True),
+    "log_n_global": (dict(query_scaling="log_n", learnable_scaling="global", scaling_init=0.8), True),
+    "log_n_layer": (dict(query_scaling="log_n", learnable_scaling="layer"), True),
+    "sqrt_log_n_head": (dict(query_scaling="sqrt_log_n", learnable_scaling="head", scaling_a=0.1), True),
+    "scale_invariant": (dict(distance="scale_invariant", tau=3.0), True),
+    "alibi": (dict(distance="alibi"), True),
+    "log_bias": (dict(distance="log_bias", log_bias_lambda=2.0), True),
+    "window": (dict(window=3), True),
+    "doc": (dict(doc_masking=True), True),
+    "base_scale": (dict(base_scale=0.5), True),
+    "kv2": (dict(kv_heads=2), False),            # same weights impossible: compared by shape only
+    "kv1": (dict(kv_heads=1), False),
+    "qk_rms": (dict(qk_norm="rms"), True),
+    "qk_layer": (dict(qk_norm="layer", qk_norm_affine=False), True),
+    "qk_rms_eps": (dict(qk_norm="rms", qk_norm_eps=10.0), True),
+    "nope": (dict(position="nope"), True),
+    "rope_theta": (dict(rope_theta=100.0), True),
+    "prope": (dict(position="prope", prope_fraction=0.5), True),
+    "head_layer": (dict(out_norm="head_layer"), True),
+    "head_rms": (dict(out_norm="head_rms", out_norm_eps=0.1), True),
+    "global_layer": (dict(out_norm="global_layer", out_norm_affine=True), True),
+    "global_rms": (dict(out_norm="global_rms", out_norm_affine=True), True),
+    "gate_head": (dict(gate="head"), True),
+    "gate_elementwise_2sigmoid": (dict(gate="elementwise", gate_act="2sigmoid"), False),
+}
+
+
+def x_and_docs(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 11, DIM, generator=g, dtype=torch.float64).to(dtype)
+    docs = torch.tensor([[0] * 4 + [1] * 7, [3] * 2 + [4] * 6 + [5] * 3])
+    return x, docs
+
+
+def layer(changes, backend="dense", seed=1, **kw):
+    torch.manual_seed(seed)
+    return Attention(DIM, HEADS, AttentionSpec(**changes), backend=backend, **kw).double()
+
+
+def copy_shared_weights(src: nn.Module, dst: nn.Module) -> None:
+    """Load the parameters of ``src`` that ``dst`` has with the same shape."""
+    mine = dst.state_dict()
+    dst.load_state_dict({k: v for k, v in src.state_dict().items() if k in mine and mine[k].shape == v.shape},
+                        strict=False)
+
+
+@pytest.mark.parametrize("name", list(MODULE_OPTIONS))
+def test_every_option_forward_backward_and_tiled_equals_dense(name):
+    changes, differs = MODULE_OPTIONS[name]
+    x, docs = x_and_docs()
+    dense = layer(changes, "dense")
+    tiled = layer(changes, "tiled")
+    tiled.load_state_dict(dense.state_dict())
+    out = dense(x, docs)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(tiled(x, docs), out, **F64)
+    grads_dense = torch.autograd.grad(out.square().sum(), list(dense.parameters()))
+    grads_tiled = torch.autograd.grad(tiled(x, docs).square().sum(), list(tiled.parameters()))
+    for (pname, _), gd, gt in zip(dense.named_parameters(), grads_dense, grads_tiled):
+        assert torch.isfinite(gd).all(), pname
+        assert gd.abs().max() > 0, f"{pname} gets no gradient"
+        torch.testing.assert_close(gt, gd, **F64)
+    # the option is wired in: same weights, different output (unless it is an identity at init)
+    base = layer({}, "dense")
+    copy_shared_weights(base, dense)
+    if changes.get("kv_heads") is None:
+        gap = (dense(x, docs) - base(x, docs)).abs().max().item()
+        assert (gap > 1e-6) == differs, gap
+
+
+def test_auto_backend_module_runs_and_matches_dense():
+    x, docs = x_and_docs()
+    for changes in ({}, dict(softmax_p=2.0, window=4), dict(doc_masking=True)):
+        auto = layer(changes, "auto")
+        dense = layer(changes, "dense")
+        torch.testing.assert_close(auto(x, docs), dense(x, docs), **F64)
+
+
+def test_2sigmoid_gate_is_identity_at_init():
+    x, docs = x_and_docs()
+    for gate in ("head", "elementwise"):
+        gated = layer(dict(gate=gate, gate_act="2sigmoid"))
+        plain = layer({})
+        copy_shared_weights(gated, plain)
+        assert (gated.gate_proj.weight == 0).all()
+        torch.testing.assert_close(gated(x, docs), plain(x, docs), **F64)
+        # sigmoid gates start near 1/2 instead
+        sig = layer(dict(gate=gate, gate_act="sigmoid"))
+        copy_shared_weights(gated, sig)
+        ratio = sig(x) / plain(x)
+        assert (ratio.median() - 0.5).abs() < 0.05
+
+
+def test_head_gate_scales_whole_heads():
+    x, _ = x_and_docs()
+    gated = layer(dict(gate="head", gate_act="2sigmoid"))
+    assert gated.gate_proj.weight.shape == (HEADS, DIM)
+    with torch.no_grad():
+        gated.gate_proj.weight.normal_()
+    gated.record = {}
+    out = gated(x)
+    y = gated.record["y_norm"].transpose(1, 2)                   # (b, l, h, d)
+    gate = 2 * torch.sigmoid(x @ gated.gate_proj.weight.T)      # (b, l, h): one gate per head and token
+    torch.testing.assert_close(out, gated.o_proj((y * gate[..., None]).reshape(2, 11, DIM)), **F64)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_gqa_parameter_shapes(kv_heads):
+    m = Attention(DIM, HEADS, AttentionSpec(kv_heads=kv_heads), head_dim=16)
+    assert m.q_proj.weight.shape == (HEADS * 16, DIM)
+    assert m.k_proj.weight.shape == (kv_heads * 16, DIM)
+    assert m.v_proj.weight.shape == (kv_heads * 16, DIM)
+    assert m.o_proj.weight.shape == (DIM, HEADS * 16)
+    m.record = {}
+    out = m(torch.randn(2, 5, DIM))
+    assert out.shape == (2, 5, DIM)
+    assert m.record["k"].shape == (2, kv_heads, 5, 16) and m.record["q"].shape == (2, HEADS, 5, 16)
+
+
+def test_bad_module_arguments():
+    with pytest.raises(ValueError, match="kv_heads=3"):
+        Attention(DIM, HEADS, AttentionSpec(kv_heads=3))
+    with pytest.raises(ValueError, match="head_dim=5 must be even"):
+        Attention(DIM, HEADS, AttentionSpec(position="rope"), head_dim=5)
+    Attention(DIM, HEADS, AttentionSpec(position="nope"), head_dim=5)(torch.randn(1, 3, DIM))
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        Attention(DIM, HEADS, backend="fast")(torch.randn(1, 3, DIM))
+
+
+def test_record_captures_internals():
+    x, docs = x_and_docs()
+    m = layer(dict(out_norm="head_layer", kv_heads=2, qk_norm="rms", doc_masking=True))
+    assert m.record is None
+    out = m(x, docs)
+    assert m.record is None                      # nothing recorded unless asked
+    m.record = {}
+    torch.testing.assert_close(m(x, docs), out, **F64)
+    rec = m.record
+    assert set(rec) == {"q", "k", "v", "y", "y_norm", "doc_ids"}
+    assert rec["q"].shape == (2, HEADS, 11, DIM // HEADS) and rec["v"].shape == (2, 2, 11, DIM // HEADS)
+    assert rec["doc_ids"] is docs
+    torch.testing.assert_close(rec["y"], attend(rec["q"], rec["k"], rec["v"], m.spec, doc_ids=docs, backend="dense"),
+                               **F64)
+    torch.testing.assert_close(rec["y_norm"], fn.out_norm(rec["y"], "head_layer", 1e-5), **F64)
+    # v is the plain projection (no norm, no rotation)
+    torch.testing.assert_close(rec["v"], m.v_proj(x).view(2, 11, 2, DIM // HEADS).transpose(1, 2), **F64)
+
+
+@pytest.mark.parametrize("granularity,shape", [("global", ()), ("layer", ()), ("head", (HEADS,))])
+def test_learnable_scaling_shapes(granularity, shape):
+    m = Attention(DIM, HEADS, AttentionSpec(query_scaling="log_n", learnable_scaling=granularity, scaling_init=0.7))
+    assert isinstance(m.multiplier, nn.Parameter) and m.multiplier.shape == shape
+    assert torch.all(m.multiplier == 0.7)
+    assert any(p is m.multiplier for p in m.parameters())
+    fixed = Attention(DIM, HEADS, AttentionSpec(query_scaling="log_n"))
+    assert fixed.multiplier is None
+
+
+def test_multiplier_is_used():
+    x, _ = x_and_docs()
+    m = layer(dict(query_scaling="sqrt_log_n", learnable_scaling="head"))
+    before = m(x)
+    with torch.no_grad():
+        m.multiplier[2] += 0.5
+    after = m(x)
+    assert (after - before).abs().max() > 1e-6
+    # a per-head multiplier changes only its head: compare the attention outputs per head
+    m.record = {}
+    m(x)
+    y_after = m.record["y"]
+    with torch.no_grad():
+        m.multiplier[2] -= 0.5
+    m(x)
+    y_before = m.record["y"]
+    changed = (y_after - y_before).abs().amax(dim=(0, 2, 3))
+    assert changed[2] > 1e-6 and changed[[0, 1, 3]].max() == 0
+
+
+def test_shared_global_multiplier():
+    shared = nn.Parameter(torch.tensor(1.2, dtype=torch.float64))
+    spec = dict(query_scaling="log_n", learnable_scaling="global")
+    a, b = layer(spec, multiplier=shared), layer(spec, seed=2, multiplier=shared)
+    assert a.multiplier is shared and b.multiplier is shared
+    model = nn.Sequential(a, b)
+    assert sum(p is shared for p in model.parameters()) == 1
+    # the same two layers with their own multipliers (same value): the shared gradient is the sum of theirs
+    a_own, b_own = layer(spec), layer(spec, seed=2)
+    a_own.load_state_dict(a.state_dict())
+    b_own.load_state_dict(b.state_dict())
+    assert a_own.multiplier is not b_own.multiplier
+    x, _ = x_and_docs()
+    model(x).square().sum().backward()
+    b_own(a_own(x)).square().sum().backward()
+    assert a_own.multiplier.grad.abs() > 0 and b_own.multiplier.grad.abs() > 0
+    torch.testing.assert_close(shared.grad, a_own.multiplier.grad + b_own.multiplier.grad, **F64)
+    # a per-layer multiplier is owned by each layer even if a shared one is offered
+    c = layer(dict(query_scaling="log_n", learnable_scaling="layer"), multiplier=shared)
+    assert c.multiplier is not shared and c.multiplier.shape == ()
+
+
+# ---------------------------------------------------------------------------------------------------
+# spec validation
+
+BAD_VALUES = [
+    ("softmax_p", 0), ("softmax_p", -1.0), ("softmax_p", "2"), ("softmax_p", True), ("softmax_p", None),
+    ("softmax_p", float("inf")), ("softmax_p", float("nan")),
+    ("query_scaling", "log"), ("query_scaling", None), ("learnable_scaling", "per_head"),
+    ("scaling_a", "x"), ("scaling_b", True), ("scaling_c", None), ("scaling_init", "1"), ("log_bias_lambda", [1]),
+    ("distance", "rope"), ("distance", "ALIBI"), ("tau", 0), ("tau", -1.0), ("tau", "10"),
+    ("window", 0), ("window", -3), ("window", 2.5), ("window", True), ("window", "8"),
+    ("base_scale", 0.0), ("base_scale", -0.1), ("kv_heads", 0), ("kv_heads", 1.5), ("kv_heads", False),
+    ("qk_norm", "batch"), ("qk_norm_eps", 0), ("qk_norm_eps", -1e-6), ("position", "alibi"),
+    ("rope_theta", -1.0), ("prope_fraction", -0.1), ("prope_fraction", 1.5), ("prope_fraction", "half"),
+    ("prope_fraction", True), ("out_norm", "layer"), ("out_norm_eps", -1.0), ("gate", "yes"), ("gate", True),
+    ("gate_act", "tanh"), ("doc_masking", "yes"), ("doc_masking", 1), ("qk_norm_affine", None),
+    ("out_norm_affine", 0),
+]
+CHOICES = {"query_scaling": spec_mod.QUERY_SCALINGS, "learnable_scaling": spec_mod.GRANULARITIES,
+           "distance": spec_mod.DISTANCES, "qk_norm": spec_mod.QK_NORMS, "position": spec_mod.POSITIONS,
+           "out_norm": spec_mod.OUT_NORMS, "gate": spec_mod.GATES, "gate_act": spec_mod.GATE_ACTS}
+
+
+def test_bad_values_cover_every_field():
+    assert {f for f, _ in BAD_VALUES} | {"scaling_init", "learnable_scaling"} == set(FIELDS)
+
+
+@pytest.mark.parametrize("field,value", BAD_VALUES, ids=[f"{f}={v!r}" for f, v in BAD_VALUES])
+def test_bad_spec_value_names_field_and_choices(field, value):
+    for make in (lambda: AttentionSpec(**{field: value}), lambda: AttentionSpec().replace(**{field: value}),
+                 lambda: AttentionSpec.from_dict({field: value}), lambda: resolve_spec({field: value})):
+        with pytest.raises(ValueError) as err:
+            make()
+        message = str(err.value)
+        assert f"AttentionSpec.{field}={value!r}" in message, message
+        if field in CHOICES:
+            assert all(choice in message for choice in CHOICES[field]), message
+
+
+def test_dependent_field_errors():
+    with pytest.raises(ValueError, match=r"learnable_scaling='head' needs query_scaling log_n or sqrt_log_n"):
+        AttentionSpec(learnable_scaling="head")
+    with pytest.raises(ValueError, match=r"scaling_b=-1.*b >= 0"):
+        AttentionSpec(query_scaling="sqrt_log_n", scaling_b=-1.0)
+    with pytest.raises(ValueError, match=r"b \+ c > 1"):
+        AttentionSpec(query_scaling="sqrt_log_n", scaling_b=0.0, scaling_c=1.0)
+    AttentionSpec(query_scaling="log_n", scaling_b=0.0, scaling_c=1.0)       # only sqrt_log_n uses b, c
+
+
+def test_unknown_fields_and_presets():
+    with pytest.raises(ValueError, match=r"unknown AttentionSpec field\(s\) \['softmax'\]; valid fields: softmax_p"):
+        AttentionSpec().replace(softmax=2.0)
+    with pytest.raises(ValueError, match=r"unknown AttentionSpec field\(s\) \['heads'\]"):
+        AttentionSpec.from_dict({"heads": 4})
+    with pytest.raises(ValueError, match=r"unknown attention preset 'l3'; choose one of baseline, l2, avnorm"):
+        AttentionSpec.preset("l3")
+    with pytest.raises(ValueError, match=r"unknown attention preset 'l3'"):
+        resolve_spec("l3")
+    with pytest.raises(ValueError, match=r"unknown attention preset 'l3'"):
+        resolve_spec({"preset": "l3"})
+    with pytest.raises(ValueError, match=r"unknown AttentionSpec field\(s\) \['windw'\]"):
+        resolve_spec({"preset": "l2", "windw": 3})
+    with pytest.raises(ValueError, match="must be an AttentionSpec, a preset name or a dict, got int"):
+        resolve_spec(3)
+
+
+def test_presets_and_round_trip():
+    for name, spec in PRESETS.items():
+        assert AttentionSpec.from_dict(spec.to_dict()) == spec
+        assert resolve_spec(name) == spec
+    assert resolve_spec({"preset": "l2", "window": 8}) == AttentionSpec(softmax_p=2.0, window=8)
+    assert resolve_spec(None) == AttentionSpec()
+    assert AttentionSpec.preset("alibi", window=16).window == 16
+    assert PRESETS["l2"].softmax_p == 2.0 and PRESETS["avnorm"].out_norm == "head_layer"
+    assert len(set(PRESETS.values())) == len(PRESETS)          # every preset differs
+
+
+def test_bad_backend_name():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"unknown attention backend 'cuda'; choose one of auto, dense, tiled, sdpa"):
+        attend(q, q, q, backend="cuda")
+
+
+BAD_SHAPES = {
+    "3d q": ((2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8), None, r"\(batch, heads, length, head_dim\)"),
+    "k v length": ((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 6, 8), None, "incompatible shapes"),
+    "batch": ((2, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8), None, "incompatible shapes"),
+    "head_dim": ((1, 2, 5, 8), (1, 2, 5, 4), (1, 2, 5, 4), None, "incompatible shapes"),
+    "gqa": ((1, 3, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8), None, "3 query heads are not a multiple of 2"),
+    "lq > lk": ((1, 2, 6, 8), (1, 2, 5, 8), (1, 2, 5, 8), None, "6 queries but only 5 keys"),
+    "doc_ids": ((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8), (1, 4), r"doc_ids must be \(batch, key length\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SHAPES))
+def test_bad_shapes_to_attend(name):
+    qs, ks, vs, ds, match = BAD_SHAPES[name]
+    docs = None if ds is None else torch.zeros(ds, dtype=torch.long)
+    with pytest.raises(ValueError, match=match):
+        attend(torch.randn(qs), torch.randn(ks), torch.randn(vs), AttentionSpec(doc_masking=True), doc_ids=docs)
+
+
+def test_value_head_dim_may_differ():
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 3)
+    spec = AttentionSpec(softmax_p=2.0)
+    out = attend(q, k, v, spec, backend="dense")
+    assert out.shape == (1, 2, 5, 3)
+    torch.testing.assert_close(attend(q, k, v, spec, backend="tiled"), out, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# backends.choose on CPU
+
+
+def _q(length):
+    return torch.empty(1, 2, length, 8)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_choose_never_flex_on_cpu(training):
+    for spec in list(PRESETS.values()) + [AttentionSpec(window=64, softmax_p=2.0), AttentionSpec(doc_masking=True)]:
+        for length in (16, 1024, 4096):
+            name = backends.choose(spec, _q(length), length, training)
+            assert name in ("sdpa", "dense", "tiled"), (spec, length, name)
+            assert backends.unsupported(name, spec, _q(length), training) is None
+
+
+def test_choose_sdpa_for_plain_causal_softmax():
+    for length in (16, 1024, 8192):
+        assert backends.choose(AttentionSpec(), _q(length), length, True) == "sdpa"
+        assert backends.choose(PRESETS["ssmax"], _q(length), length, True) == "sdpa"      # scaling is in q
+
+
+def test_choose_tiled_for_long_masked_or_p_softmax():
+    long = int(math.isqrt(backends.DENSE_MAX_PAIRS)) + 1
+    for spec in (AttentionSpec(window=128), AttentionSpec(doc_masking=True), AttentionSpec(softmax_p=2.0),
+                 AttentionSpec(distance="alibi", window=64)):
+        assert backends.choose(spec, _q(long), long, True) == "tiled", spec
+    # short masked inputs stay on a quadratic engine (sdpa with a mask, or the dense oracle for p != 1)
+    assert backends.choose(AttentionSpec(window=128), _q(256), 256, True) == "sdpa"
+    assert backends.choose(AttentionSpec(softmax_p=2.0), _q(256), 256, True) == "dense"
+    # decoding: few queries against many keys counts pairs, not length
+    assert backends.choose(AttentionSpec(softmax_p=2.0), _q(1), 100_000, False) == "dense"
