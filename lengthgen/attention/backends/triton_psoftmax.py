@@ -1,0 +1,420 @@
+"""`triton`: one fused causal flash-style Triton kernel for p-softmax attention, forward and backward.
+
+For scaled queries q' (B, H, Lq, D) and keys/values (B, Hkv, Lk, D) (GQA: H a multiple of Hkv; queries are
+the last Lq of Lk positions) with ``l_ij = a_t (q'_i . k_j) + bias_t``, t = i - j, and masks causal,
+same document, ``i - j < W``::
+
+    forward  (per query block, over visible key blocks; running max m of l)
+        S_p   <- S_p exp(p (m_old - m)) + sum_j exp(p (l_j - m))
+        acc   <- acc exp(m_old - m)     + sum_j exp(l_j - m) v_j
+        out    = acc S_p^(-1/p)            LSE_p = p m + log S_p      (LSE_p saved for the backward)
+
+    backward (w_j = exp(l_j - LSE_p / p), pi_j = exp(p l_j - LSE_p) = softmax(p l)_j, delta_i = dO_i . out_i)
+        w_j = exp(l_j) Z_p^(-1/p)  =>  dw_j/dl_k = delta_jk w_j - w_j pi_k
+        dl_ij = w_ij (dO_i . v_j) - pi_ij delta_i          dS_ij = a_t dl_ij
+        dq = dS k      dk = dS^T q'      dv = w^T dO
+
+p is a runtime argument (p = 1 skips the second exponential through a compile-time flag). Inputs fp16 / bf16
+(fp32 too, as IEEE fp32 dots), fp32 accumulation, head dims 16..128 (powers of two). Documents come as
+per-position run starts (a query sees keys from its document's start on) and run ends (the backward's
+key-block-major pass stops at the document's end); the sliding window and every distance term
+(scale_invariant, ALiBi, log_bias) are elementwise in the kernel. Backward: one kernel for dK/dV per key block
+(looping over the query heads of its KV group, so GQA needs no atomics) and one for dQ per query block;
+both recompute the logits from LSE_p.
+
+On CPU the kernels run only under ``TRITON_INTERPRET=1`` (set before this module is imported), for tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lengthgen.attention import functional as fn
+from lengthgen.attention.spec import AttentionSpec
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as err:  # pragma: no cover - triton is optional
+    triton = None
+    _IMPORT_ERROR = err
+else:
+    _IMPORT_ERROR = None
+
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DISTANCE_CODES = {"none": 0, "scale_invariant": 1, "alibi": 2, "log_bias": 3}
+INTERPRET_BLOCK = 16      # block size under TRITON_INTERPRET=1
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+#: whether the kernels below were built for the interpreter (TRITON_INTERPRET=1 when this module was imported)
+INTERPRETED = triton is not None and _interpret_env()
+
+
+def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | None:
+    """Why this backend cannot run ``spec`` on ``q``, or None."""
+    if triton is None:
+        return f"triton is not importable ({_IMPORT_ERROR})"
+    if q.device.type == "cpu":
+        if not (_interpret_env() and INTERPRETED):
+            return "Triton kernels need CUDA (CPU tensors only under TRITON_INTERPRET=1 set before import)"
+    elif q.device.type != "cuda":
+        return f"Triton kernels run on cuda, not {q.device.type}"
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"head_dim={q.shape[-1]} (supported: {', '.join(map(str, HEAD_DIMS))})"
+    if spec.distance not in DISTANCE_CODES:
+        return f"distance={spec.distance!r} has no Triton score term"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernels
+
+if triton is not None:
+    LOG2E = 1.4426950408889634
+    LN2 = 0.6931471805599453
+
+    @triton.jit
+    def _logits(s, t, h, H, tau_inv, lam, DIST: tl.constexpr):
+        """(l, a_t) for dot products s and distances t (int, any sign; only t >= 0 is ever visible)."""
+        if DIST == 0:
+            return s, 1.0
+        tf = tl.maximum(t, 0).to(tl.float32)
+        if DIST == 2:                                   # ALiBi: -m_h t, m_h = 2^(-8 (h + 1) / H)
+            slope = tl.exp2(-8.0 * (h + 1).to(tl.float32) / H)
+            return s - slope * tf, 1.0
+        log_t = tl.log(1.0 + tf * tau_inv)
+        if DIST == 1:                                   # scale_invariant: a_t s - 2 log(1 + t / tau)
+            a = tl.sqrt(1.0 + 2.0 * log_t)
+            return s * a - 2.0 * log_t, a
+        return s - lam * log_t, 1.0                     # log_bias
+
+    @triton.jit
+    def _visible(pos_q, pos_k, start_q, LK, WINDOW, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
+        """(M, N) mask for absolute query positions pos_q (M,), key positions pos_k (N,), run starts (M,)."""
+        t = pos_q[:, None] - pos_k[None, :]
+        ok = (t >= 0) & (pos_k[None, :] < LK)
+        if HAS_WINDOW:
+            ok = ok & (t < WINDOW)
+        if HAS_DOCS:
+            ok = ok & (pos_k[None, :] >= start_q[:, None])
+        return ok, t
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, O, LSE, STARTS,
+                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
+                    H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
+                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
+                    PREC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUPS
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < LQ
+        pos_q = offs_m + OFF
+        q_ptr = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        k_ptr = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_ptr = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+        first = pid_m * BLOCK_M + OFF
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(first - WINDOW + 1, 0)
+        start_q = offs_m
+        if HAS_DOCS:
+            st_ptr = STARTS + b.to(tl.int64) * s_starts
+            start_q = tl.load(st_ptr + pos_q, mask=row_ok, other=LK)
+            lo = tl.maximum(lo, tl.load(st_ptr + first))   # run starts never decrease along a row
+        lo = (lo // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(first + BLOCK_M, LK)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        s_p = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(k_ptr + offs_n[:, None] * skl + offs_d[None, :], mask=(offs_n < LK)[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
+            logit, _a = _logits(s, t, h, H, tau_inv, lam, DIST)
+            logit = tl.where(ok, logit, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(logit, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2((m_i - m_safe) * LOG2E)
+            e = tl.exp2((logit - m_safe[:, None]) * LOG2E)
+            if P_ONE:
+                s_p = s_p * alpha + tl.sum(e, 1)
+            else:
+                s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
+                    tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
+            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_d[None, :], mask=(offs_n < LK)[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        log2_sp = tl.log2(tl.where(row_ok, s_p, 1.0))    # padding rows: no log(0)
+        out = acc * tl.exp2(-inv_p * log2_sp)[:, None]
+        lse = p * m_i + log2_sp * LN2
+        o_ptr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+        tl.store(o_ptr + offs_m[:, None] * sol + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
+
+    @triton.jit
+    def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, STARTS,
+                       sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
+                       H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
+                       HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
+                       PREC: tl.constexpr):
+        """dQ for one query block. Q, DO and DQ share strides (sqb, sqh, sql); DO is contiguous like DQ."""
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        hk = h // GROUPS
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        row_ok = offs_m < LQ
+        pos_q = offs_m + OFF
+        k_ptr = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_ptr = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sql + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdl + offs_d[None, :],
+                     mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+
+        first = pid_m * BLOCK_M + OFF
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(first - WINDOW + 1, 0)
+        start_q = offs_m
+        if HAS_DOCS:
+            st_ptr = STARTS + b.to(tl.int64) * s_starts
+            start_q = tl.load(st_ptr + pos_q, mask=row_ok, other=LK)
+            lo = tl.maximum(lo, tl.load(st_ptr + first))
+        lo = (lo // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(first + BLOCK_M, LK)
+
+        dq = tl.zeros([BLOCK_M, D], tl.float32)
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            col_ok = (offs_n < LK)[:, None]
+            k = tl.load(k_ptr + offs_n[:, None] * skl + offs_d[None, :], mask=col_ok, other=0.0)
+            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_d[None, :], mask=col_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
+            logit, a = _logits(s, t, h, H, tau_inv, lam, DIST)
+            logit = tl.where(ok, logit, float("-inf"))
+            w = tl.exp2((logit - (lse * inv_p)[:, None]) * LOG2E)
+            if P_ONE:
+                pi = w
+            else:
+                pi = tl.exp2((p * logit - lse[:, None]) * LOG2E)
+            dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = w * dpv - pi * delta[:, None]
+            if DIST == 1:
+                ds = ds * a
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        tl.store(DQ + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdl + offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, STARTS, ENDS,
+                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
+                         H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
+                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
+                         PREC: tl.constexpr):
+        """dK, dV for one key block of one KV head, summed over the GROUPS query heads sharing it.
+        Works transposed: (N keys, M queries) tiles. DK/DV are contiguous (B, HKV, LK, D)."""
+        pid_n = tl.program_id(0)
+        bhk = tl.program_id(1)
+        b = bhk // HKV
+        hk = bhk % HKV
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        col_ok = offs_n < LK
+        k = tl.load(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skl + offs_d[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svl + offs_d[None, :],
+                    mask=col_ok[:, None], other=0.0)
+
+        k_first = pid_n * BLOCK_N
+        k_last = tl.minimum(k_first + BLOCK_N, LK) - 1
+        q_hi = LK                                       # absolute positions of queries that may see the block
+        if HAS_WINDOW:
+            q_hi = tl.minimum(q_hi, k_last + WINDOW)
+        st_ptr = STARTS + b.to(tl.int64) * s_starts
+        if HAS_DOCS:
+            q_hi = tl.minimum(q_hi, tl.load(ENDS + b.to(tl.int64) * s_starts + k_last))
+        qi_lo = tl.maximum(k_first - OFF, 0)
+        qi_hi = q_hi - OFF
+
+        dk = tl.zeros([BLOCK_N, D], tl.float32)
+        dv = tl.zeros([BLOCK_N, D], tl.float32)
+        for g in range(0, GROUPS):
+            h = hk * GROUPS + g
+            bh = b * H + h
+            q_ptr = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+            do_ptr = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+            for start_m in range(qi_lo, qi_hi, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                row_ok = offs_m < LQ
+                pos_q = offs_m + OFF
+                q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                do = tl.load(do_ptr + offs_m[:, None] * sdl + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+                delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+                start_q = offs_m
+                if HAS_DOCS:
+                    start_q = tl.load(st_ptr + pos_q, mask=row_ok, other=LK)
+                ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
+                ok = ok & row_ok[:, None]
+                s = tl.dot(q, tl.trans(k), input_precision=PREC)            # (M, N)
+                logit, a = _logits(s, t, h, H, tau_inv, lam, DIST)
+                logit = tl.where(ok, logit, float("-inf"))
+                w = tl.exp2((logit - (lse * inv_p)[:, None]) * LOG2E)
+                if P_ONE:
+                    pi = w
+                else:
+                    pi = tl.exp2((p * logit - lse[:, None]) * LOG2E)
+                dv += tl.dot(tl.trans(w.to(do.dtype)), do, input_precision=PREC)
+                dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
+                ds = w * dpv - pi * delta[:, None]
+                if DIST == 1:
+                    ds = ds * a
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        out_off = bhk.to(tl.int64) * LK * D + offs_n[:, None] * D + offs_d[None, :]
+        tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# launch configuration
+
+def _configs(kind: str, head_dim: int) -> dict:
+    """Block sizes and launch options. Interpreter: 16 x 16. CUDA: FlashAttention-2-like tiles (Hopper/Ampere
+    shared memory fits them at D=128 in 16-bit with 2-3 stages)."""
+    if INTERPRETED:
+        return dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK)
+    big = head_dim > 64
+    if kind == "fwd":
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2 if big else 3)
+    if kind == "dq":
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2)        # dkdv
+
+
+def _doc_vectors(doc_ids: torch.Tensor | None, spec: AttentionSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(run starts, run ends) as int32 (B, Lk), or 1-element dummies when there is no document masking."""
+    if not spec.doc_masking or doc_ids is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return dummy, dummy
+    _, start = fn.segments(doc_ids)
+    length = doc_ids.shape[-1]
+    last = torch.ones_like(doc_ids, dtype=torch.bool)
+    last[..., :-1] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    index = torch.arange(1, length + 1, device=doc_ids.device).expand_as(doc_ids)
+    end = torch.where(last, index, torch.full_like(index, length)).flip(-1).cummin(-1).values.flip(-1)
+    return start.to(device=device, dtype=torch.int32).contiguous(), end.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, has_docs: bool) -> dict:
+    p = float(spec.softmax_p)
+    return dict(H=q.shape[1], GROUPS=q.shape[1] // k.shape[1], LQ=q.shape[2], LK=k.shape[2],
+                OFF=k.shape[2] - q.shape[2], WINDOW=spec.window or 0, p=p, inv_p=1.0 / p,
+                tau_inv=1.0 / float(spec.tau), lam=float(spec.log_bias_lambda), D=q.shape[-1],
+                DIST=DISTANCE_CODES[spec.distance], HAS_WINDOW=spec.window is not None, HAS_DOCS=has_docs,
+                P_ONE=p == 1.0, PREC="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, has_docs: bool):
+    """Run the forward kernel. Returns (out (B, H, Lq, D) contiguous, LSE_p (B, H, Lq) fp32)."""
+    b, h, lq, d = q.shape
+    out = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    cfg = _configs("fwd", d)
+    sc = _scalars(spec, q, k, has_docs)
+    grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
+    _fwd_kernel[grid](q, k, v, out, lse, starts, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                      *out.stride()[:3], starts.stride(0) if has_docs else 0, **sc, **cfg)
+    return out, lse
+
+
+def backward(q, k, v, out, d_out, lse, spec: AttentionSpec, starts, ends, has_docs: bool):
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    d_out = d_out.contiguous()
+    delta = (out.float() * d_out.float()).sum(-1).contiguous()         # dO_i . out_i, (B, H, Lq)
+    dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
+    dv = torch.empty((b, hkv, lk, d), dtype=v.dtype, device=v.device)
+    sc = _scalars(spec, q, k, has_docs)
+    s_starts = starts.stride(0) if has_docs else 0
+    cfg = _configs("dq", d)
+    _bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
+        q, k, v, d_out, dq, lse, delta, starts, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *d_out.stride()[:3], s_starts, **sc, **cfg)
+    cfg = _configs("dkdv", d)
+    _bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * hkv)](
+        q, k, v, d_out, dk, dv, lse, delta, starts, ends, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+        *d_out.stride()[:3], s_starts, HKV=hkv, **sc, **cfg)
+    return dq, dk, dv
+
+
+class _TritonPSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec, starts, ends, has_docs):
+        out, lse = forward(q, k, v, spec, starts, has_docs)
+        ctx.save_for_backward(q, k, v, out, lse, starts, ends)
+        ctx.spec, ctx.has_docs = spec, has_docs
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, starts, ends = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, out, d_out, lse, ctx.spec, starts, ends, ctx.has_docs)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+              doc_ids: torch.Tensor | None = None, *, return_lse: bool = False):
+    """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D).
+
+    Returns ``out`` or, with ``return_lse`` (no autograd), ``(out, LSE_p)`` with LSE_p (B, H, Lq).
+    """
+    reason = unsupported(spec, qs, False)
+    if reason is not None:
+        raise ValueError(f"backend 'triton' cannot run this: {reason}")
+    if v.shape[-1] != qs.shape[-1]:
+        raise ValueError(f"backend 'triton' needs value head_dim == query head_dim, got {v.shape[-1]} and "
+                         f"{qs.shape[-1]}")
+    dtype = qs.dtype
+    k, v = k.to(dtype), v.to(dtype)
+    qs, k, v = _last_dim_contiguous(qs), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    has_docs = spec.doc_masking and doc_ids is not None
+    starts, ends = _doc_vectors(doc_ids, spec, qs.device)
+    if return_lse:
+        with torch.no_grad():
+            return forward(qs, k, v, spec, starts, has_docs)
+    return _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, has_docs)
+
+
+__all__ = ["attention", "unsupported", "forward", "backward", "INTERPRETED"]
