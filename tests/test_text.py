@@ -1,0 +1,418 @@
+"""Text data: tokenizers, corpora, .bin shards, packing with doc_ids, long documents. Offline, fast."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from lengthgen.data.tasks.base import Batch, Task
+from lengthgen.data.text import (BIN_MAGIC, BinCorpus, ByteTokenizer, CorpusError, FileCorpus,
+                                 HFTokenizer, ResourceUnavailableError, ShardFormatError,
+                                 StdlibCorpus, TextData, TiktokenTokenizer, TokenStream,
+                                 long_documents, make_corpus, make_text_data, make_tokenizer,
+                                 pretokenize, read_bin_shard, split_of, write_bin_shard)
+
+BYTE = ByteTokenizer()
+BOS = BYTE.bos_id
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def write_docs(tmp_path, docs: list[str], name: str = "docs.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizers
+
+
+@pytest.mark.parametrize("text", ["", "hello world", "héllo wörld ✓ 𝄞 日本語\n\ttabs", "\x00\xff"])
+def test_byte_tokenizer_round_trip(text):
+    ids = BYTE.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert BYTE.decode(ids) == text
+    assert BYTE.decode(torch.tensor(ids, dtype=torch.long)) == text
+    assert BYTE.decode(np.asarray(ids)) == text
+    assert np.array_equal(BYTE.encode_array(text), np.asarray(ids, dtype=np.uint8))
+
+
+def test_byte_tokenizer_specials():
+    assert (BYTE.vocab_size, BYTE.bos_id, BYTE.eos_id, BYTE.pad_id) == (259, 256, 257, 258)
+    assert BYTE.decode([BOS, 104, 105, BYTE.eos_id, BYTE.pad_id]) == "hi"
+    assert isinstance(make_tokenizer("byte"), ByteTokenizer)
+
+
+def test_make_tokenizer_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown tokenizer 'bpe'.*byte.*gpt2.*tiktoken.*hf:"):
+        make_tokenizer("bpe")
+
+
+def test_tiktoken_not_installed_gives_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)   # makes `import tiktoken` fail
+    with pytest.raises(ImportError, match=r"TiktokenTokenizer\('gpt2'\).*pip install tiktoken"):
+        make_tokenizer("gpt2")
+
+
+def test_tiktoken_missing_bpe_files_give_clear_error_instead_of_download(monkeypatch, tmp_path):
+    """A stand-in tiktoken whose BPE file is not cached: the download is intercepted."""
+    url = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
+    fetched = []
+
+    def read_file(blobpath):           # tiktoken.load.read_file: the network fetch
+        fetched.append(blobpath)
+        raise AssertionError("would download")
+
+    load = types.SimpleNamespace(read_file=read_file)
+    load.read_file_cached = lambda blobpath: load.read_file(blobpath)   # cache miss
+    fake = types.SimpleNamespace(load=load, list_encoding_names=lambda: ["gpt2", "cl100k_base"],
+                                 get_encoding=lambda name: load.read_file_cached(url))
+    monkeypatch.setitem(sys.modules, "tiktoken", fake)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ResourceUnavailableError, match=r"TiktokenTokenizer\('gpt2'\).*vocab\.bpe.*"
+                                                       r"not in tiktoken's local cache") as e:
+        TiktokenTokenizer("gpt2")
+    assert str(tmp_path) in str(e.value)
+    assert fetched == [] and load.read_file is read_file          # restored, never called
+    with pytest.raises(ValueError, match=r"unknown encoding 'nope'.*cl100k_base"):
+        TiktokenTokenizer("nope")
+
+
+def test_hf_tokenizer_missing_files_give_clear_errors(tmp_path):
+    with pytest.raises(ResourceUnavailableError, match=r"missing\.json does not exist.*tokenizer\.json"):
+        make_tokenizer(f"hf:{tmp_path / 'missing.json'}")
+    (tmp_path / "vocab.json").write_text("{}")
+    with pytest.raises(ResourceUnavailableError, match=r"has no tokenizer\.json.*vocab\.json"):
+        HFTokenizer(tmp_path)
+    bad = tmp_path / "bad" / "tokenizer.json"
+    bad.parent.mkdir()
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match=r"could not read .*tokenizer\.json"):
+        HFTokenizer(bad.parent)
+
+
+def test_hf_tokenizer_not_installed_gives_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(ImportError, match=r"HFTokenizer.*pip install tokenizers"):
+        HFTokenizer(tmp_path)
+
+
+def _tiny_hf_tokenizer(path):
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def foo(x):\n    return x + 1\n"] * 20, trainer)
+    tok.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_round_trip_and_cached_stream(tmp_path):
+    path = _tiny_hf_tokenizer(tmp_path / "tokenizer.json")
+    tok = make_tokenizer(f"hf:{tmp_path}")
+    assert tok.bos_id == 0 and tok.vocab_size > 256
+    text = "def bar(y):\n    return y * 2  # ü\n"
+    assert tok.decode(tok.encode(text)) == text
+    docs = write_docs(tmp_path, ["def a(): pass\n", "x = 1\n", "print('hi')\n"])
+    cache = tmp_path / "cache"
+    d1 = make_text_data(str(docs), tok, split="all", cache_dir=cache)       # auto: caches non-byte
+    assert len(list(cache.glob("*.npz"))) == 1
+    d2 = make_text_data(str(docs), tok, split="all", cache_dir=cache)
+    assert np.array_equal(d1.stream.tokens, d2.stream.tokens)
+    assert np.array_equal(d1.stream.starts, d2.stream.starts)
+    assert tok.decode(d1.stream.document(1)) == "x = 1\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# .bin shards
+
+
+@pytest.mark.parametrize("tokens", [[], [0, 1, 65535, 50256], np.arange(1000) % 50257,
+                                    torch.tensor([5, 6, 7])])
+def test_bin_shard_round_trip(tmp_path, tokens):
+    path = write_bin_shard(tmp_path / "s.bin", tokens)
+    expected = np.asarray(tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens)
+    for mmap in (False, True):
+        out = read_bin_shard(path, mmap=mmap)
+        assert out.dtype == np.uint16 and np.array_equal(out, expected)
+    header = np.fromfile(path, dtype="<i4", count=256)
+    assert list(header[:3]) == [BIN_MAGIC, 1, len(expected)] and not header[3:].any()
+    assert path.stat().st_size == 1024 + 2 * len(expected)
+
+
+def test_bin_shard_corruptions_give_clear_errors(tmp_path):
+    good = write_bin_shard(tmp_path / "good.bin", np.arange(100)).read_bytes()
+
+    def corrupt(name, data):
+        p = tmp_path / name
+        p.write_bytes(data)
+        return p
+
+    header = np.frombuffer(good[:1024], dtype="<i4").copy()
+    bad_magic, bad_version = header.copy(), header.copy()
+    bad_magic[0], bad_version[1] = 12345, 7
+    cases = {
+        "magic.bin": (bad_magic.tobytes() + good[1024:], r"bad magic number 12345"),
+        "version.bin": (bad_version.tobytes() + good[1024:], r"unsupported version 7"),
+        "short_header.bin": (good[:100], r"truncated: 100 bytes, shorter than the 1024-byte header"),
+        "short_tokens.bin": (good[:-10], r"truncated: the header says 100 tokens \(200 bytes\) but only "
+                                         r"190 bytes"),
+        "trailing.bin": (good + b"xx", r"2 unexpected bytes after the 100 tokens"),
+    }
+    for name, (data, pattern) in cases.items():
+        p = corrupt(name, data)
+        with pytest.raises(ShardFormatError, match=pattern) as e:
+            read_bin_shard(p)
+        assert name in str(e.value)
+    with pytest.raises(FileNotFoundError, match=r"nope\.bin does not exist"):
+        read_bin_shard(tmp_path / "nope.bin")
+    with pytest.raises(ValueError, match=r"must fit in uint16"):
+        write_bin_shard(tmp_path / "big.bin", [70000])
+
+
+def test_bin_corpus_splits_documents_at_bos(tmp_path):
+    docs = ["first doc", "second", "third one here"]
+    flat = [t for d in docs for t in [BOS] + BYTE.encode(d)]
+    write_bin_shard(tmp_path / "a_000.bin", flat[:12])
+    write_bin_shard(tmp_path / "a_001.bin", flat[12:])
+    data = make_text_data(f"bin:{tmp_path}/a_*.bin", "byte", split="all")
+    got = [BYTE.decode(data.stream.document(i)) for i in range(data.stream.num_documents)]
+    # the shard boundary cuts "second": its tail before the next BOS is a document of its own
+    assert got == ["first doc", "s", "econd", "third one here"]
+    write_bin_shard(tmp_path / "gpt2.bin", [50256, 1000])
+    with pytest.raises(CorpusError, match=r"gpt2\.bin holds token id 50256, outside the vocabulary "
+                                          r"\(259 ids\) of tokenizer 'byte'"):
+        make_text_data(f"bin:{tmp_path / 'gpt2.bin'}", "byte", split="all")
+
+
+# ------------------------------------------------------------------------------------------------
+# local corpora
+
+
+def test_txt_one_document_per_file_and_separator(tmp_path):
+    (tmp_path / "b.txt").write_text("beta", encoding="utf-8")
+    (tmp_path / "a.txt").write_text("alpha<|sep|>gamma<|sep|>  ", encoding="utf-8")
+    (tmp_path / "notes.md").write_text("ignored")
+    assert list(FileCorpus(tmp_path)) == ["alpha<|sep|>gamma<|sep|>  ", "beta"]
+    assert list(FileCorpus(tmp_path, separator="<|sep|>")) == ["alpha", "gamma", "beta"]
+    assert list(make_corpus(str(tmp_path / "*.txt"), "all")) == list(FileCorpus(tmp_path))
+    assert list(make_corpus(str(tmp_path / "b.txt"), "all")) == ["beta"]
+
+
+def test_jsonl_loading_and_errors(tmp_path):
+    path = write_docs(tmp_path, ["one", "two ü"])
+    assert list(FileCorpus(path)) == ["one", "two ü"]
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"content": "x"}\n\n{"content": "y"}\n')
+    assert list(FileCorpus(other, text_field="content")) == ["x", "y"]
+    with pytest.raises(CorpusError, match=r"other\.jsonl:1: no 'text' field \(found \['content'\]\)"):
+        list(FileCorpus(other))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(CorpusError, match=r"broken\.jsonl:2: invalid JSON"):
+        list(FileCorpus(broken))
+
+
+def test_parquet_loading_or_clear_error(tmp_path):
+    path = tmp_path / "docs.parquet"
+    if importlib.util.find_spec("pyarrow") is None:
+        path.write_bytes(b"PAR1")
+        with pytest.raises(ImportError, match=r"docs\.parquet needs the 'pyarrow' package.*"
+                                              r"pip install pyarrow"):
+            FileCorpus(path)
+        return
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["p one", "p two"], "n": [1, 2]}), path)
+    assert list(FileCorpus(path)) == ["p one", "p two"]
+    with pytest.raises(CorpusError, match=r"docs\.parquet has no column 'body'"):
+        list(FileCorpus(path, text_field="body"))
+
+
+def test_bad_missing_and_empty_sources_give_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing\.txt does not exist"):
+        make_corpus(str(tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError, match=r"no files match the pattern"):
+        make_corpus(str(tmp_path / "*.jsonl"))
+    (tmp_path / "data.csv").write_text("a,b")
+    with pytest.raises(CorpusError, match=r"data\.csv has unsupported extension '\.csv'"):
+        make_corpus(str(tmp_path / "data.csv"))
+    with pytest.raises(CorpusError, match=r"has no \.txt/\.jsonl/\.parquet files \(found \['\.csv'\]\)"):
+        make_corpus(str(tmp_path))
+    (tmp_path / "blank.txt").write_text("  \n")
+    with pytest.raises(CorpusError, match=r"has no documents: .*1 files, 0 non-empty documents"):
+        make_text_data(str(tmp_path / "blank.txt"), split="all")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(CorpusError, match=r"latin1\.txt is not valid UTF-8"):
+        list(make_corpus(str(tmp_path / "latin1.txt")))
+
+
+def test_make_corpus_rejects_unknown_forms_and_options(monkeypatch):
+    with pytest.raises(ValueError, match=r"unknown corpus 'wikitext'.*stdlib.*bin:.*hf:"):
+        make_corpus("wikitext")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['separator'\]"):
+        make_corpus("stdlib", separator="\n")
+    with pytest.raises(ValueError, match=r"split must be one of train, val, all"):
+        make_corpus("stdlib", "test")
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ImportError, match=r"'hf:wikitext' needs .*'datasets'.*pip install datasets"):
+        make_corpus("hf:wikitext:wikitext-103-raw-v1")
+    with pytest.raises(ValueError, match=r"pass max_documents= or max_tokens="):
+        make_text_data("hf:wikitext")
+
+
+def test_hash_split_is_stable_and_disjoint(tmp_path):
+    docs = [f"document number {i}" for i in range(400)]
+    path = write_docs(tmp_path, docs)
+    train = list(FileCorpus(path, "train", val_fraction=0.25))
+    val = list(FileCorpus(path, "val", val_fraction=0.25))
+    assert sorted(train + val) == sorted(docs) and not set(train) & set(val)
+    assert 50 < len(val) < 150
+    assert val == list(FileCorpus(path, "val", val_fraction=0.25))
+    assert split_of("a/b.py", 0.05) == split_of("a/b.py", 0.05)
+
+
+# ------------------------------------------------------------------------------------------------
+# stdlib corpus
+
+
+def test_stdlib_corpus_is_nonempty_and_split_is_stable_and_disjoint():
+    train, val, full = StdlibCorpus("train"), StdlibCorpus("val"), StdlibCorpus("all")
+    t, v, a = ([rel for rel, _ in c.files()] for c in (train, val, full))
+    assert len(a) > 100 and len(v) > 0
+    assert not set(t) & set(v) and sorted(t + v) == a
+    assert 0.01 < len(v) / len(a) < 0.12
+    assert t == [rel for rel, _ in StdlibCorpus("train").files()]      # stable
+    assert not any(part in ("site-packages", "test", "tests") for rel in a for part in rel.split("/"))
+    assert "os.py" in a and "json/__init__.py" in a
+    doc = next(iter(val))
+    assert isinstance(doc, str) and doc.strip()
+
+
+def test_stdlib_text_data_val_split_samples():
+    data = make_text_data("stdlib", "byte", split="val")
+    assert data.stream.num_documents > 0 and data.stream.num_tokens > 10_000
+    batch = data.sample(2, 256, gen(0))
+    assert batch.tokens.shape == (2, 256) and int(batch.tokens.max()) < 259
+
+
+# ------------------------------------------------------------------------------------------------
+# packing
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    docs = [("doc %d " % i) * (3 + 7 * (i % 5)) for i in range(30)]
+    return make_text_data(str(write_docs(tmp_path, docs)), "byte", split="all"), docs
+
+
+def test_text_data_has_the_task_interface(small_data):
+    data, _ = small_data
+    assert isinstance(data, Task) and isinstance(data, TextData)
+    assert (data.head, data.metric, data.higher_is_better, data.max_length) == ("lm", "loss", False,
+                                                                               None)
+    assert data.vocab_size == 259 and data.name
+
+
+@pytest.mark.parametrize("bos_aligned", [False, True])
+def test_packing_targets_doc_ids_and_determinism(small_data, bos_aligned):
+    data, docs = small_data
+    data.bos_aligned = bos_aligned
+    stream = data.stream
+    assert stream.num_documents == len(docs)
+    assert [BYTE.decode(stream.document(i)) for i in range(len(docs))] == docs
+    assert (stream.tokens[stream.starts] == BOS).all() and (stream.tokens == BOS).sum() == len(docs)
+    length = 150
+    batch = data.sample(16, length, gen(3))
+    assert isinstance(batch, Batch)
+    assert batch.tokens.shape == batch.targets.shape == batch.loss_mask.shape == batch.doc_ids.shape
+    assert batch.tokens.dtype == batch.targets.dtype == batch.doc_ids.dtype == torch.long
+    assert batch.loss_mask.all()
+    assert torch.equal(batch.targets[:, :-1], batch.tokens[:, 1:])          # next tokens
+    flat = torch.from_numpy(stream.tokens.astype(np.int64))
+    cyclic = torch.cat([flat, flat])
+    for row, tgt in zip(batch.tokens, batch.targets):                        # a window of the stream
+        starts = [s for s in range(stream.num_tokens) if torch.equal(cyclic[s:s + length], row)]
+        assert starts and cyclic[starts[0] + length] == tgt[-1]
+    assert (batch.doc_ids[:, 0] == 0).all()
+    changes = batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1]
+    assert torch.equal(changes, batch.tokens[:, 1:] == BOS)                  # exactly at BOS
+    assert ((batch.doc_ids[:, 1:] - batch.doc_ids[:, :-1]) <= 1).all()
+    if bos_aligned:
+        assert (batch.tokens[:, 0] == BOS).all()
+    again = data.sample(16, length, gen(3))
+    for a, b in zip((batch.tokens, batch.targets, batch.doc_ids), (again.tokens, again.targets,
+                                                                   again.doc_ids)):
+        assert torch.equal(a, b)
+    assert not torch.equal(batch.tokens, data.sample(16, length, gen(4)).tokens)
+
+
+def test_packing_rows_longer_than_the_stream_wrap_around(small_data):
+    data, _ = small_data
+    length = data.stream.num_tokens + 17
+    batch = data.sample(1, length, gen(0))
+    assert torch.equal(batch.targets[:, :-1], batch.tokens[:, 1:])
+    assert torch.equal(batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1], batch.tokens[:, 1:] == BOS)
+
+
+def test_metrics_per_position_loss(small_data):
+    data, _ = small_data
+    batch = data.sample(3, 20, gen(0))
+    batch.loss_mask[:, :5] = False
+    logits = torch.randn(3, 20, data.vocab_size, generator=gen(1))
+    loss = data.metrics(logits, batch)["loss"]
+    assert loss.shape == (3, 20) and loss[:, :5].isnan().all()
+    expected = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.targets,
+                                                 reduction="none")
+    torch.testing.assert_close(loss[:, 5:], expected[:, 5:])
+
+
+# ------------------------------------------------------------------------------------------------
+# long documents and the token cache
+
+
+def test_long_documents_rows_and_errors(tmp_path):
+    lengths = [10, 50, 100, 200, 61, 59]
+    docs = ["".join(chr(97 + (i + j) % 26) for j in range(n)) for i, n in enumerate(lengths)]
+    path = write_docs(tmp_path, docs)
+    rows = long_documents(str(path), "byte", min_length=60, count=3, seed=0, split="all")
+    assert rows.shape == (3, 60) and rows.dtype == torch.long
+    assert (rows[:, 0] == BOS).all()
+    texts = [BYTE.decode(r[1:]) for r in rows]
+    long_docs = [d for d in docs if len(d) >= 60]
+    assert len(set(texts)) == 3 and all(any(d.startswith(t) for d in long_docs) for t in texts)
+    assert torch.equal(rows, long_documents(str(path), "byte", 60, 3, seed=0, split="all"))
+    with pytest.raises(CorpusError, match=r"need 4 documents of at least 60 tokens .* found 3 .*the "
+                                          r"longest has 200 tokens"):
+        long_documents(str(path), "byte", min_length=60, count=4, split="all")
+    data = make_text_data(str(path), "byte", split="all")
+    batch = data.long_batch(100, 2, seed=1)
+    assert batch.tokens.shape == (2, 100) and (batch.doc_ids == 0).all()
+    assert torch.equal(batch.targets[:, :-1], batch.tokens[:, 1:]) and (batch.targets != BOS).all()
+    assert torch.equal(data.long_documents(60, 3, seed=0), rows)
+
+
+def test_long_documents_from_stdlib():
+    rows = long_documents("stdlib", "byte", min_length=4096, count=2, seed=0, split="val")
+    assert rows.shape == (2, 4096) and (rows[:, 0] == BOS).all() and (rows[:, 1:] < 256).all()
+
+
+def test_pretokenize_cache_round_trip(tmp_path, monkeypatch):
+    corpus = FileCorpus(write_docs(tmp_path, ["aaa", "bb", "c"]))
+    first = pretokenize(corpus, BYTE, cache=True, cache_dir=tmp_path / "cache")
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 1
+    monkeypatch.setattr(FileCorpus, "documents", lambda self: (_ for _ in ()).throw(AssertionError))
+    second = pretokenize(corpus, BYTE, cache=True, cache_dir=tmp_path / "cache")
+    assert isinstance(second, TokenStream) and second.name == first.name
+    assert np.array_equal(first.tokens, second.tokens) and np.array_equal(first.starts, second.starts)
