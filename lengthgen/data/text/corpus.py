@@ -1,0 +1,71 @@
+"""The corpus interface: documents in a fixed order, a train/val split by a stable hash of a key."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+SPLITS = ("train", "val", "all")
+
+
+class CorpusError(ValueError):
+    """A corpus is empty, or one of its files is malformed (the message names the file)."""
+
+
+def check_split(split: str, where: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"{where}: split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return split
+
+
+def check_val_fraction(val_fraction: float, where: str) -> float:
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or \
+            not 0.0 <= val_fraction <= 1.0:
+        raise ValueError(f"{where}: val_fraction must be a number in [0, 1], got {val_fraction!r}")
+    return float(val_fraction)
+
+
+def split_of(key: str, val_fraction: float) -> str:
+    """``"val"`` for a fraction ``val_fraction`` of keys, ``"train"`` otherwise; a pure function of
+    ``key`` (the first 8 bytes of its sha1 as a fraction of 2**64)."""
+    h = int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    return "val" if h / 2.0**64 < val_fraction else "train"
+
+
+class Corpus:
+    """Base class. ``documents()`` yields each document (``str``, or a 1-D integer array of token
+    ids) in a fixed order; ``fingerprint()`` identifies the content for on-disk caches (``None``:
+    do not cache); ``describe()`` says what was found (for errors about empty corpora)."""
+
+    name: str = ""
+    split: str = "all"
+    val_fraction: float = 0.05
+
+    def documents(self) -> Iterator[str | np.ndarray]:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str | None:
+        return None
+
+    def describe(self) -> str:
+        return self.name
+
+    def _keep(self, key: str) -> bool:
+        return self.split == "all" or split_of(key, self.val_fraction) == self.split
+
+    def __iter__(self):
+        return self.documents()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, split={self.split!r})"
+
+
+def stat_fingerprint(parts: list[str], files: list[tuple[str, Path]]) -> str:
+    h = hashlib.sha1("\0".join(parts).encode())
+    for rel, path in files:
+        st = path.stat()
+        h.update(f"\0{rel}\0{st.st_size}\0{st.st_mtime_ns}".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()

@@ -1,0 +1,249 @@
+"""Local corpora: ``.txt`` / ``.jsonl`` / ``.parquet`` files and modded-nanogpt ``.bin`` shards,
+each given as a file, a directory (searched recursively) or a glob."""
+
+from __future__ import annotations
+
+import glob as globlib
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from lengthgen.data.text.corpus import (Corpus, CorpusError, stat_fingerprint, check_split,
+                                        check_val_fraction)
+from lengthgen.data.text.shards import read_bin_shard
+
+TEXT_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+_GLOB_CHARS = ("*", "?", "[")
+
+
+def _glob_base(pattern: str) -> Path:
+    """The directory part of ``pattern`` before its first wildcard."""
+    parts = Path(pattern).parts
+    base = []
+    for part in parts:
+        if any(c in part for c in _GLOB_CHARS):
+            break
+        base.append(part)
+    else:
+        base = base[:-1]
+    return Path(*base) if base else Path(".")
+
+
+def resolve_files(source: str | os.PathLike | list, extensions: tuple[str, ...], what: str
+                  ) -> list[tuple[str, Path]]:
+    """Files named by ``source`` (a file, a directory searched recursively, a glob, or a list of
+    these) with one of ``extensions``, as ``(key, path)`` sorted by key, where key is the path
+    relative to the directory or the glob's fixed prefix. Raises a clear error for missing paths,
+    globs matching nothing and directories without a usable file."""
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise CorpusError(f"{what}: empty list of files")
+        out = []
+        for s in source:
+            out.extend(resolve_files(s, extensions, what))
+        return sorted(set(out))
+    src = os.path.expanduser(os.fspath(source))
+    exts = "/".join(extensions)
+    if any(c in src for c in _GLOB_CHARS) and not os.path.exists(src):
+        matches = sorted(Path(m) for m in globlib.glob(src, recursive=True))
+        files = [m for m in matches if m.is_file()]
+        if not files:
+            raise FileNotFoundError(f"{what}: no files match the pattern {src!r}")
+        usable = [m for m in files if m.suffix.lower() in extensions]
+        if not usable:
+            found = sorted({m.suffix or "(no extension)" for m in files})
+            raise CorpusError(f"{what}: the pattern {src!r} matches {len(files)} files but none is "
+                              f"{exts} (found extensions {found})")
+        base = _glob_base(src)
+        return sorted((os.path.relpath(m, base).replace(os.sep, "/"), m) for m in usable)
+    path = Path(src)
+    if path.is_dir():
+        found_exts: set[str] = set()
+        out = []
+        for d, dirs, files in os.walk(path):
+            dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+            for f in files:
+                p = Path(d) / f
+                if p.suffix.lower() in extensions:
+                    out.append((p.relative_to(path).as_posix(), p))
+                else:
+                    found_exts.add(p.suffix or "(no extension)")
+        if not out:
+            raise CorpusError(f"{what}: directory {path} has no {exts} files (found "
+                              f"{sorted(found_exts) or 'no files'})")
+        return sorted(out)
+    if not path.exists():
+        raise FileNotFoundError(f"{what}: {path} does not exist")
+    if path.suffix.lower() not in extensions:
+        raise CorpusError(f"{what}: {path} has unsupported extension {path.suffix or '(none)'!r}; "
+                          f"expected {exts}")
+    return [(path.name, path)]
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"text file {path} is not valid UTF-8 (byte {e.start}: "
+                          f"{data[e.start:e.start + 4]!r})") from None
+
+
+class FileCorpus(Corpus):
+    """Documents from local ``.txt``, ``.jsonl`` and ``.parquet`` files (see the module docstring).
+
+    ``separator``: split each ``.txt`` file on this string (default: one document per file).
+    ``text_field``: the JSON key / parquet column holding the text. Whitespace-only documents are
+    skipped. ``val`` holds the documents whose ``"<relative path>#<index in file>"`` hashes below
+    ``val_fraction``.
+    """
+
+    def __init__(self, source: str | os.PathLike | list, split: str = "all", *,
+                 separator: str | None = None, text_field: str = "text",
+                 val_fraction: float = 0.05):
+        self.source = source
+        self.split = check_split(split, f"corpus {source!r}")
+        self.val_fraction = check_val_fraction(val_fraction, f"corpus {source!r}")
+        if separator is not None and (not isinstance(separator, str) or not separator):
+            raise ValueError(f"corpus {source!r}: separator must be a non-empty string or None, got "
+                             f"{separator!r}")
+        self.separator = separator
+        self.text_field = text_field
+        self.files = resolve_files(source, TEXT_EXTENSIONS, f"corpus {source!r}")
+        self.name = f"{os.fspath(source) if not isinstance(source, (list, tuple)) else 'files'}/{split}"
+        parquet = [p for _, p in self.files if p.suffix.lower() == ".parquet"]
+        if parquet:
+            _import_pyarrow(parquet[0])
+        self._seen = self._kept = 0
+
+    def _file_documents(self, path: Path) -> Iterator[str]:
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            text = _read_text(path)
+            yield from ([text] if self.separator is None else text.split(self.separator))
+        elif suffix == ".jsonl":
+            yield from self._jsonl(path)
+        elif suffix == ".parquet":
+            yield from self._parquet(path)
+
+    def _jsonl(self, path: Path) -> Iterator[str]:
+        for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CorpusError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") \
+                    from None
+            if not isinstance(obj, dict) or self.text_field not in obj:
+                keys = sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__
+                raise CorpusError(f"{path}:{lineno}: no {self.text_field!r} field (found {keys}); "
+                                  f"set text_field= to the key holding the text")
+            text = obj[self.text_field]
+            if not isinstance(text, str):
+                raise CorpusError(f"{path}:{lineno}: field {self.text_field!r} is a "
+                                  f"{type(text).__name__}, expected a string")
+            yield text
+
+    def _parquet(self, path: Path) -> Iterator[str]:
+        _, pq = _import_pyarrow(path)
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:   # noqa: BLE001  (pyarrow raises ArrowInvalid & co.)
+            raise CorpusError(f"parquet file {path} could not be read: {type(e).__name__}: {e}") \
+                from None
+        names = pf.schema_arrow.names
+        if self.text_field not in names:
+            raise CorpusError(f"parquet file {path} has no column {self.text_field!r} (columns: "
+                              f"{names}); set text_field= to the column holding the text")
+        for batch in pf.iter_batches(columns=[self.text_field], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                if text is not None and not isinstance(text, str):
+                    raise CorpusError(f"parquet file {path}: column {self.text_field!r} holds "
+                                      f"{type(text).__name__} values, expected strings")
+                yield text or ""
+
+    def documents(self) -> Iterator[str]:
+        self._seen = self._kept = 0
+        for key, path in self.files:
+            for i, doc in enumerate(self._file_documents(path)):
+                if not doc.strip():
+                    continue
+                self._seen += 1
+                if self._keep(f"{key}#{i}"):
+                    self._kept += 1
+                    yield doc
+
+    def fingerprint(self) -> str:
+        parts = ["files", self.split, repr(self.val_fraction), repr(self.separator), self.text_field]
+        return stat_fingerprint(parts, self.files)
+
+    def describe(self) -> str:
+        return (f"corpus {self.source!r}: {len(self.files)} files, {self._seen} non-empty documents, "
+                f"{self._kept} of them in split {self.split!r}")
+
+
+def _import_pyarrow(path: Path):
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading the parquet file {path} needs the 'pyarrow' package, which is not "
+                          f"installed: pip install pyarrow (or pip install 'lengthgen[data]')") from e
+    return pyarrow, pq
+
+
+# --------------------------------------------------------------------------------------------------
+# modded-nanogpt token shards
+
+
+class BinCorpus(Corpus):
+    """Documents from modded-nanogpt ``.bin`` shards (a file, directory or glob), split at
+    ``bos_id`` (each document is the tokens after one BOS up to the next; tokens before the first
+    BOS form a document too). ``bos_id=None``: each shard is one document. ``vocab_size``: if given,
+    a shard holding a larger id raises an error naming the shard (wrong tokenizer)."""
+
+    def __init__(self, source: str | os.PathLike | list, split: str = "all", *,
+                 bos_id: int | None = None, vocab_size: int | None = None,
+                 val_fraction: float = 0.05, tokenizer_name: str = ""):
+        self.source = source
+        self.split = check_split(split, f"bin corpus {source!r}")
+        self.val_fraction = check_val_fraction(val_fraction, f"bin corpus {source!r}")
+        self.bos_id, self.vocab_size, self.tokenizer_name = bos_id, vocab_size, tokenizer_name
+        self.files = resolve_files(source, (".bin",), f"bin corpus {source!r}")
+        self.name = f"bin:{os.fspath(source) if not isinstance(source, (list, tuple)) else 'files'}/{split}"
+        self._tokens = self._seen = self._kept = 0
+
+    def documents(self) -> Iterator[np.ndarray]:
+        self._tokens = self._seen = self._kept = 0
+        for key, path in self.files:
+            tokens = read_bin_shard(path)
+            self._tokens += tokens.size
+            if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
+                raise CorpusError(f"token shard {path} holds token id {int(tokens.max())}, outside the "
+                                  f"vocabulary ({self.vocab_size} ids) of tokenizer "
+                                  f"{self.tokenizer_name!r}; was it written with another tokenizer?")
+            if self.bos_id is None:
+                docs = [tokens]
+            else:
+                cuts = np.flatnonzero(tokens == self.bos_id)
+                docs = [tokens[:cuts[0]] if cuts.size else tokens]
+                docs += [tokens[a + 1:b] for a, b in zip(cuts, list(cuts[1:]) + [tokens.size])]
+            for i, doc in enumerate(docs):
+                if doc.size == 0:
+                    continue
+                self._seen += 1
+                if self._keep(f"{key}#{i}"):
+                    self._kept += 1
+                    yield doc
+
+    def fingerprint(self) -> str:
+        parts = ["bin", self.split, repr(self.val_fraction), repr(self.bos_id)]
+        return stat_fingerprint(parts, self.files)
+
+    def describe(self) -> str:
+        return (f"bin corpus {self.source!r}: {len(self.files)} shards, {self._tokens} tokens, "
+                f"{self._seen} non-empty documents, {self._kept} of them in split {self.split!r}")

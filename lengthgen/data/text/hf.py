@@ -1,0 +1,49 @@
+"""Hugging Face ``datasets`` corpora (optional dependency, imported only when used)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from lengthgen.data.text.corpus import Corpus, CorpusError, check_split
+
+
+class HFCorpus(Corpus):
+    """A Hugging Face ``datasets`` dataset read with ``load_dataset(dataset, config, split=hf_split,
+    streaming=streaming)``; documents are ``example[text_field]``. ``hf_split`` defaults to
+    ``train`` for split ``train``/``all`` and ``validation`` for ``val``. Streams are long: bound
+    them with ``max_documents`` / ``max_tokens`` when tokenizing. Contacts the Hub unless the
+    dataset is in the local HF cache (``HF_DATASETS_OFFLINE=1`` to forbid)."""
+
+    def __init__(self, dataset: str, config: str | None = None, split: str = "train", *,
+                 text_field: str = "text", hf_split: str | None = None, streaming: bool = True):
+        try:
+            import datasets  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"corpus 'hf:{dataset}' needs the Hugging Face 'datasets' package, which "
+                              f"is not installed: pip install datasets (or pip install "
+                              f"'lengthgen[data]')") from e
+        if not dataset:
+            raise ValueError("hf corpus: empty dataset name; use 'hf:<dataset>[:config]'")
+        self.dataset, self.config = dataset, config
+        self.split = check_split(split, f"corpus 'hf:{dataset}'")
+        self.hf_split = hf_split or {"train": "train", "val": "validation", "all": "train"}[split]
+        self.text_field, self.streaming = text_field, streaming
+        self.name = f"hf:{dataset}{':' + config if config else ''}/{self.hf_split}"
+        self._seen = 0
+
+    def documents(self) -> Iterator[str]:
+        import datasets
+        ds = datasets.load_dataset(self.dataset, self.config, split=self.hf_split,
+                                   streaming=self.streaming)
+        self._seen = 0
+        for i, example in enumerate(ds):
+            if self.text_field not in example:
+                raise CorpusError(f"{self.name}: example {i} has no {self.text_field!r} field "
+                                  f"(found {sorted(example)[:10]}); set text_field=")
+            text = example[self.text_field]
+            if isinstance(text, str) and text.strip():
+                self._seen += 1
+                yield text
+
+    def describe(self) -> str:
+        return f"corpus {self.name}: {self._seen} non-empty documents"
