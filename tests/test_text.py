@@ -416,3 +416,19 @@ def test_pretokenize_cache_round_trip(tmp_path, monkeypatch):
     second = pretokenize(corpus, BYTE, cache=True, cache_dir=tmp_path / "cache")
     assert isinstance(second, TokenStream) and second.name == first.name
     assert np.array_equal(first.tokens, second.tokens) and np.array_equal(first.starts, second.starts)
+
+
+def test_hf_corpus_with_a_stand_in_datasets_module(monkeypatch):
+    """The HF path without network: a stand-in ``datasets`` module."""
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter([{"text": "alpha"}, {"text": " "}, {"text": "beta"}, {"text": "gamma"}])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    data = make_text_data("hf:org/name:cfg", "byte", split="val", max_documents=2)
+    assert calls == [("org/name", "cfg", "validation", True)]
+    assert [BYTE.decode(data.stream.document(i)) for i in range(2)] == ["alpha", "beta"]
+    with pytest.raises(CorpusError, match=r"example 0 has no 'body' field \(found \['text'\]\)"):
+        make_text_data("hf:org/name", "byte", max_tokens=10, text_field="body")
