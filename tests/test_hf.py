@@ -1,0 +1,296 @@
+"""lengthgen attention inside Hugging Face models (`lengthgen.hf`), on tiny random Llama and Qwen3 models.
+
+Offline: models are built from configs, never downloaded.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="lengthgen.hf needs transformers (pip install lengthgen[hf])")
+
+import lengthgen.hf as lhf  # noqa: E402
+from lengthgen.attention import Attention, AttentionSpec, attend  # noqa: E402
+from lengthgen.attention import functional as fn  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+MODELS = ["llama", "qwen3"]
+VARIANTS = ["l2", "ssmax", "sqrt_log_n", "scale_invariant", "alibi", "log_bias", "avnorm", "avnorm_rms", "gated"]
+# Every parameterized knob at once (and the global multiplier shared across layers).
+FULL = AttentionSpec(softmax_p=2.0, query_scaling="log_n", learnable_scaling="global", distance="alibi",
+                     out_norm="head_layer", out_norm_affine=True, gate="head", gate_act="2sigmoid")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: threads only add overhead (and contend with parallel test workers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(kind: str, seed: int = 0):
+    """A 2-layer GQA model (4 query heads, 2 kv heads, head_dim 16) with weights large enough to matter."""
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, initializer_range=0.1, attn_implementation="eager")
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
+    return model.eval()
+
+
+def quiet_retrofit(model, spec, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lhf.retrofit(model, spec, **kw)
+
+
+def randomize_retrofit(model, seed=1):
+    """Move the retrofit parameters off their init so that they are tested."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lhf.lengthgen_parameters(model).items():
+            scale = 0.3 if "gate_proj" in name else 0.2
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def batch(length=16, pad=5, seed=3):
+    """Row 0 left-padded by ``pad``, row 1 full; 1 = token."""
+    ids = torch.randint(3, 128, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[0, :pad] = 0
+    return ids, mask
+
+
+def logits(model, ids, mask=None, impl=None):
+    if impl is not None:
+        model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+# ---------------------------------------------------------------------------------------------------
+# baseline = the model's own attention
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_baseline_reproduces_eager_and_sdpa(kind):
+    model = tiny(kind)
+    ids, left = batch()
+    mixed = left.clone()
+    mixed[1, -4:] = 0                                     # row 1 right-padded
+    masks = {"none": None, "left": left, "left+right": mixed}
+    want = {(impl, m): logits(model, ids, masks[m], impl) for impl in ("eager", "sdpa") for m in masks}
+    lhf.retrofit(model, "baseline")
+    assert model.config._attn_implementation == "lengthgen"
+    for m, mask in masks.items():
+        got = logits(model, ids, mask)
+        real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+        for impl in ("eager", "sdpa"):
+            torch.testing.assert_close(got[real], want[impl, m][real], **TOL, msg=f"{impl} / {m} mask")
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_baseline_generate_with_kv_cache_matches_eager(kind):
+    model = tiny(kind)
+    ids, mask = batch(length=10, pad=3)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("eager")
+    want = model.generate(ids, **kw)
+    lhf.retrofit(model, "baseline")
+    got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------
+# each variant = lengthgen's own computation
+
+
+def reference(attn, spec, q, k, v, x, doc_ids):
+    """attend(dense) + out_norm + affine + gate on the tensors HF handed to the attention function."""
+    state = getattr(attn, "lengthgen", None)
+    mult = state.scaling_multiplier() if state is not None else None
+    run = spec.replace(base_scale=attn.scaling, doc_masking=True)
+    y = attend(q, k, v, run, doc_ids=doc_ids, multipliers=mult, backend="dense")
+    y = fn.out_norm(y, spec.out_norm, spec.out_norm_eps)
+    b, h, length, d = y.shape
+    y = y.transpose(1, 2).reshape(b, length, h * d)
+    if state is not None and state.out_norm_weight is not None:
+        y = y * state.out_norm_weight + (state.out_norm_bias if state.out_norm_bias is not None else 0)
+    if state is not None and state.gate_proj is not None:
+        gate = torch.sigmoid(state.gate_proj(x)) * (2 if spec.gate_act == "2sigmoid" else 1)
+        y = y * (gate.repeat_interleave(d, -1) if spec.gate == "head" else gate)
+    return y.view(b, length, h, d)
+
+
+@pytest.mark.parametrize("variant", VARIANTS + ["full"])
+@pytest.mark.parametrize("kind", MODELS)
+def test_variant_equals_attend_on_the_models_qkv(kind, variant):
+    spec = FULL if variant == "full" else AttentionSpec.preset(variant)
+    model = quiet_retrofit(tiny(kind), spec)
+    randomize_retrofit(model)
+    attn = lhf.attention_modules(model)[1][1]             # the second layer: its input depends on the first
+    seen = {}
+    attn.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["hidden_states"]), with_kwargs=True)
+    attn.lengthgen_record = record = {}
+    ids, mask = batch()
+    logits(model, ids, mask)
+    assert record["q"].shape == (2, 4, 16, 16) and record["k"].shape == (2, 2, 16, 16)   # GQA, after RoPE
+    want = reference(attn, spec, record["q"], record["k"], record["v"], seen["x"], doc_ids=mask)
+    torch.testing.assert_close(record["out"], want, **TOL)
+
+
+@pytest.mark.parametrize("variant", ["baseline"] + VARIANTS + ["full"])
+def test_llama_attention_equals_lengthgen_attention_layer(variant):
+    """Llama's attention with the lengthgen function = lengthgen's `Attention` layer with the same weights (RoPE
+    layouts and frequencies agree), o_proj included."""
+    spec = FULL if variant == "full" else AttentionSpec.preset(variant)
+    model = quiet_retrofit(tiny("llama"), spec)
+    randomize_retrofit(model)
+    attn = lhf.attention_modules(model)[0][1]
+    io = {}
+    attn.register_forward_pre_hook(lambda m, a, kw: io.update(x=kw["hidden_states"]), with_kwargs=True)
+    attn.register_forward_hook(lambda m, a, out: io.update(out=out[0]))
+    ids, _ = batch()
+    logits(model, ids)
+    own = Attention(64, 4, spec.replace(kv_heads=2, position="rope", qk_norm="none"), head_dim=16, backend="dense")
+    state = getattr(attn, "lengthgen", None)
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(own, name).weight.copy_(getattr(attn, name).weight)
+        if state is not None:
+            for name in ("out_norm_weight", "out_norm_bias"):
+                if getattr(state, name) is not None:
+                    getattr(own, name).copy_(getattr(state, name))
+            if state.gate_proj is not None:
+                own.gate_proj.weight.copy_(state.gate_proj.weight)
+            if own.multiplier is not None:
+                own.multiplier.copy_(state.scaling_multiplier())
+        torch.testing.assert_close(own(io["x"]), io["out"], **TOL)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_padding_packing_and_kv_cache_are_invisible(kind):
+    """Padded rows, packed documents and cached decoding give what each sequence gives alone: n_i counts real
+    tokens of the same document only, and distances are relative."""
+    model = quiet_retrofit(tiny(kind), FULL)
+    randomize_retrofit(model)
+    ids, mask = batch(length=14, pad=5)
+    alone = logits(model, ids[:1, 5:])
+    torch.testing.assert_close(logits(model, ids, mask)[0, 5:], alone[0], **TOL)
+    # two documents packed in one row, told apart by position_ids (HF builds a block-causal mask)
+    packed = ids[1:]
+    pos = torch.cat([torch.arange(6), torch.arange(8)])[None]
+    with torch.no_grad():
+        got = model(input_ids=packed, position_ids=pos, use_cache=False).logits[0]
+    torch.testing.assert_close(got[:6], logits(model, packed[:, :6])[0], **TOL)
+    torch.testing.assert_close(got[6:], logits(model, packed[:, 6:])[0], **TOL)
+    # KV-cache decoding with left padding = recomputing everything
+    kw = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
+
+
+def test_arbitrary_masks_use_the_dense_fallback_and_noncausal_masks_raise():
+    model = tiny("llama")
+    ids, _ = batch(length=12)
+    allowed = torch.ones(12, 12).tril().bool()
+    allowed[7:, 2:4] = False                              # not a padding / document pattern
+    allowed = allowed[None, None].expand(2, 1, 12, 12)
+    want = logits(model, ids, allowed, impl="sdpa")
+    lhf.retrofit(model, "baseline")
+    torch.testing.assert_close(logits(model, ids, allowed), want, **TOL)
+    with pytest.raises(ValueError, match="later keys"):
+        logits(model, ids, torch.ones(2, 1, 12, 12, dtype=torch.bool))
+
+
+def test_plan_mask_turns_padding_into_documents():
+    lq = lk = 6
+    allowed = torch.ones(lq, lk).tril().bool()[None, None].repeat(2, 1, 1, 1)
+    allowed[0, :, :, :2] = False                          # row 0: two padding keys (left padding)
+    plan = lhf.plan_mask(allowed, lq, lk, window=None)
+    assert plan.dense is None and plan.doc_ids.tolist() == [[0, 0, 1, 1, 1, 1], [0] * 6]
+    assert lhf.plan_mask(allowed[1:], lq, lk, window=None).doc_ids is None     # plain causal: no documents
+    decode = allowed[:, :, -1:]                           # one cached-decoding query
+    assert lhf.plan_mask(decode, 1, lk, window=None).doc_ids.tolist() == [[0, 0, 1, 1, 1, 1], [0] * 6]
+
+
+# ---------------------------------------------------------------------------------------------------
+# retrofit, finetuning, save / reload
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_retrofit_2sigmoid_gate_is_identity_and_finetunes(kind):
+    model = tiny(kind)
+    ids, mask = batch()
+    want = logits(model, ids, mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # an identity retrofit warns about nothing
+        lhf.retrofit(model, "gated")
+    torch.testing.assert_close(logits(model, ids, mask)[mask.bool()], want[mask.bool()], **TOL)
+    params = lhf.lengthgen_parameters(model)
+    assert len(params) == 2 and all(n.endswith("lengthgen.gate_proj.weight") for n in params)
+    # a tiny repetitive corpus: 20 AdamW steps lower the loss and move the gates
+    corpus = torch.arange(8).repeat(2, 3) + 10
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    losses = []
+    for _ in range(20):
+        loss = model(input_ids=corpus, labels=corpus).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(p.abs().sum() > 0 for p in params.values())
+
+
+def test_retrofit_warns_when_outputs_change():
+    with pytest.warns(UserWarning, match="sigmoid"):
+        lhf.retrofit(tiny("llama"), AttentionSpec(gate="elementwise", gate_act="sigmoid"))
+    with pytest.warns(UserWarning, match="out_norm"):
+        lhf.retrofit(tiny("llama"), "avnorm")
+    with pytest.warns(UserWarning, match="position='nope' is not applied"):
+        lhf.retrofit(tiny("llama"), "alibi")
+    notes = lhf.retrofit_notes("sqrt_log_n")
+    assert any("qk_norm" in n for n in notes) and any("query_scaling" in n for n in notes)
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_save_and_reload_keep_the_retrofit(kind, tmp_path):
+    model = quiet_retrofit(tiny(kind), FULL)
+    randomize_retrofit(model)
+    ids, mask = batch()
+    want = logits(model, ids, mask)
+    model.save_pretrained(tmp_path)
+    again = lhf.from_pretrained(tmp_path)
+    assert again.config._attn_implementation == "lengthgen"
+    assert lhf.module_spec(lhf.attention_modules(again)[1][1]) == FULL
+    a, b = (lhf.attention_modules(again)[i][1].lengthgen for i in (0, 1))
+    assert b.scaling_multiplier() is a.multiplier                        # the global multiplier stays shared
+    torch.testing.assert_close(logits(again.eval(), ids, mask), want, **TOL)
+    local = lhf.load_local_model(tmp_path)
+    assert not local.training
+    torch.testing.assert_close(logits(local, ids, mask), want, **TOL)
+
+
+def test_token_losses_and_load_local_model(tmp_path):
+    model = tiny("llama")
+    model.save_pretrained(tmp_path / "plain")
+    local = lhf.load_local_model(tmp_path / "plain")
+    ids, mask = batch()
+    full = logits(local, ids, mask)[:, :-1]
+    want = torch.nn.functional.cross_entropy(full.transpose(1, 2), ids[:, 1:], reduction="none")
+    got = lhf.token_losses(local, ids, mask, max_logits=300)                 # several vocabulary chunks
+    assert got.shape == (2, 15) and torch.isnan(got[0, :4]).all() and not torch.isnan(got[0, 4:]).any()
+    torch.testing.assert_close(got[mask[:, 1:].bool()], want[mask[:, 1:].bool()], **TOL)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        lhf.load_local_model(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        lhf.load_local_model(tmp_path / "empty")
