@@ -1,0 +1,71 @@
+"""Bounded-depth Dyck: next-token prediction on random legal bracket prefixes.
+
+Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (formal-language suite).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lengthgen.data.tasks.base import Batch, Task
+from lengthgen.data.tasks.common import check_int, check_sample_args
+
+
+class DyckTask(Task):
+    """``BOS`` followed by a random legal Dyck-(k, m) prefix of any length.
+
+    Token ids: openers ``0..k-1``, closers ``k..2k-1`` (closer ``k+i`` matches opener ``i``), BOS =
+    ``2k``. The depth performs a random walk on [0, m]: it opens or closes with probability 1/2 and is
+    forced to open at 0 and to close at m (sampled exactly, without a loop, by folding a free +-1
+    walk with period 2m); opener types are uniform and closers match the top of the stack. Targets
+    are the next token at every position.
+
+    ``extra["legal"]``: (B, L, vocab_size) bool, the legal next tokens after each prefix: every
+    opener if depth < m, the closer matching the top of the stack if depth > 0.
+    """
+
+    name = "dyck"
+    head = "lm"
+    metric = "legal_accuracy"
+    min_length = 1
+    higher_is_better = True
+    max_length = None
+
+    def __init__(self, *, num_types: int = 2, max_depth: int = 8):
+        self.num_types = check_int(self.name, "num_types", num_types, 1)
+        self.max_depth = check_int(self.name, "max_depth", max_depth, 1)
+        self.bos = 2 * num_types
+        self.vocab_size = 2 * num_types + 1
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        check_sample_args(self, batch_size, length)
+        device = generator.device
+        k, m = self.num_types, self.max_depth
+        # Index j = number of brackets read (0..length); bracket j is read between states j-1 and j.
+        steps = torch.randint(2, (batch_size, length), generator=generator, device=device) * 2 - 1
+        walk = torch.cat([torch.zeros_like(steps[:, :1]), steps.cumsum(1)], dim=1) % (2 * m)
+        depth = torch.where(walk <= m, walk, 2 * m - walk)                          # (B, L+1)
+        opens = torch.zeros_like(depth, dtype=torch.bool)
+        opens[:, 1:] = depth[:, 1:] > depth[:, :-1]
+        types = torch.randint(k, depth.shape, generator=generator, device=device)
+        # The top of the stack after j brackets is the last opener at level depth[j] up to j.
+        index = torch.arange(length + 1, device=device).expand_as(depth)
+        top_index = torch.zeros_like(depth)
+        for level in range(1, m + 1):
+            last_open = torch.where(opens & (depth == level), index, -1).cummax(1).values
+            top_index = torch.where(depth == level, last_open, top_index)
+        top_type = types.gather(1, top_index)                        # meaningless where depth == 0
+        brackets = torch.where(opens, types, k + top_type.roll(1, dims=1))[:, 1:]   # (B, L)
+        bos = torch.full((batch_size, 1), self.bos, dtype=torch.long, device=device)
+        tokens = torch.cat([bos, brackets[:, :-1]], dim=1)
+        state_depth, state_top = depth[:, :-1], top_type[:, :-1]
+        vocab = torch.arange(self.vocab_size, device=device)
+        legal = (((vocab < k) & (state_depth[..., None] < m))
+                 | ((vocab == k + state_top[..., None]) & (state_depth[..., None] > 0)))
+        return Batch(tokens, brackets, torch.ones_like(tokens, dtype=torch.bool),
+                     extra={"legal": legal})
+
+    def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """``legal_accuracy``: (B, L), whether the argmax prediction is a legal next token."""
+        legal = batch.extra["legal"].gather(-1, output.argmax(-1, keepdim=True))[..., 0]
+        return {"legal_accuracy": legal.float()}

@@ -1,0 +1,56 @@
+"""Max retrieval: output the value paired with the largest key.
+
+Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (formal-language / retrieval suite).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lengthgen.data.tasks.base import Batch, Task
+from lengthgen.data.tasks.common import check_int, check_sample_args, masked_accuracy
+
+
+class MaxRetrievalTask(Task):
+    """``[PAD] k1 v1 k2 v2 ... kn vn QUERY`` with n = (L-1)//2 pairs; PAD only when L is even.
+
+    Keys are distinct, drawn from ``0..num_keys-1``; values are uniform over ``num_values`` tokens
+    (ids ``num_keys..num_keys+num_values-1``); QUERY and PAD follow. The only scored position is the
+    last (QUERY), whose target is the value of the largest key; other targets are 0 (never scored).
+    ``max_length = 2 * num_keys + 2``. ``extra`` is empty.
+    """
+
+    name = "max_retrieval"
+    head = "lm"
+    metric = "accuracy"
+    higher_is_better = True
+    min_length = 3
+
+    def __init__(self, *, num_keys: int = 512, num_values: int = 16):
+        self.num_keys = check_int(self.name, "num_keys", num_keys, 1)
+        self.num_values = check_int(self.name, "num_values", num_values, 2)
+        self.query = num_keys + num_values
+        self.pad = self.query + 1
+        self.vocab_size = self.pad + 1
+        self.max_length = 2 * num_keys + 2
+
+    def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
+        check_sample_args(self, batch_size, length)
+        device = generator.device
+        n = (length - 1) // 2
+        keys = torch.rand(batch_size, self.num_keys, generator=generator, device=device).argsort(1)[:, :n]
+        values = self.num_keys + torch.randint(self.num_values, (batch_size, n), generator=generator,
+                                               device=device)
+        answer = values.gather(1, keys.argmax(1, keepdim=True))[:, 0]
+        pad = torch.full((batch_size, length - 1 - 2 * n), self.pad, dtype=torch.long, device=device)
+        query = torch.full((batch_size, 1), self.query, dtype=torch.long, device=device)
+        tokens = torch.cat([pad, torch.stack([keys, values], dim=2).flatten(1), query], dim=1)
+        targets = torch.zeros_like(tokens)
+        targets[:, -1] = answer
+        loss_mask = torch.zeros_like(tokens, dtype=torch.bool)
+        loss_mask[:, -1] = True
+        return Batch(tokens, targets, loss_mask)
+
+    def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """``accuracy``: (B, L), argmax == answer at the query position, NaN elsewhere."""
+        return {"accuracy": masked_accuracy(output, batch.targets, batch.loss_mask)}

@@ -1,0 +1,383 @@
+"""Synthetic tasks: labels against independent plain-Python computations, determinism, argument
+errors, and perfect metrics for oracle outputs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lengthgen.data.tasks import TASKS, Batch, make_task, roc_auc
+
+FEW = settings(max_examples=12, deadline=None)
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def lm_oracle(batch: Batch, vocab_size: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(batch.targets, vocab_size).float() * 10
+
+
+def nan_outside(metric: torch.Tensor, mask: torch.Tensor) -> bool:
+    return bool(metric[~mask].isnan().all() and not metric[mask].isnan().any())
+
+
+# ------------------------------------------------------------------ registry and argument errors
+
+def test_registry():
+    assert set(TASKS) == {"counting", "set_complement", "max_retrieval", "dyck", "tomita", "mqar",
+                          "passkey"}
+    for name, cls in TASKS.items():
+        task = make_task(name)
+        assert isinstance(task, cls) and task.name == name
+        assert task.head in ("lm", "regress", "classify") and task.vocab_size > 0
+        assert task.num_classes == (2 if task.head == "classify" else 0)
+
+
+def test_unknown_task_names_the_choices():
+    with pytest.raises(ValueError, match=r"'nope'.*counting.*tomita"):
+        make_task("nope")
+
+
+def test_unknown_kwarg_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"'dyck'.*bogus.*num_types, max_depth"):
+        make_task("dyck", bogus=1)
+
+
+@pytest.mark.parametrize("name, kwargs, bad", [
+    ("counting", {"vocab_size": 1}, "vocab_size"),
+    ("set_complement", {"num_tokens": 0}, "num_tokens"),
+    ("max_retrieval", {"num_values": "8"}, "num_values"),
+    ("dyck", {"max_depth": 0}, "max_depth"),
+    ("tomita", {"grammar": 8}, "grammar"),
+    ("tomita", {"near_miss": 1.5}, "near_miss"),
+    ("mqar", {"vocab_size": 3}, "vocab_size"),
+    ("passkey", {"num_digits": True}, "num_digits"),
+])
+def test_bad_kwarg_values(name, kwargs, bad):
+    with pytest.raises(ValueError, match=rf"'{name}'.*{bad}"):
+        make_task(name, **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_impossible_lengths(name):
+    task = make_task(name)
+    with pytest.raises(ValueError, match=rf"'{name}'.*length 0 .*minimum"):
+        task.sample(2, 0, gen(0))
+    if task.max_length is not None:
+        too_long = task.max_length + 1
+        with pytest.raises(ValueError, match=rf"'{name}'.*length {too_long} .*maximum length {task.max_length}"):
+            task.sample(2, too_long, gen(0))
+    with pytest.raises(ValueError, match=rf"'{name}'.*batch_size"):
+        task.sample(0, 16, gen(0))
+
+
+def test_minimum_lengths():
+    with pytest.raises(ValueError, match=r"'passkey'.*length 10 .*minimum length 11"):
+        make_task("passkey", num_digits=5).sample(2, 10, gen(0))
+    with pytest.raises(ValueError, match=r"'tomita'.*length 4 .*minimum length 5"):
+        make_task("tomita", grammar=7).sample(2, 4, gen(0))
+    assert make_task("tomita", grammar=7).sample(2, 5, gen(0)).tokens.shape == (2, 5)
+
+
+# ------------------------------------------------------------------ every task: shapes, determinism
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+@FEW
+@given(data=st.data(), seed=SEEDS)
+def test_shapes_and_determinism(name, data, seed):
+    task = make_task(name)
+    length = data.draw(st.integers(task.min_length, min(task.max_length or 300, 300)))
+    a, b = task.sample(3, length, gen(seed)), task.sample(3, length, gen(seed))
+    assert a.tokens.shape == a.loss_mask.shape == (3, length)
+    assert a.tokens.dtype == torch.long and a.loss_mask.dtype == torch.bool
+    assert a.targets.shape == ((3,) if task.head == "classify" else (3, length))
+    assert a.targets.dtype == (torch.float32 if task.head == "regress" else torch.long)
+    assert 0 <= int(a.tokens.min()) and int(a.tokens.max()) < task.vocab_size
+    assert a.loss_mask.any(1).all()
+    for x, y in [(a.tokens, b.tokens), (a.targets, b.targets), (a.loss_mask, b.loss_mask)]:
+        assert torch.equal(x, y)
+    assert a.extra.keys() == b.extra.keys()
+    assert all(torch.equal(a.extra[k], b.extra[k]) for k in a.extra)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_samples_follow_the_generator(name):
+    task = make_task(name)
+    g = gen(0)
+    first, second, other = task.sample(8, 40, g), task.sample(8, 40, g), task.sample(8, 40, gen(1))
+    assert not torch.equal(first.tokens, second.tokens) and not torch.equal(first.tokens, other.tokens)
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_long_batches_are_fast(name):
+    task = make_task(name)
+    length = min(task.max_length or 2048, 2048)
+    start = time.perf_counter()
+    batch = task.sample(64, length, gen(1))
+    assert time.perf_counter() - start < 5.0
+    assert batch.tokens.shape == (64, length)
+
+
+# ------------------------------------------------------------------ counting
+
+@FEW
+@given(length=st.integers(1, 200), vocab_size=st.integers(2, 40), seed=SEEDS)
+def test_counting_labels_are_running_sums(length, vocab_size, seed):
+    task = make_task("counting", vocab_size=vocab_size)
+    batch = task.sample(4, length, gen(seed))
+    assert batch.loss_mask.all()
+    for tokens, labels in zip(batch.tokens.tolist(), batch.targets.tolist()):
+        expected = [0.0] + [float(sum(tok == tokens[0] for tok in tokens[1:t + 1])) for t in range(1, length)]
+        assert labels == expected
+
+
+def test_counting_metrics():
+    task = make_task("counting")
+    batch = task.sample(4, 300, gen(0))
+    perfect = task.metrics(batch.targets.clone(), batch)
+    assert perfect["abs_error"].abs().max() == 0 and perfect["rel_error"].abs().max() == 0
+    off = task.metrics(batch.targets + 2, batch)
+    assert torch.allclose(off["abs_error"], torch.full_like(batch.targets, 2.0))
+    assert torch.allclose(off["rel_error"], 2 / batch.targets.clamp(min=1))
+
+
+# ------------------------------------------------------------------ set complement
+
+def python_unseen(tokens: list[int], num_tokens: int) -> list[set[int]]:
+    seen: set[int] = set()
+    unseen = []
+    for tok in tokens[1:] + [None]:
+        unseen.append(set(range(num_tokens)) - seen)
+        seen.add(tok)
+    return unseen
+
+
+@FEW
+@given(num_tokens=st.integers(2, 40), data=st.data(), seed=SEEDS)
+def test_set_complement_sequences_and_oracle(num_tokens, data, seed):
+    task = make_task("set_complement", num_tokens=num_tokens)
+    length = data.draw(st.integers(1, num_tokens))
+    batch = task.sample(4, length, gen(seed))
+    logits = torch.full((4, length, task.vocab_size), -1e4)
+    for b, (tokens, targets) in enumerate(zip(batch.tokens.tolist(), batch.targets.tolist())):
+        assert tokens[0] == num_tokens and len(set(tokens[1:])) == length - 1 == len(tokens[1:])
+        assert tokens[1:] == targets[:-1]
+        for t, unseen in enumerate(python_unseen(tokens, num_tokens)):
+            assert targets[t] in unseen
+            logits[b, t, sorted(unseen)] = 0.0
+    tvd = task.metrics(logits, batch)["tvd"]
+    assert tvd.shape == (4, length) and tvd.abs().max() < 1e-5
+
+
+def test_set_complement_tvd_matches_python():
+    task = make_task("set_complement", num_tokens=12)
+    batch = task.sample(3, 12, gen(5))
+    logits = torch.randn(3, 12, 13, generator=gen(6))
+    tvd = task.metrics(logits, batch)["tvd"]
+    for b, tokens in enumerate(batch.tokens.tolist()):
+        for t, unseen in enumerate(python_unseen(tokens, 12)):
+            probs = logits[b, t].softmax(-1).tolist()
+            expected = 0.5 * sum(abs(p - (1 / len(unseen) if x in unseen else 0.0)) for x, p in enumerate(probs))
+            assert math.isclose(tvd[b, t].item(), expected, abs_tol=1e-5)
+    everything_seen = Batch(batch.tokens, batch.targets, batch.loss_mask,
+                            extra={"first_pos": torch.zeros_like(batch.extra["first_pos"])})
+    assert task.metrics(logits, everything_seen)["tvd"].isnan().all()
+
+
+# ------------------------------------------------------------------ max retrieval
+
+@FEW
+@given(num_keys=st.integers(1, 60), num_values=st.integers(2, 9), data=st.data(), seed=SEEDS)
+def test_max_retrieval_answer_is_python_max(num_keys, num_values, data, seed):
+    task = make_task("max_retrieval", num_keys=num_keys, num_values=num_values)
+    length = data.draw(st.integers(3, task.max_length))
+    batch = task.sample(4, length, gen(seed))
+    for tokens, targets in zip(batch.tokens.tolist(), batch.targets.tolist()):
+        assert tokens[-1] == task.query
+        body = tokens[:-1]
+        if length % 2 == 0:
+            assert body[0] == task.pad
+            body = body[1:]
+        keys, values = body[0::2], body[1::2]
+        assert len(keys) == len(set(keys)) == (length - 1) // 2 and all(0 <= k < num_keys for k in keys)
+        assert all(num_keys <= v < num_keys + num_values for v in values)
+        assert targets[-1] == dict(zip(keys, values))[max(keys)]
+    assert batch.loss_mask[:, -1].all() and not batch.loss_mask[:, :-1].any()
+    accuracy = task.metrics(lm_oracle(batch, task.vocab_size), batch)["accuracy"]
+    assert nan_outside(accuracy, batch.loss_mask) and (accuracy[:, -1] == 1).all()
+
+
+# ------------------------------------------------------------------ Dyck
+
+@FEW
+@given(num_types=st.integers(1, 3), max_depth=st.integers(1, 6), length=st.integers(1, 150), seed=SEEDS)
+def test_dyck_prefixes_and_legal_mask_match_a_stack(num_types, max_depth, length, seed):
+    task = make_task("dyck", num_types=num_types, max_depth=max_depth)
+    batch = task.sample(4, length, gen(seed))
+    assert batch.loss_mask.all()
+    for tokens, targets, legal in zip(batch.tokens.tolist(), batch.targets.tolist(),
+                                      batch.extra["legal"].tolist()):
+        assert tokens[0] == 2 * num_types and tokens[1:] == targets[:-1]
+        stack: list[int] = []
+        for t, nxt in enumerate(targets):
+            expected = set(range(num_types)) if len(stack) < max_depth else set()
+            if stack:
+                expected.add(num_types + stack[-1])
+            assert {x for x, ok in enumerate(legal[t]) if ok} == expected
+            assert nxt in expected
+            if nxt < num_types:
+                stack.append(nxt)
+            else:
+                assert stack.pop() == nxt - num_types
+            assert 0 <= len(stack) <= max_depth
+
+
+def test_dyck_visits_every_depth_and_metric():
+    task = make_task("dyck", num_types=2, max_depth=4)
+    batch = task.sample(8, 400, gen(3))
+    depth = (batch.targets < 2).long().mul(2).sub(1).cumsum(1)
+    assert set(depth.unique().tolist()) == {0, 1, 2, 3, 4}
+    always_bos = torch.nn.functional.one_hot(torch.full_like(batch.tokens, task.bos), task.vocab_size)
+    for output, expected in [(lm_oracle(batch, task.vocab_size), 1), (batch.extra["legal"].float(), 1),
+                             (always_bos.float(), 0)]:
+        assert (task.metrics(output, batch)["legal_accuracy"] == expected).all()
+
+
+# ------------------------------------------------------------------ Tomita
+
+def tomita_reference(grammar: int, s: str) -> bool:
+    if grammar == 1:
+        return re.fullmatch("1*", s) is not None
+    if grammar == 2:
+        return re.fullmatch("(10)*", s) is not None
+    if grammar == 3:
+        runs = [(ch, len(list(group))) for ch, group in itertools.groupby(s)]
+        return not any(ch == "1" and n % 2 == 1 and m % 2 == 1 for (ch, n), (_, m) in zip(runs, runs[1:]))
+    if grammar == 4:
+        return "000" not in s
+    if grammar == 5:
+        return s.count("0") % 2 == 0 and s.count("1") % 2 == 0
+    if grammar == 6:
+        return (s.count("0") - s.count("1")) % 3 == 0
+    return re.fullmatch("0*1*0*1*", s) is not None
+
+
+def decode(tokens: list[int]) -> str:
+    """BOS, optional PADs, then the bits."""
+    assert tokens[0] == 2
+    bits = "".join(map(str, tokens[1:])).lstrip("3")
+    assert set(bits) <= {"0", "1"}
+    return bits
+
+
+@pytest.mark.parametrize("grammar", range(1, 8))
+def test_tomita_dfa_matches_reference_on_all_short_strings(grammar):
+    task = make_task("tomita", grammar=grammar)
+    transitions, accepting = task.transitions.tolist(), task.accepting.tolist()
+    for n in range(11):
+        for bits in itertools.product((0, 1), repeat=n):
+            state = 0
+            for bit in bits:
+                state = transitions[state][bit]
+            assert accepting[state] == tomita_reference(grammar, "".join(map(str, bits)))
+
+
+@pytest.mark.parametrize("grammar", range(1, 8))
+@pytest.mark.parametrize("length, batch_size", [(34, 256), (1024, 64)])
+def test_tomita_labels_and_balance(grammar, length, batch_size):
+    task = make_task("tomita", grammar=grammar)
+    batch = task.sample(batch_size, length, gen(grammar))
+    strings = [decode(tokens) for tokens in batch.tokens.tolist()]
+    assert len({len(s) for s in strings}) == 1
+    if grammar in (2, 5):                                  # no positives of odd length: one PAD
+        assert len(strings[0]) == 2 * ((length - 1) // 2)
+    else:
+        assert len(strings[0]) == length - 1
+    assert [tomita_reference(grammar, s) for s in strings] == batch.targets.bool().tolist()
+    assert 0.3 < batch.targets.float().mean() < 0.7
+    assert batch.loss_mask.all()
+
+
+@pytest.mark.parametrize("grammar", [1, 2, 5, 6])
+def test_tomita_near_misses_are_one_flip_from_accepted(grammar):
+    task = make_task("tomita", grammar=grammar, near_miss=1.0)
+    batch = task.sample(64, 40, gen(0))
+    for s, label in zip((decode(t) for t in batch.tokens.tolist()), batch.targets.tolist()):
+        if not label:
+            flips = (s[:i] + "10"[int(s[i])] + s[i + 1:] for i in range(len(s)))
+            assert any(tomita_reference(grammar, f) for f in flips)
+
+
+def test_tomita_metrics_and_roc_auc():
+    task = make_task("tomita", grammar=3)
+    batch = task.sample(64, 50, gen(1))
+    logits = torch.nn.functional.one_hot(batch.targets, 2).float() * 5
+    out = task.metrics(logits, batch)
+    assert out["accuracy"].shape == out["score"].shape == (64,)
+    assert (out["accuracy"] == 1).all() and roc_auc(out["score"], batch.targets) == 1.0
+    assert roc_auc(1 - out["score"], batch.targets) == 0.0
+
+
+@FEW
+@given(scores=st.lists(st.integers(0, 4), min_size=2, max_size=30), seed=SEEDS)
+def test_roc_auc_matches_pairwise_count(scores, seed):
+    labels = torch.randint(2, (len(scores),), generator=gen(seed)).tolist()
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    got = roc_auc(torch.tensor(scores, dtype=torch.float), torch.tensor(labels))
+    if not pos or not neg:
+        assert math.isnan(got)
+    else:
+        wins = sum((p > q) + 0.5 * (p == q) for p in pos for q in neg)
+        assert math.isclose(got, wins / (len(pos) * len(neg)))
+
+
+# ------------------------------------------------------------------ MQAR
+
+@FEW
+@given(vocab_size=st.integers(4, 80), data=st.data(), seed=SEEDS)
+def test_mqar_answers_are_dict_lookups(vocab_size, data, seed):
+    task = make_task("mqar", vocab_size=vocab_size)
+    length = data.draw(st.integers(4, task.max_length))
+    batch = task.sample(4, length, gen(seed))
+    n = length // 4
+    for tokens, targets, mask in zip(batch.tokens.tolist(), batch.targets.tolist(), batch.loss_mask.tolist()):
+        keys, values = tokens[0:2 * n:2], tokens[1:2 * n:2]
+        assert len(set(keys)) == n and all(k < vocab_size // 2 <= v < vocab_size for k, v in zip(keys, values))
+        table = dict(zip(keys, values))
+        assert mask == [False] * (2 * n) + [True] * (length - 2 * n)
+        assert all(targets[t] == table[tokens[t]] for t in range(2 * n, length))
+    accuracy = task.metrics(lm_oracle(batch, task.vocab_size), batch)["accuracy"]
+    assert nan_outside(accuracy, batch.loss_mask) and (accuracy[batch.loss_mask] == 1).all()
+
+
+# ------------------------------------------------------------------ passkey
+
+@FEW
+@given(num_digits=st.integers(1, 7), data=st.data(), seed=SEEDS)
+def test_passkey_answer_is_the_needle(num_digits, data, seed):
+    task = make_task("passkey", num_digits=num_digits)
+    length = data.draw(st.integers(2 * num_digits + 1, 300))
+    batch = task.sample(4, length, gen(seed))
+    k = num_digits
+    for tokens, targets, mask, pos in zip(batch.tokens.tolist(), batch.targets.tolist(),
+                                          batch.loss_mask.tolist(), batch.extra["needle_pos"].tolist()):
+        assert tokens.count(task.needle) == tokens.count(task.query) == 1 and tokens.index(task.needle) == pos
+        needle = tokens[pos + 1:pos + 1 + k]
+        assert pos + k < length - k and all(d < 10 for d in needle)
+        assert targets[length - k:] == needle and tokens[length - k:] == [task.query] + needle[:-1]
+        assert mask == [False] * (length - k) + [True] * k
+        filler = tokens[:pos] + tokens[pos + 1 + k:length - k]
+        assert all(12 <= t < task.vocab_size for t in filler)
+    accuracy = task.metrics(lm_oracle(batch, task.vocab_size), batch)["accuracy"]
+    assert nan_outside(accuracy, batch.loss_mask) and (accuracy[batch.loss_mask] == 1).all()
