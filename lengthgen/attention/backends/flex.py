@@ -19,6 +19,7 @@ that materializes scores) runs, inference only: `unsupported` refuses CPU traini
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -65,9 +66,15 @@ def _compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _eager(*args, **kwargs):
+    with warnings.catch_warnings():      # "called without torch.compile()": intended on CPU, see module doc
+        warnings.simplefilter("ignore")
+        return flex_attention(*args, **kwargs)
+
+
 def _flex(device: torch.device):
     """``torch.compile(flex_attention)`` on CUDA; the eager (unfused, inference-only) path on CPU."""
-    return _compiled() if device.type == "cuda" else flex_attention
+    return _compiled() if device.type == "cuda" else _eager
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -245,6 +252,12 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     hkv, lk = k.shape[1], k.shape[2]
     p = float(spec.softmax_p)
     device = qs.device
+    if device.type == "cpu":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (qs, k, v)):
+            raise ValueError("backend 'flex' cannot train on CPU (FlexAttention has no CPU backward); "
+                             "run under torch.no_grad() or use tiled / dense")
+        # FlexAttention refuses CPU inputs that require grad even under no_grad
+        qs, k, v = qs.detach(), k.detach(), v.detach()
     block_mask = BLOCK_MASKS.get(lq, lk, spec, doc_ids, device)
     flex = _flex(device)
     kw = dict(block_mask=block_mask, scale=1.0, enable_gqa=hkv != h)
