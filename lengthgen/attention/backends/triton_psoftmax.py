@@ -15,7 +15,8 @@ same document, ``i - j < W``::
         dq = dS k      dk = dS^T q'      dv = w^T dO
 
 p is a runtime argument (p = 1 skips the second exponential through a compile-time flag). Inputs fp16 / bf16
-(fp32 too, as IEEE fp32 dots), fp32 accumulation, head dims 16..128 (powers of two). Documents come as
+(fp32 too, as IEEE fp32 dots), fp32 accumulation, head dims up to 128 (query/key and value dims are padded with
+zeros to powers of two >= 16, which changes no dot product; 64 and 128 need no padding). Documents come as
 per-position run starts (a query sees keys from its document's start on) and run ends (the backward's
 key-block-major pass stops at the document's end); the sliding window and every distance term
 (scale_invariant, ALiBi, log_bias) are elementwise in the kernel. Backward: one kernel for dK/dV per key block
@@ -43,7 +44,7 @@ except ImportError as err:  # pragma: no cover - triton is optional
 else:
     _IMPORT_ERROR = None
 
-HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 128        # larger tiles do not fit shared memory with these block sizes
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DISTANCE_CODES = {"none": 0, "scale_invariant": 1, "alibi": 2, "log_bias": 3}
 INTERPRET_BLOCK = 16      # block size under TRITON_INTERPRET=1
@@ -68,8 +69,8 @@ def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | N
         return f"Triton kernels run on cuda, not {q.device.type}"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"head_dim={q.shape[-1]} (supported: {', '.join(map(str, HEAD_DIMS))})"
+    if q.shape[-1] > MAX_HEAD_DIM:
+        return f"head_dim={q.shape[-1]} (the kernels take head_dim <= {MAX_HEAD_DIM})"
     if spec.distance not in DISTANCE_CODES:
         return f"distance={spec.distance!r} has no Triton score term"
     return None
@@ -112,8 +113,8 @@ if triton is not None:
     def _fwd_kernel(Q, K, V, O, LSE, STARTS,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
                     H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
-                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
+                    D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
                     PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -122,6 +123,7 @@ if triton is not None:
         hk = h // GROUPS
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, D_V)
         row_ok = offs_m < LQ
         pos_q = offs_m + OFF
         q_ptr = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
@@ -143,7 +145,7 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s_p = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_V], tl.float32)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = tl.load(k_ptr + offs_n[:, None] * skl + offs_d[None, :], mask=(offs_n < LK)[:, None], other=0.0)
@@ -160,24 +162,24 @@ if triton is not None:
             else:
                 s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
                     tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
-            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_d[None, :], mask=(offs_n < LK)[:, None], other=0.0)
+            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_dv[None, :], mask=(offs_n < LK)[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         log2_sp = tl.log2(tl.where(row_ok, s_p, 1.0))    # padding rows: no log(0)
         out = acc * tl.exp2(-inv_p * log2_sp)[:, None]
         lse = p * m_i + log2_sp * LN2
         o_ptr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-        tl.store(o_ptr + offs_m[:, None] * sol + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptr + offs_m[:, None] * sol + offs_dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
 
     @triton.jit
     def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, STARTS,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                        H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
-                       HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
+                       D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
                        PREC: tl.constexpr):
-        """dQ for one query block. Q, DO and DQ share strides (sqb, sqh, sql); DO is contiguous like DQ."""
+        """dQ for one query block. DQ is contiguous (B, H, LQ, D)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -185,13 +187,14 @@ if triton is not None:
         hk = h // GROUPS
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, D_V)
         row_ok = offs_m < LQ
         pos_q = offs_m + OFF
         k_ptr = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_ptr = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
         q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sql + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdl + offs_d[None, :],
+        do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdl + offs_dv[None, :],
                      mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
@@ -213,7 +216,7 @@ if triton is not None:
             offs_n = start_n + tl.arange(0, BLOCK_N)
             col_ok = (offs_n < LK)[:, None]
             k = tl.load(k_ptr + offs_n[:, None] * skl + offs_d[None, :], mask=col_ok, other=0.0)
-            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_d[None, :], mask=col_ok, other=0.0)
+            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_dv[None, :], mask=col_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
             ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
             logit, a = _logits(s, t, h, H, tau_inv, lam, DIST)
@@ -228,28 +231,29 @@ if triton is not None:
             if DIST == 1:
                 ds = ds * a
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        tl.store(DQ + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdl + offs_d[None, :],
+        tl.store(DQ + bh.to(tl.int64) * LQ * D + offs_m[:, None] * D + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
     def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, STARTS, ENDS,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                          H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
-                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
-                         PREC: tl.constexpr):
+                         D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
+                         P_ONE: tl.constexpr, PREC: tl.constexpr):
         """dK, dV for one key block of one KV head, summed over the GROUPS query heads sharing it.
-        Works transposed: (N keys, M queries) tiles. DK/DV are contiguous (B, HKV, LK, D)."""
+        Works transposed: (N keys, M queries) tiles. DK/DV are contiguous (B, HKV, LK, D / D_V)."""
         pid_n = tl.program_id(0)
         bhk = tl.program_id(1)
         b = bhk // HKV
         hk = bhk % HKV
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
+        offs_dv = tl.arange(0, D_V)
         col_ok = offs_n < LK
         k = tl.load(K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skl + offs_d[None, :],
                     mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svl + offs_d[None, :],
+        v = tl.load(V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svl + offs_dv[None, :],
                     mask=col_ok[:, None], other=0.0)
 
         k_first = pid_n * BLOCK_N
@@ -264,7 +268,7 @@ if triton is not None:
         qi_hi = q_hi - OFF
 
         dk = tl.zeros([BLOCK_N, D], tl.float32)
-        dv = tl.zeros([BLOCK_N, D], tl.float32)
+        dv = tl.zeros([BLOCK_N, D_V], tl.float32)
         for g in range(0, GROUPS):
             h = hk * GROUPS + g
             bh = b * H + h
@@ -275,7 +279,7 @@ if triton is not None:
                 row_ok = offs_m < LQ
                 pos_q = offs_m + OFF
                 q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                do = tl.load(do_ptr + offs_m[:, None] * sdl + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                do = tl.load(do_ptr + offs_m[:, None] * sdl + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
                 lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
                 start_q = offs_m
@@ -297,9 +301,10 @@ if triton is not None:
                 if DIST == 1:
                     ds = ds * a
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
-        out_off = bhk.to(tl.int64) * LK * D + offs_n[:, None] * D + offs_d[None, :]
-        tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
-        tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DK + bhk.to(tl.int64) * LK * D + offs_n[:, None] * D + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DV + bhk.to(tl.int64) * LK * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
+                 dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -313,13 +318,21 @@ def _configs(kind: str, head_dim: int) -> dict:
     big = head_dim > 64
     if kind == "fwd":
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2 if big else 3)
-    if kind == "dq":
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2)        # dkdv
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2)        # dq and dkdv
 
 
-def _doc_vectors(doc_ids: torch.Tensor | None, spec: AttentionSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(run starts, run ends) as int32 (B, Lk), or 1-element dummies when there is no document masking."""
+def _padded_dim(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    x = x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def doc_vectors(doc_ids: torch.Tensor | None, spec: AttentionSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(run starts, run ends) as int32 (B, Lk) -- a query sees keys from its run start on, a key is seen by
+    queries before its run end -- or 1-element dummies when there is no document masking."""
     if not spec.doc_masking or doc_ids is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return dummy, dummy
@@ -329,53 +342,50 @@ def _doc_vectors(doc_ids: torch.Tensor | None, spec: AttentionSpec, device) -> t
     last[..., :-1] = doc_ids[..., 1:] != doc_ids[..., :-1]
     index = torch.arange(1, length + 1, device=doc_ids.device).expand_as(doc_ids)
     end = torch.where(last, index, torch.full_like(index, length)).flip(-1).cummin(-1).values.flip(-1)
-    return start.to(device=device, dtype=torch.int32).contiguous(), end.to(device=device, dtype=torch.int32).contiguous()
+    return (start.to(device=device, dtype=torch.int32).contiguous(),
+            end.to(device=device, dtype=torch.int32).contiguous())
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, has_docs: bool) -> dict:
+def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_docs: bool) -> dict:
     p = float(spec.softmax_p)
     return dict(H=q.shape[1], GROUPS=q.shape[1] // k.shape[1], LQ=q.shape[2], LK=k.shape[2],
                 OFF=k.shape[2] - q.shape[2], WINDOW=spec.window or 0, p=p, inv_p=1.0 / p,
-                tau_inv=1.0 / float(spec.tau), lam=float(spec.log_bias_lambda), D=q.shape[-1],
+                tau_inv=1.0 / float(spec.tau), lam=float(spec.log_bias_lambda), D=q.shape[-1], D_V=v.shape[-1],
                 DIST=DISTANCE_CODES[spec.distance], HAS_WINDOW=spec.window is not None, HAS_DOCS=has_docs,
                 P_ONE=p == 1.0, PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
 def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, has_docs: bool):
-    """Run the forward kernel. Returns (out (B, H, Lq, D) contiguous, LSE_p (B, H, Lq) fp32)."""
-    b, h, lq, d = q.shape
-    out = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    """Run the forward kernel on padded inputs. Returns (out (B, H, Lq, Dv) contiguous, LSE_p (B, H, Lq) fp32)."""
+    b, h, lq, _ = q.shape
+    out = torch.empty((b, h, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-    cfg = _configs("fwd", d)
-    sc = _scalars(spec, q, k, has_docs)
+    cfg = _configs("fwd", max(q.shape[-1], v.shape[-1]))
     grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](q, k, v, out, lse, starts, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                      *out.stride()[:3], starts.stride(0) if has_docs else 0, **sc, **cfg)
+                      *out.stride()[:3], starts.stride(0) if has_docs else 0,
+                      **_scalars(spec, q, k, v, has_docs), **cfg)
     return out, lse
 
 
 def backward(q, k, v, out, d_out, lse, spec: AttentionSpec, starts, ends, has_docs: bool):
+    """dq, dk, dv (contiguous) from the saved forward tensors and LSE_p."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    d_out = d_out.contiguous()
+    d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
     delta = (out.float() * d_out.float()).sum(-1).contiguous()         # dO_i . out_i, (B, H, Lq)
     dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, hkv, lk, d), dtype=v.dtype, device=v.device)
-    sc = _scalars(spec, q, k, has_docs)
+    dv = torch.empty((b, hkv, lk, v.shape[-1]), dtype=v.dtype, device=v.device)
+    sc = _scalars(spec, q, k, v, has_docs)
     s_starts = starts.stride(0) if has_docs else 0
-    cfg = _configs("dq", d)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts)
+    cfg = _configs("dq", max(d, v.shape[-1]))
     _bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, d_out, dq, lse, delta, starts, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *d_out.stride()[:3], s_starts, **sc, **cfg)
-    cfg = _configs("dkdv", d)
+        q, k, v, d_out, dq, lse, delta, starts, *strides, **sc, **cfg)
+    cfg = _configs("dkdv", max(d, v.shape[-1]))
     _bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, d_out, dk, dv, lse, delta, starts, ends, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *d_out.stride()[:3], s_starts, HKV=hkv, **sc, **cfg)
+        q, k, v, d_out, dk, dv, lse, delta, starts, ends, *strides, HKV=hkv, **sc, **cfg)
     return dq, dk, dv
 
 
@@ -396,25 +406,26 @@ class _TritonPSoftmax(torch.autograd.Function):
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
               doc_ids: torch.Tensor | None = None, *, return_lse: bool = False):
-    """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D).
+    """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D|Dv).
 
     Returns ``out`` or, with ``return_lse`` (no autograd), ``(out, LSE_p)`` with LSE_p (B, H, Lq).
     """
     reason = unsupported(spec, qs, False)
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this: {reason}")
-    if v.shape[-1] != qs.shape[-1]:
-        raise ValueError(f"backend 'triton' needs value head_dim == query head_dim, got {v.shape[-1]} and "
-                         f"{qs.shape[-1]}")
-    dtype = qs.dtype
-    k, v = k.to(dtype), v.to(dtype)
-    qs, k, v = _last_dim_contiguous(qs), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    if v.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"backend 'triton' takes value head_dim <= {MAX_HEAD_DIM}, got {v.shape[-1]}")
+    dtype, dv = qs.dtype, v.shape[-1]
+    d_pad, dv_pad = _padded_dim(qs.shape[-1]), _padded_dim(dv)
+    qs, k, v = _pad_last(qs, d_pad), _pad_last(k.to(dtype), d_pad), _pad_last(v.to(dtype), dv_pad)
     has_docs = spec.doc_masking and doc_ids is not None
-    starts, ends = _doc_vectors(doc_ids, spec, qs.device)
+    starts, ends = doc_vectors(doc_ids, spec, qs.device)
     if return_lse:
         with torch.no_grad():
-            return forward(qs, k, v, spec, starts, has_docs)
-    return _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, has_docs)
+            out, lse = forward(qs, k, v, spec, starts, has_docs)
+        return out[..., :dv], lse
+    out = _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, has_docs)
+    return out if dv == dv_pad else out[..., :dv]
 
 
-__all__ = ["attention", "unsupported", "forward", "backward", "INTERPRETED"]
+__all__ = ["attention", "unsupported", "forward", "backward", "doc_vectors", "INTERPRETED"]

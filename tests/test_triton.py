@@ -1,0 +1,222 @@
+"""The `triton` backend (fused p-softmax kernels) against the dense oracle.
+
+CPU: the kernels run under the Triton interpreter at tiny shapes. ``TRITON_INTERPRET=1`` must be set before
+triton builds the kernels, so each group of cases runs in a subprocess (this file run as a script): nothing
+leaks into other test modules sharing the pytest(-xdist) worker. CUDA (skipped without it): forward and
+backward in float32 and bfloat16 at head dims 64 and 128.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# name -> case: spec fields, shapes (b, h, hkv, lq, lk, d, dv), dtype, documents?
+# tolerances are on max |error| / max(|reference|, 1) for out, dq, dk, dv
+INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
+    "p_values": {
+        f"{kind}_p{p}": dict(spec=dict(softmax_p=p, doc_masking=docs), shape=shape, docs=docs)
+        for p in (1.0, 2.0, 0.5)
+        for kind, docs, shape in (("plain", False, (1, 2, 2, 48, 48, 16, 16)),
+                                  ("docs_gqa", True, (1, 4, 2, 64, 64, 16, 16)))
+    },
+    "terms": {
+        "scale_invariant_window_p2": dict(spec=dict(distance="scale_invariant", tau=4.0, window=9, softmax_p=2.0),
+                                          shape=(1, 2, 2, 40, 40, 16, 16)),
+        "alibi_gqa_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 4, 1, 33, 33, 16, 16)),
+        "log_bias_docs_window_p1.5": dict(spec=dict(distance="log_bias", log_bias_lambda=0.8, softmax_p=1.5,
+                                                    doc_masking=True, window=20), shape=(2, 2, 2, 40, 40, 16, 16),
+                                          docs=True),
+        "window_p1": dict(spec=dict(window=5), shape=(1, 2, 2, 37, 37, 16, 16)),
+    },
+    "shapes": {
+        "fewer_queries_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 1, 24, 50, 16, 16),
+                                      docs=True),
+        "decode_one_p0.5": dict(spec=dict(softmax_p=0.5, window=17), shape=(1, 2, 2, 1, 40, 16, 16)),
+        "padded_dims_8_4": dict(spec=dict(softmax_p=2.0), shape=(1, 2, 1, 20, 20, 8, 4)),
+        "fp16_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 2, 32, 32, 16, 16),
+                             docs=True, dtype="float16"),
+        "strided_layout_p1": dict(spec=dict(), shape=(1, 2, 2, 32, 32, 32, 32), strided=True),
+    },
+}
+TOL = {"float32": 1e-4, "float16": 2e-2}
+
+
+def make_docs(b: int, length: int, seed: int = 0, max_len: int = 12) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        ids, doc = [], 0
+        while len(ids) < length:
+            ids += [doc] * int(torch.randint(1, max_len + 1, (1,), generator=gen))
+            doc += 1
+        rows.append(ids[:length])
+    return torch.tensor(rows)
+
+
+def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int = 0) -> dict[str, float]:
+    """Relative max errors of the triton backend's out, dq, dk, dv against the float64 dense oracle."""
+    from lengthgen.attention import AttentionSpec
+    from lengthgen.attention import functional as fn
+    from lengthgen.attention.backends import triton_psoftmax as tp
+
+    spec = AttentionSpec(**case["spec"])
+    b, h, hkv, lq, lk, d, dv = case["shape"]
+    dtype = getattr(torch, dtype or case.get("dtype", "float32"))
+    gen = torch.Generator().manual_seed(seed)
+    if case.get("strided"):          # (B, L, H, D) memory, viewed as (B, H, L, D) like the Attention layer
+        q = torch.randn(b, lq, h, d, generator=gen).transpose(1, 2) * 0.7
+        k = torch.randn(b, lk, hkv, d, generator=gen).transpose(1, 2)
+        v = torch.randn(b, lk, hkv, dv, generator=gen).transpose(1, 2)
+    else:
+        q = torch.randn(b, h, lq, d, generator=gen) * 0.7
+        k = torch.randn(b, hkv, lk, d, generator=gen)
+        v = torch.randn(b, hkv, lk, dv, generator=gen)
+    grad = torch.randn(b, h, lq, dv, generator=gen)
+    docs = make_docs(b, lk, seed=lk) if case.get("docs") else None
+    q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+    assert tp.unsupported(spec, q, True) is None, tp.unsupported(spec, q, True)
+    out = tp.attention(q, k, v, spec, None if docs is None else docs.to(device))
+    grads = torch.autograd.grad(out, (q, k, v), grad.to(device=device, dtype=dtype))
+    ref_in = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref = fn.dense_attention(*ref_in, spec, docs)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad.double())
+    errors = {}
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        errors[name] = ((got.detach().cpu().double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+    return errors
+
+
+def _run_group(group: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret", group], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"interpreter subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
+def test_interpreter_matches_dense(group):
+    pytest.importorskip("triton")
+    results = _run_group(group)
+    failures = []
+    for name, case in INTERPRETER_GROUPS[group].items():
+        tol = TOL[case.get("dtype", "float32")]
+        errors = results[name]
+        if "error" in errors:
+            failures.append(f"{name}: {errors['error']}")
+            continue
+        failures += [f"{name} {k}: {e:.2e} > {tol:.0e}" for k, e in errors.items() if not e <= tol]
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------------------------------
+# unsupported (in this process: the kernels here were built without the interpreter)
+
+
+def test_unsupported_on_cpu_without_interpreter():
+    from lengthgen.attention import AttentionSpec, backends
+    from lengthgen.attention.backends import triton_psoftmax as tp
+
+    q = torch.empty(1, 2, 16, 64)
+    reason = tp.unsupported(AttentionSpec(), q, False)
+    if tp.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process runs under TRITON_INTERPRET=1")
+    assert reason is not None and "CUDA" in reason
+    assert backends.unsupported("triton", AttentionSpec(softmax_p=2.0), q, True) == \
+        tp.unsupported(AttentionSpec(softmax_p=2.0), q, True)
+    for training in (True, False):
+        assert backends.choose(AttentionSpec(softmax_p=2.0), q, 16, training) != "triton"
+
+
+def test_unsupported_reasons(monkeypatch):
+    from lengthgen.attention import AttentionSpec
+    from lengthgen.attention.backends import triton_psoftmax as tp
+
+    spec = AttentionSpec(softmax_p=2.0, distance="alibi", doc_masking=True, window=8)
+    monkeypatch.setattr(tp, "INTERPRETED", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if tp.triton is not None:
+        assert tp.unsupported(spec, torch.empty(1, 2, 8, 64), True) is None
+        assert "head_dim" in tp.unsupported(spec, torch.empty(1, 2, 8, 256), True)
+        assert "dtype" in tp.unsupported(spec, torch.empty(1, 2, 8, 64, dtype=torch.float64), True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert tp.unsupported(spec, torch.empty(1, 2, 8, 64), False) is not None
+    monkeypatch.setattr(tp, "triton", None)
+    assert "not importable" in tp.unsupported(spec, torch.empty(1, 2, 8, 64), False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA
+
+
+CUDA_CASES = {
+    "softmax": dict(spec=dict()),
+    "p2": dict(spec=dict(softmax_p=2.0)),
+    "p0.5_gqa": dict(spec=dict(softmax_p=0.5), hkv=2),
+    "docs_p2_gqa": dict(spec=dict(softmax_p=2.0, doc_masking=True), hkv=1, docs=True),
+    "window_docs": dict(spec=dict(window=200, doc_masking=True), docs=True),
+    "scale_invariant_p2": dict(spec=dict(distance="scale_invariant", softmax_p=2.0)),
+    "alibi": dict(spec=dict(distance="alibi")),
+    "log_bias_docs": dict(spec=dict(distance="log_bias", doc_masking=True, softmax_p=1.5), docs=True),
+    "fewer_queries": dict(spec=dict(softmax_p=2.0, window=300), lq=333),
+}
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", list(CUDA_CASES))
+def test_cuda_matches_dense(name, head_dim, dtype):
+    c = CUDA_CASES[name]
+    lk = 1000
+    case = dict(spec=c["spec"], docs=c.get("docs", False),
+                shape=(2, 4, c.get("hkv", 4), c.get("lq", lk), lk, head_dim, head_dim))
+    errors = compare(case, device="cuda", dtype=dtype)
+    tol = 2e-3 if dtype == "float32" else 3e-2
+    assert all(e <= tol for e in errors.values()), errors
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_auto_picks_triton_and_trains():
+    from lengthgen.attention import AttentionSpec, attend, backends
+
+    spec = AttentionSpec(softmax_p=2.0, doc_masking=True)
+    q = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    assert backends.choose(spec, q, 512, True) == "triton"
+    docs = make_docs(2, 512, max_len=100).cuda()
+    out = attend(q, q, q, spec, doc_ids=docs)
+    out.float().square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# subprocess entry point
+
+
+def _interpret_main(group: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    results = {}
+    for name, case in INTERPRETER_GROUPS[group].items():
+        try:
+            results[name] = compare(case)
+        except Exception as err:  # noqa: BLE001 - reported per case by the parent test
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interpret":
+    _interpret_main(sys.argv[2])
