@@ -1,0 +1,364 @@
+"""Attention benchmark: every backend x variant against ``F.scaled_dot_product_attention`` (flash, p = 1).
+
+For each (length, head_dim, backend, variant) one row: forward and forward+backward time (median of ``reps``
+after ``warmup``; CUDA events on GPU, ``perf_counter`` on CPU), TFLOP/s in the FlashAttention convention
+(causal forward ``4 b s^2 h d / 2``, backward 2.5x forward; masked and p != 1 variants are credited the same
+nominal FLOPs, so their TFLOP/s is "causal-softmax-equivalent"), peak memory (``torch.cuda.max_memory_allocated``
+during one forward+backward, CUDA only) and the time ratio to SDPA's flash kernel with p = 1 on the same shapes,
+measured in the same run and the same mode.
+
+A backend that cannot train a variant on this device but can run inference (FlexAttention on CPU) is timed
+forward only; its row says ``mode = fwd`` and the table marks it. `add_arguments` + `main` are the CLI
+(``benchmarks/attention_gpu.py``; ``lengthgen bench attention``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from lengthgen.attention import AttentionSpec, attend
+from lengthgen.attention import backends as attention_backends
+
+#: benchmarked variants: name -> (spec, packed documents?)
+VARIANTS: dict[str, tuple[AttentionSpec, bool]] = {
+    "baseline": (AttentionSpec.preset("baseline"), False),
+    "l2": (AttentionSpec.preset("l2"), False),
+    "sqrt_log_n": (AttentionSpec.preset("sqrt_log_n"), False),
+    "scale_invariant": (AttentionSpec.preset("scale_invariant"), False),
+    "alibi": (AttentionSpec.preset("alibi"), False),
+    "doc_l2": (AttentionSpec.preset("l2", doc_masking=True), True),
+}
+REFERENCE = "sdpa_flash"
+GPU_LENGTHS = (1024, 4096, 16384, 65536)
+CPU_LENGTHS = (256, 512)
+GPU_BACKENDS = ("triton", "flex", "sdpa")
+CPU_BACKENDS = ("dense", "tiled", "sdpa", "flex")
+DENSE_MAX_BYTES = 8 << 30          # skip the dense oracle when its (B, H, L, L) fp32 weights exceed this
+
+COLUMNS = ("device", "backend", "variant", "length", "head_dim", "batch", "heads", "dtype", "mode", "status",
+           "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "total_tflops", "peak_mem_mib",
+           "ref_ms", "ratio_vs_sdpa_flash")
+
+
+# ---------------------------------------------------------------------------------------------------
+# measurement
+
+
+def causal_flops(batch: int, heads: int, length: int, head_dim: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of causal attention, FlashAttention convention."""
+    fwd = 4 * batch * length ** 2 * heads * head_dim / 2
+    return fwd, 2.5 * fwd
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    if device.type == "cuda":
+        def cuda_time(fn: Callable[[], Any]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end)
+        return cuda_time
+
+    def cpu_time(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return cpu_time
+
+
+def measure(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
+    """Median milliseconds of ``fn`` after ``warmup`` calls."""
+    timer = _timer(device)
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return statistics.median(timer(fn) for _ in range(max(1, reps)))
+
+
+def packed_doc_ids(batch: int, length: int, device, seed: int = 0) -> torch.Tensor:
+    """(B, L) document ids of packed rows: documents of random length in [L/16, L/4] (at least 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    lo, hi = max(1, length // 16), max(1, length // 4)
+    for _ in range(batch):
+        ids, doc = [], 0
+        while len(ids) < length:
+            ids.extend([doc] * int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+            doc += 1
+        rows.append(ids[:length])
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _inputs(batch, heads, length, head_dim, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (batch, heads, length, head_dim)
+    q, k, v = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+    return q, k, v, grad
+
+
+def _time_case(forward: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor,
+               train: bool, device: torch.device, warmup: int, reps: int) -> dict:
+    """fwd / bwd / total ms and peak memory of one case."""
+    if not train:
+        with torch.no_grad():
+            fwd = measure(forward, device, warmup, reps)
+        return dict(fwd_ms=fwd, bwd_ms=None, total_ms=fwd, peak_mem_mib=_peak(lambda: forward(), device, False))
+
+    def fwd_bwd():
+        out = forward()
+        torch.autograd.grad(out, inputs, grad)
+
+    fwd = measure(forward, device, warmup, reps)
+    total = measure(fwd_bwd, device, warmup, reps)
+    return dict(fwd_ms=fwd, bwd_ms=max(total - fwd, 0.0), total_ms=total,
+                peak_mem_mib=_peak(fwd_bwd, device, True))
+
+
+def _peak(fn: Callable[[], Any], device: torch.device, train: bool) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    if train:
+        fn()
+    else:
+        with torch.no_grad():
+            fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2 ** 20
+
+
+def _reference(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _with_tflops(row: dict, flops: tuple[float, float]) -> dict:
+    fwd_f, bwd_f = flops
+    tf = lambda f, ms: None if ms is None or ms <= 0 else f / (ms * 1e-3) / 1e12   # noqa: E731
+    row["fwd_tflops"] = tf(fwd_f, row.get("fwd_ms"))
+    row["bwd_tflops"] = tf(bwd_f, row.get("bwd_ms"))
+    row["total_tflops"] = tf(fwd_f + (bwd_f if row.get("mode") == "fwd+bwd" else 0.0), row.get("total_ms"))
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[int] = (64, 128),
+                    variants: Iterable[str] | None = None, backends: Iterable[str] | None = None,
+                    batch: int | None = None, heads: int | None = None, dtype: str | torch.dtype = "bfloat16",
+                    out_json: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
+                    warmup: int = 3, reps: int = 10, tokens: int = 16384, model_dim: int = 2048,
+                    verbose: bool = True) -> list[dict]:
+    """Benchmark attention backends x variants; returns one dict per row (columns `COLUMNS`).
+
+    ``batch`` defaults to ``tokens // length`` (at least 1) and ``heads`` to ``model_dim // head_dim``
+    (FlashAttention's benchmark convention); on CPU both default to small values (1 and 4). Rows of
+    unsupported combinations are kept with ``status = "unsupported: <reason>"`` (and ``oom`` / ``skipped``).
+    ``out_json``: write ``{"meta": ..., "rows": [...]}`` there.
+    """
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_cuda = device.type == "cuda"
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    lengths = tuple(lengths or (GPU_LENGTHS if on_cuda else CPU_LENGTHS))
+    variants = tuple(variants or VARIANTS)
+    backends = tuple(backends or (GPU_BACKENDS if on_cuda else CPU_BACKENDS))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    for name in backends:
+        if name not in attention_backends.MODULES:
+            raise ValueError(f"unknown backend {name!r}; choose from {', '.join(attention_backends.MODULES)}")
+
+    if verbose:
+        print(format_header(), flush=True)
+    rows: list[dict] = []
+    for length in lengths:
+        for head_dim in head_dims:
+            b = batch or (max(1, tokens // length) if on_cuda else 1)
+            h = heads or (max(1, model_dim // head_dim) if on_cuda else 4)
+            base = dict(device=str(device), length=length, head_dim=head_dim, batch=b, heads=h,
+                        dtype=str(dtype).replace("torch.", ""))
+            flops = causal_flops(b, h, length, head_dim)
+            q, k, v, grad = _inputs(b, h, length, head_dim, dtype, device)
+            ref = {}
+            for mode in ("fwd+bwd", "fwd"):
+                try:
+                    ref[mode] = _time_case(lambda: _reference(q, k, v), (q, k, v), grad, mode == "fwd+bwd",
+                                           device, warmup, reps)
+                except Exception as err:  # noqa: BLE001 - a row, not a crash
+                    ref[mode] = {"status": "oom" if _is_oom(err) else f"error: {type(err).__name__}: {err}"}
+                    _free(device)
+            ref_row = dict(base, backend=REFERENCE, variant="baseline", mode="fwd+bwd",
+                           status=ref["fwd+bwd"].get("status", "ok"), **{k_: v_ for k_, v_ in ref["fwd+bwd"].items()
+                                                                           if k_ != "status"})
+            ref_row.update(ref_ms=ref_row.get("total_ms"), ratio_vs_sdpa_flash=1.0 if "total_ms" in ref_row else None)
+            rows.append(_finish(_with_tflops(ref_row, flops), verbose))
+            for variant in variants:
+                spec, docs = VARIANTS[variant]
+                doc_ids = packed_doc_ids(b, length, device) if docs else None
+                for name in backends:
+                    row = dict(base, backend=name, variant=variant)
+                    rows.append(_finish(_with_tflops(_bench_one(row, name, spec, doc_ids, q, k, v, grad, ref,
+                                                                device, warmup, reps), flops), verbose))
+            del q, k, v, grad
+            _free(device)
+    if out_json is not None:
+        write_json(rows, out_json, device)
+    return rows
+
+
+def _bench_one(row, name, spec, doc_ids, q, k, v, grad, ref, device, warmup, reps) -> dict:
+    train_reason = attention_backends.unsupported(name, spec, q, True)
+    infer_reason = attention_backends.unsupported(name, spec, q, False) if train_reason else None
+    if train_reason and infer_reason:
+        return dict(row, mode="-", status=f"unsupported: {train_reason}")
+    train = train_reason is None
+    row["mode"] = "fwd+bwd" if train else "fwd"
+    b, h, length, _ = q.shape
+    if name == "dense" and b * h * length * length * 4 > DENSE_MAX_BYTES:
+        return dict(row, status=f"skipped: dense weights need {b * h * length * length * 4 / 2 ** 30:.0f} GiB")
+
+    def forward():
+        return attend(q, k, v, spec, doc_ids=doc_ids, backend=name)
+
+    try:
+        row.update(_time_case(forward, (q, k, v), grad, train, device, warmup, reps), status="ok")
+    except Exception as err:  # noqa: BLE001 - a row, not a crash
+        _free(device)
+        return dict(row, status="oom" if _is_oom(err) else f"error: {type(err).__name__}: {err}")
+    reference = ref[row["mode"]]
+    row["ref_ms"] = reference.get("total_ms")
+    if row["ref_ms"]:
+        row["ratio_vs_sdpa_flash"] = row["total_ms"] / row["ref_ms"]
+    return row
+
+
+def _finish(row: dict, verbose: bool) -> dict:
+    row = {c: row.get(c) for c in COLUMNS}
+    if verbose:
+        print(format_row(row), flush=True)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------------
+# output
+
+
+_TABLE = (("backend", 10, "{}"), ("variant", 15, "{}"), ("length", 6, "{}"), ("head_dim", 4, "{}"),
+          ("mode", 7, "{}"), ("fwd_ms", 9, "{:.3f}"), ("bwd_ms", 9, "{:.3f}"), ("total_tflops", 7, "{:.3g}"),
+          ("peak_mem_mib", 9, "{:.0f}"), ("ratio_vs_sdpa_flash", 7, "{:.2f}"), ("status", 0, "{}"))
+_HEADS = {"head_dim": "D", "total_tflops": "TFLOP/s", "peak_mem_mib": "peak MiB", "ratio_vs_sdpa_flash": "x flash",
+          "fwd_ms": "fwd ms", "bwd_ms": "bwd ms", "length": "L"}
+
+
+def format_header() -> str:
+    return "  ".join(_HEADS.get(c, c).rjust(w) if w else _HEADS.get(c, c) for c, w, _ in _TABLE)
+
+
+def format_row(row: dict) -> str:
+    cells = []
+    for col, width, fmt in _TABLE:
+        value = row.get(col)
+        text = "-" if value is None else fmt.format(value)
+        if col == "mode" and value == "fwd":
+            text = "fwd*"
+        cells.append(text.rjust(width) if width else text)
+    return "  ".join(cells)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    lines = [format_header(), *map(format_row, rows)]
+    if any(r.get("mode") == "fwd" for r in rows):
+        lines.append("fwd* = forward only: the backend cannot train here (e.g. FlexAttention has no CPU backward); "
+                     "its ratio is to the flash reference's forward")
+    return "\n".join(lines)
+
+
+def write_json(rows: Sequence[dict], path: str | os.PathLike, device: torch.device) -> Path:
+    meta = dict(torch=torch.__version__, device=str(device), python=platform.python_version(),
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                flops="causal forward 4*b*s^2*h*d/2, backward 2.5x forward", reference=REFERENCE)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "columns": list(COLUMNS), "rows": list(rows)}, indent=1,
+                               default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x)
+                 for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of ``bench attention`` (defaults depend on the device: GPU sizes on CUDA, tiny ones on CPU)."""
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--lengths", type=_ints, default=None,
+                        help=f"comma list, 1k suffixes allowed (default {GPU_LENGTHS} on cuda, {CPU_LENGTHS} on cpu)")
+    parser.add_argument("--head-dims", type=_ints, default=(64, 128))
+    parser.add_argument("--variants", type=_names, default=None, help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--backends", type=_names, default=None,
+                        help=f"comma list (default {','.join(GPU_BACKENDS)} on cuda, {','.join(CPU_BACKENDS)} on cpu)")
+    parser.add_argument("--batch", type=int, default=None, help="default tokens // length on cuda, 1 on cpu")
+    parser.add_argument("--heads", type=int, default=None, help="default model_dim // head_dim on cuda, 4 on cpu")
+    parser.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--model-dim", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=None, help="default 3 (1 on cpu)")
+    parser.add_argument("--reps", type=int, default=None, help="default 10 (3 on cpu)")
+    parser.add_argument("--out", default=None, help="JSON path (default runs/bench/attention_<device>.json)")
+    return parser
+
+
+def main(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cpu = device.type == "cpu"
+    out = args.out or f"runs/bench/attention_{device.type}.json"
+    rows = bench_attention(args.lengths, args.head_dims, args.variants, args.backends, args.batch, args.heads,
+                           args.dtype or ("float32" if cpu else "bfloat16"), out, device=device,
+                           warmup=args.warmup if args.warmup is not None else (1 if cpu else 3),
+                           reps=args.reps if args.reps is not None else (3 if cpu else 10),
+                           tokens=args.tokens, model_dim=args.model_dim, verbose=True)
+    print()
+    print(format_table(rows))
+    print(f"\nwrote {out}")
+    return rows
+
+
+__all__ = ["bench_attention", "add_arguments", "main", "VARIANTS", "COLUMNS", "causal_flops", "format_table"]

@@ -1,0 +1,103 @@
+"""`lengthgen.bench`: the attention benchmark runs on CPU at tiny sizes and writes the expected JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lengthgen import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def test_causal_flops_flashattention_convention():
+    fwd, bwd = bench.causal_flops(2, 16, 1024, 64)
+    assert fwd == 4 * 2 * 1024 ** 2 * 16 * 64 / 2
+    assert bwd == 2.5 * fwd
+
+
+def test_packed_doc_ids_are_runs():
+    docs = bench.packed_doc_ids(3, 256, "cpu")
+    assert docs.shape == (3, 256)
+    assert (docs.diff(dim=-1) >= 0).all() and (docs[:, -1] >= 3).all()      # several documents per row
+
+
+def test_bench_cpu_rows_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    rows = bench.bench_attention(lengths=(32,), head_dims=(16,), variants=("baseline", "l2", "doc_l2"),
+                                 backends=("dense", "tiled", "sdpa", "flex"), batch=1, heads=2, dtype="float32",
+                                 out_json=out, device="cpu", warmup=0, reps=1, verbose=False)
+    data = json.loads(out.read_text())
+    assert data["columns"] == list(bench.COLUMNS)
+    assert data["meta"]["device"] == "cpu"
+    assert len(data["rows"]) == len(rows) == 1 + 3 * 4
+    for row in data["rows"]:
+        assert set(row) == set(bench.COLUMNS)
+        assert (row["length"], row["head_dim"], row["batch"], row["heads"], row["dtype"]) == (32, 16, 1, 2, "float32")
+    by = {(r["backend"], r["variant"]): r for r in rows}
+    ref = by[("sdpa_flash", "baseline")]
+    assert ref["status"] == "ok" and ref["ratio_vs_sdpa_flash"] == 1.0 and ref["mode"] == "fwd+bwd"
+    for name in ("dense", "tiled"):
+        for variant in ("baseline", "l2", "doc_l2"):
+            row = by[(name, variant)]
+            assert row["status"] == "ok" and row["mode"] == "fwd+bwd", row
+            assert row["total_ms"] > 0 and row["fwd_ms"] > 0 and row["total_tflops"] > 0
+            assert row["ratio_vs_sdpa_flash"] == pytest.approx(row["total_ms"] / ref["total_ms"])
+            assert row["peak_mem_mib"] is None                                  # CUDA only
+    assert by[("sdpa", "baseline")]["status"] == "ok"
+    assert by[("sdpa", "l2")]["status"].startswith("unsupported: softmax_p")
+    for variant in ("baseline", "l2", "doc_l2"):                               # FlexAttention: CPU forward only
+        row = by[("flex", variant)]
+        assert row["status"] == "ok" and row["mode"] == "fwd" and row["bwd_ms"] is None, row
+    table = bench.format_table(rows)
+    assert "fwd*" in table and "forward only" in table and "x flash" in table
+
+
+def test_bench_rejects_unknown_names():
+    with pytest.raises(ValueError, match="variant"):
+        bench.bench_attention(lengths=(16,), variants=("nope",), device="cpu", verbose=False)
+    with pytest.raises(ValueError, match="backend"):
+        bench.bench_attention(lengths=(16,), backends=("cudnn",), device="cpu", verbose=False)
+
+
+def test_add_arguments_parses_lists():
+    args = bench.add_arguments(argparse.ArgumentParser()).parse_args(
+        ["--device", "cpu", "--lengths", "256,1k", "--head-dims", "64", "--variants", "l2,alibi",
+         "--backends", "tiled", "--dtype", "float32"])
+    assert args.lengths == (256, 1024) and args.head_dims == (64,)
+    assert args.variants == ("l2", "alibi") and args.backends == ("tiled",)
+
+
+def test_cli_script_on_cpu(tmp_path):
+    out = tmp_path / "cli.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, "benchmarks/attention_gpu.py", "--device", "cpu", "--lengths", "32",
+                           "--head-dims", "16", "--variants", "baseline,alibi", "--backends", "dense,sdpa",
+                           "--warmup", "0", "--reps", "1", "--heads", "2", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "x flash" in proc.stdout and str(out) in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["variant"]) for r in rows] == [
+        ("sdpa_flash", "baseline"), ("dense", "baseline"), ("sdpa", "baseline"), ("dense", "alibi"), ("sdpa", "alibi")]
+    assert rows[4]["status"].startswith("unsupported")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_cuda_small(tmp_path):
+    rows = bench.bench_attention(lengths=(1024,), head_dims=(64,), variants=("baseline", "l2"),
+                                 backends=("triton", "flex", "sdpa"), dtype="bfloat16", out_json=tmp_path / "b.json",
+                                 device="cuda", warmup=1, reps=2, verbose=False)
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {(r["backend"], r["variant"]) for r in ok} >= {("triton", "l2"), ("flex", "l2"), ("sdpa", "baseline")}
+    assert all(r["mode"] == "fwd+bwd" and r["peak_mem_mib"] > 0 and r["ratio_vs_sdpa_flash"] > 0 for r in ok)
