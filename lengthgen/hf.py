@@ -503,7 +503,11 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
                          "pass spec=... to retrofit it now")
     spec = resolve_spec(spec if spec is not None else saved)
     kwargs.setdefault("attn_implementation", NAME)
-    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    try:
+        cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"{path}: {type(config).__name__} has no causal-LM class in transformers' "
+                         "AutoModelForCausalLM (remote-code models are not supported)") from None
     # The checkpoint holds the retrofit parameters the bare class does not have: keep HF's load report quiet
     # about them (they are loaded below).
     before = cls.__dict__.get("_keys_to_ignore_on_load_unexpected", None)

@@ -142,6 +142,8 @@ def test_variant_equals_attend_on_the_models_qkv(kind, variant):
     ids, mask = batch()
     logits(model, ids, mask)
     assert record["q"].shape == (2, 4, 16, 16) and record["k"].shape == (2, 2, 16, 16)   # GQA, after RoPE
+    assert record["dense_mask"] is None                                                   # padding -> documents
+    assert torch.equal(fn.segments(record["doc_ids"])[0], fn.segments(mask)[0])
     want = reference(attn, spec, record["q"], record["k"], record["v"], seen["x"], doc_ids=mask)
     torch.testing.assert_close(record["out"], want, **TOL)
 
@@ -207,6 +209,33 @@ def test_arbitrary_masks_use_the_dense_fallback_and_noncausal_masks_raise():
     torch.testing.assert_close(logits(model, ids, allowed), want, **TOL)
     with pytest.raises(ValueError, match="later keys"):
         logits(model, ids, torch.ones(2, 1, 12, 12, dtype=torch.bool))
+
+
+def test_dense_fallback_equals_attend_with_documents():
+    """The explicit-mask path computes the same math as `attend` with doc_ids on the rows that see themselves."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 2, 2]])
+    spec = FULL.replace(base_scale=0.3, doc_masking=True)
+    mult = torch.tensor(0.7)
+    want = attend(q, k, v, spec, doc_ids=doc_ids, multipliers=mult, backend="dense")
+    run, _ = fn.segments(doc_ids)
+    allowed = (torch.ones(9, 9).tril().bool() & (run[:, :, None] == run[:, None, :]))[:, None]
+    torch.testing.assert_close(lhf._dense_masked(q, k, v, spec, allowed, mult), want, **TOL)
+
+
+def test_sliding_window_model_matches_eager():
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, sliding_window=4,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        initializer_range=0.1, attn_implementation="eager")
+    model = transformers.MistralForCausalLM(config).eval()
+    ids, mask = batch(length=12, pad=3)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    want, want_tokens = logits(model, ids, mask), model.generate(ids, **kw)
+    lhf.retrofit(model, "baseline")
+    torch.testing.assert_close(logits(model, ids, mask)[mask.bool()], want[mask.bool()], **TOL)
+    assert torch.equal(model.generate(ids, **kw), want_tokens)
 
 
 def test_plan_mask_turns_padding_into_documents():
