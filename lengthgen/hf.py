@@ -157,13 +157,16 @@ def _plan_for(mask: torch.Tensor, allowed: torch.Tensor, lq: int, lk: int, windo
 
 def _dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, allowed: torch.Tensor,
                   multipliers: torch.Tensor | float | None) -> torch.Tensor:
-    """The dense oracle with an explicit boolean mask: n_i = keys row i sees; rows that see nothing give 0."""
+    """The dense oracle with an explicit boolean mask (and ``spec.window`` on top): n_i = keys row i sees; rows
+    that see nothing give 0."""
+    q_pos, k_pos = fn.positions(q.shape[-2], k.shape[-2], q.device)
+    if spec.window is not None:
+        allowed = allowed & (q_pos[:, None] - k_pos[None, :] < spec.window)
     n = allowed[:, 0].sum(-1).clamp(min=1).to(q.dtype)            # (B, Lq)
     g = fn.query_gain(n, spec, multipliers)
     qs = q * spec.base_scale if g is None else q * (g * spec.base_scale)
     groups = q.shape[1] // k.shape[1]
     k, v = fn.repeat_kv(k, groups), fn.repeat_kv(v, groups)
-    q_pos, k_pos = fn.positions(q.shape[-2], k.shape[-2], q.device)
     s = fn.logits(qs, k, q_pos, k_pos, spec.replace(window=None, doc_masking=False))
     s = s.masked_fill(~allowed, float("-inf"))
     w = fn.p_softmax(s, spec.softmax_p)
@@ -307,7 +310,7 @@ def lengthgen_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
         if 1 < lq < lk:        # as HF's sdpa: no mask with more keys than queries = prefill of an empty static cache
             lk = lq
     else:
-        plan = _plan_for(attention_mask, allowed, lq, lk, window)
+        plan = _plan_for(attention_mask, allowed, lq, lk, sliding_window or None)   # the window HF's mask has
         lk, doc_ids, dense = plan.lk, plan.doc_ids, plan.dense
     key, value = key[..., :lk, :], value[..., :lk, :]
     run = spec.replace(base_scale=float(base), window=window, doc_masking=doc_ids is not None)

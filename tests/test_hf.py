@@ -22,6 +22,11 @@ VARIANTS = ["l2", "ssmax", "sqrt_log_n", "scale_invariant", "alibi", "log_bias",
 # Every parameterized knob at once (and the global multiplier shared across layers).
 FULL = AttentionSpec(softmax_p=2.0, query_scaling="log_n", learnable_scaling="global", distance="alibi",
                      out_norm="head_layer", out_norm_affine=True, gate="head", gate_act="2sigmoid")
+EXTRA = {"full": FULL, "window": AttentionSpec(window=3, query_scaling="log_n")}
+
+
+def variant_spec(name: str) -> AttentionSpec:
+    return EXTRA[name] if name in EXTRA else AttentionSpec.preset(name)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -129,10 +134,10 @@ def reference(attn, spec, q, k, v, x, doc_ids):
     return y.view(b, length, h, d)
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ["full"])
+@pytest.mark.parametrize("variant", VARIANTS + list(EXTRA))
 @pytest.mark.parametrize("kind", MODELS)
 def test_variant_equals_attend_on_the_models_qkv(kind, variant):
-    spec = FULL if variant == "full" else AttentionSpec.preset(variant)
+    spec = variant_spec(variant)
     model = quiet_retrofit(tiny(kind), spec)
     randomize_retrofit(model)
     attn = lhf.attention_modules(model)[1][1]             # the second layer: its input depends on the first
@@ -148,11 +153,11 @@ def test_variant_equals_attend_on_the_models_qkv(kind, variant):
     torch.testing.assert_close(record["out"], want, **TOL)
 
 
-@pytest.mark.parametrize("variant", ["baseline"] + VARIANTS + ["full"])
+@pytest.mark.parametrize("variant", ["baseline"] + VARIANTS + list(EXTRA))
 def test_llama_attention_equals_lengthgen_attention_layer(variant):
     """Llama's attention with the lengthgen function = lengthgen's `Attention` layer with the same weights (RoPE
     layouts and frequencies agree), o_proj included."""
-    spec = FULL if variant == "full" else AttentionSpec.preset(variant)
+    spec = variant_spec(variant)
     model = quiet_retrofit(tiny("llama"), spec)
     randomize_retrofit(model)
     attn = lhf.attention_modules(model)[0][1]
@@ -216,12 +221,13 @@ def test_dense_fallback_equals_attend_with_documents():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 2, 2]])
-    spec = FULL.replace(base_scale=0.3, doc_masking=True)
-    mult = torch.tensor(0.7)
-    want = attend(q, k, v, spec, doc_ids=doc_ids, multipliers=mult, backend="dense")
     run, _ = fn.segments(doc_ids)
     allowed = (torch.ones(9, 9).tril().bool() & (run[:, :, None] == run[:, None, :]))[:, None]
-    torch.testing.assert_close(lhf._dense_masked(q, k, v, spec, allowed, mult), want, **TOL)
+    mult = torch.tensor(0.7)
+    for spec in (FULL, FULL.replace(window=2)):
+        spec = spec.replace(base_scale=0.3, doc_masking=True)
+        want = attend(q, k, v, spec, doc_ids=doc_ids, multipliers=mult, backend="dense")
+        torch.testing.assert_close(lhf._dense_masked(q, k, v, spec, allowed, mult), want, **TOL)
 
 
 def test_sliding_window_model_matches_eager():
