@@ -74,7 +74,8 @@ def _bool_mask(mask: Any) -> torch.Tensor | None:
         raise ValueError("lengthgen attention got a 2D padding mask: the model did not build a 4D mask for the "
                          "'lengthgen' implementation (is lengthgen.hf.register() called before the forward?)")
     if mask.dim() != 4:
-        raise ValueError(f"lengthgen attention expects a 4D (batch, 1, queries, keys) mask, got shape {tuple(mask.shape)}")
+        raise ValueError("lengthgen attention expects a 4D (batch, 1, queries, keys) mask, "
+                         f"got shape {tuple(mask.shape)}")
     if mask.dtype == torch.bool:
         return mask
     allowed = mask > torch.finfo(mask.dtype).min / 2
@@ -114,7 +115,8 @@ def plan_mask(allowed: torch.Tensor, lq: int, lk: int, window: int | None) -> _P
         raise ValueError(f"lengthgen attention: mask covers {allowed.shape[-1]} keys but there are {lk}")
     allowed = allowed[..., :lk]
     if allowed.shape[1] != 1:
-        raise ValueError(f"lengthgen attention supports masks shared by all heads (B, 1, Lq, Lk), got {tuple(allowed.shape)}")
+        raise ValueError("lengthgen attention supports masks shared by all heads (B, 1, Lq, Lk), "
+                         f"got {tuple(allowed.shape)}")
     b = allowed.shape[0]
     seen = allowed.any(dim=(0, 1, 2)).nonzero()
     lk = max(lq, int(seen.max()) + 1 if len(seen) else lq)
@@ -265,7 +267,8 @@ def _release_input(module: nn.Module, args: tuple, kwargs: dict, output: Any) ->
 
 
 def module_spec(module: nn.Module) -> AttentionSpec:
-    """The spec an HF attention module runs: ``module.lengthgen_spec``, else ``config.lengthgen_spec``, else baseline."""
+    """The spec an HF attention module runs: ``module.lengthgen_spec``, else ``config.lengthgen_spec``, else
+    baseline."""
     spec = getattr(module, "lengthgen_spec", None)
     if spec is not None:
         return spec
@@ -448,7 +451,8 @@ def lengthgen_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if ".lengthgen." in f".{name}"}
 
 
-def _checkpoint_tensors(path: str | os.PathLike, names: set[str], hub_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _checkpoint_tensors(path: str | os.PathLike, names: set[str],
+                        hub_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Read ``names`` from the (possibly sharded) safetensors or torch checkpoint at ``path`` (directory or hub id)."""
     from transformers.utils import cached_file
 
@@ -485,7 +489,8 @@ def _checkpoint_tensors(path: str | os.PathLike, names: set[str], hub_kwargs: di
 _HUB_KEYS = ("cache_dir", "revision", "local_files_only", "token", "subfolder", "force_download", "proxies")
 
 
-def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | None = None, **kwargs: Any) -> nn.Module:
+def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | None = None,
+                    **kwargs: Any) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` that restores a retrofit saved with ``save_pretrained``.
 
     The spec comes from ``config.lengthgen_spec`` (or ``spec`` if given); the retrofit parameters are read

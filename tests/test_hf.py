@@ -219,7 +219,8 @@ def test_arbitrary_masks_use_the_dense_fallback_and_noncausal_masks_raise():
 def test_dense_fallback_equals_attend_with_documents():
     """The explicit-mask path computes the same math as `attend` with doc_ids on the rows that see themselves."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(2, 4, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    q = torch.randn(2, 4, 9, 8, generator=g)
+    k, v = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 2, 2]])
     run, _ = fn.segments(doc_ids)
     allowed = (torch.ones(9, 9).tril().bool() & (run[:, :, None] == run[:, None, :]))[:, None]
@@ -329,3 +330,9 @@ def test_token_losses_and_load_local_model(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         lhf.load_local_model(tmp_path / "empty")
+
+
+def test_missing_transformers_gives_an_install_hint(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"pip install 'lengthgen\[hf\]'"):
+        lhf.retrofit(torch.nn.Linear(2, 2), "baseline")
