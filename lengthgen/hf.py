@@ -26,6 +26,12 @@ Masks: the ``"lengthgen"`` mask is HF's boolean SDPA mask. A mask that is "causa
 contiguous runs" on the real query rows (left or right padding, packed sequences, KV-cache decoding) becomes
 ``doc_ids`` for `lengthgen.attend` (any backend). Any other causal mask runs on a dense fallback with that exact
 mask (n_i = the number of keys the row sees); masks that let a query see later keys raise ValueError.
+
+Limits: causal decoder self-attention only (no encoder / cross attention, softcapping, attention sinks,
+attention dropout, per-head masks, ``output_attentions`` weights); a plain ``AutoModelForCausalLM.from_pretrained``
+of a retrofitted checkpoint ignores the spec and drops the retrofit parameters (use `from_pretrained` here);
+a ``learnable_scaling="global"`` multiplier is shared by reference (not for FSDP-style sharding);
+``torch.compile`` is untested (planning a mask reads its values).
 """
 
 from __future__ import annotations
