@@ -1,0 +1,232 @@
+"""GPT: norm placements x norm types, heads and losses, per-layer attention specs, init, shared scaling."""
+
+from __future__ import annotations
+
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lengthgen import GPT, GPTConfig
+from lengthgen.attention import PRESETS, AttentionSpec
+from lengthgen.model.config import PLACEMENTS
+from lengthgen.model.norms import NORMS, HeadNormLinear
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Under pytest-xdist (2 workers on 2 cores) one thread per worker avoids oversubscription."""
+    saved = torch.get_num_threads()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(vocab_size=13, dim=16, layers=3, heads=2, mlp_ratio=2.0)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def fake_batch(head: str, b: int = 3, length: int = 7, vocab: int = 13, classes: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(b, length, generator=g) > 0.3
+    mask[:, -1] = True
+    if head == "lm":
+        targets = torch.randint(vocab, (b, length), generator=g)
+    elif head == "regress":
+        targets = torch.randn(b, length, generator=g)
+    else:
+        targets = torch.randint(classes, (b,), generator=g)
+        mask = torch.ones(b, length, dtype=torch.bool)
+    return SimpleNamespace(tokens=torch.randint(vocab, (b, length), generator=g), targets=targets, loss_mask=mask,
+                           doc_ids=None)
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("norm", NORMS)
+def test_every_placement_norm_and_head_runs_forward_backward(placement, norm):
+    torch.manual_seed(0)
+    for head in ("lm", "regress", "classify"):
+        model = GPT(tiny(norm=norm, norm_placement=placement, head=head, num_classes=4))
+        batch = fake_batch(head)
+        out = model(batch.tokens)
+        expected = {"lm": (3, 7, 13), "regress": (3, 7), "classify": (3, 4)}[head]
+        assert tuple(out.shape) == expected
+        loss, per = model.loss(out, batch)
+        assert per.shape == ((3,) if head == "classify" else (3, 7))
+        assert torch.isfinite(loss)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+        assert model.embed.weight.grad.abs().sum() > 0
+
+
+def _manual_block(block, x):
+    """The placement formulas written out from the block's submodules."""
+    a, m = block.attn, block.mlp
+    p = block.placement
+    if p == "pre":
+        x = x + a(block.norm1(x))
+        return x + m(block.norm2(x))
+    if p == "post":
+        x = block.norm1(x + a(x))
+        return block.norm2(x + m(x))
+    if p == "peri":
+        x = x + block.norm1_out(a(block.norm1(x)))
+        return x + block.norm2_out(m(block.norm2(x)))
+    y = x + a(block.norm1(x) if p == "hybrid_first" else x)
+    z = block.norm2(y)
+    return m(z) + z
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_placement_formulas_and_structure(placement):
+    torch.manual_seed(1)
+    cfg = tiny(layers=4, norm="rms", norm_placement=placement, head="lm")
+    model = GPT(cfg)
+    x = torch.randn(2, 5, 16)
+    for block in model.blocks:
+        torch.testing.assert_close(block(x), _manual_block(block, x))
+    kinds = [b.placement for b in model.blocks]
+    expected = {"pre": ["pre"] * 4, "post": ["post"] * 4, "peri": ["peri"] * 4, "hybrid": ["hybrid"] * 4,
+                "hybrid_star": ["hybrid_first"] + ["hybrid"] * 3,
+                "mix": ["post"] + ["pre"] * 3}[placement]   # ceil(0.25 * 4) = 1 post layer
+    assert kinds == expected
+    assert (model.final_norm is None) == (placement == "post")
+    if placement.startswith("hybrid"):
+        for block in model.blocks:   # QKV-norm: the spec's QK-norm plus a per-head norm on V
+            assert block.attn.spec.qk_norm == "rms"
+            assert isinstance(block.attn.v_proj, HeadNormLinear)
+            v = block.attn.v_proj(x).view(2, 5, 2, 8)
+            torch.testing.assert_close(v.pow(2).mean(-1), torch.ones(2, 5, 2), atol=2e-3, rtol=0)
+        assert model.blocks[1].norm1 is None
+    assert GPT(tiny(layers=8, norm_placement="mix", mix_alpha=0.5)).blocks[3].placement == "post"
+    assert GPT(tiny(layers=8, norm_placement="mix", mix_alpha=0.5)).blocks[4].placement == "pre"
+
+
+def test_per_layer_specs_every_rule_layers_rule_and_list():
+    cfg = tiny(layers=8, attention={"window": 16},
+               layer_attention=[{"every": 4, "offset": 3, "spec": "nope"}, {"layers": [0, -1], "spec": "l2"}])
+    model = GPT(cfg)
+    specs = [b.attn.spec for b in model.blocks]
+    local = AttentionSpec(window=16)
+    assert specs[0] == PRESETS["l2"] and specs[7] == PRESETS["l2"]      # later rule wins over every-4 at 7
+    assert specs[3] == PRESETS["nope"] and specs[3].window is None
+    for i in (1, 2, 4, 5, 6):
+        assert specs[i] == local
+    assert [b.attn.layer_index for b in model.blocks] == list(range(8))
+    # a dict rule spec without preset changes fields of the default; with preset starts from that preset
+    cfg = tiny(layers=4, attention="l2", layer_attention={"every": 2, "spec": {"position": "nope"}})
+    specs = cfg.layer_specs()
+    assert specs[0] == PRESETS["l2"].replace(position="nope") and specs[1] == PRESETS["l2"]
+    cfg = tiny(layers=3, layer_attention=[None, "alibi", {"preset": "avnorm", "window": 4}])
+    specs = [b.attn.spec for b in GPT(cfg).blocks]
+    assert specs == [PRESETS["baseline"], PRESETS["alibi"], PRESETS["avnorm"].replace(window=4)]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([{"every": 0, "spec": "nope"}], r"layer_attention\[0\]\.every"),
+    ([{"layers": [9], "spec": "nope"}], r"layer_attention\[0\]\.layers"),
+    ([{"every": 2, "layers": [1], "spec": "nope"}], "exactly one"),
+    ([{"every": 2, "spec": "nosuch"}], "unknown attention preset"),
+    ([{"every": 2, "spec": {"softmax_p": -1}}], "softmax_p"),
+    (["nope", None], "exactly layers=3"),
+])
+def test_bad_layer_attention_is_a_clear_error(bad, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(layers=3, layer_attention=bad)
+
+
+def test_global_learnable_scaling_is_one_shared_parameter():
+    spec = {"preset": "ssmax", "learnable_scaling": "global"}
+    model = GPT(tiny(layers=3, attention=spec, layer_attention=[{"layers": [1], "spec": "baseline"}]))
+    shared = model.scaling_multiplier
+    assert isinstance(shared, torch.nn.Parameter) and shared.shape == ()
+    assert model.blocks[0].attn.multiplier is shared and model.blocks[2].attn.multiplier is shared
+    assert model.blocks[1].attn.multiplier is None
+    assert sum(p is shared for p in model.parameters()) == 1
+    out = model(torch.randint(13, (2, 6)))
+    out.sum().backward()
+    assert shared.grad is not None and shared.grad != 0
+    per_head = GPT(tiny(layers=2, attention="ssmax"))
+    assert per_head.scaling_multiplier is None
+    assert per_head.blocks[0].attn.multiplier is not per_head.blocks[1].attn.multiplier
+
+
+def test_init_std_and_gates_keep_their_init():
+    torch.manual_seed(0)
+    model = GPT(tiny(dim=64, heads=4, layers=2, attention="gated"))
+    for block in model.blocks:
+        assert torch.count_nonzero(block.attn.gate_proj.weight) == 0          # 2sigmoid gate: identity at init
+        assert abs(block.attn.q_proj.weight.std().item() - 0.02) < 0.003
+    assert abs(model.embed.weight.std().item() - 0.02) < 0.003
+    assert model.head.weight is model.embed.weight                          # tied by default
+    untied = GPT(tiny(tie_embeddings=False))
+    assert untied.head.weight is not untied.embed.weight
+    sig = GPT(tiny(attention={"gate": "head", "gate_act": "sigmoid"}))
+    assert torch.count_nonzero(sig.blocks[0].attn.gate_proj.weight) > 0
+
+
+def test_lm_loss_honors_mask_z_loss_and_cap():
+    torch.manual_seed(0)
+    model = GPT(tiny(head="lm"))
+    batch = fake_batch("lm")
+    out = model(batch.tokens)
+    loss, per = model.loss(out, batch)
+    ce = F.cross_entropy(out.flatten(0, 1), batch.targets.flatten(), reduction="none").view(3, 7)
+    m = batch.loss_mask
+    torch.testing.assert_close(loss, ce[m].mean())
+    torch.testing.assert_close(per[m], ce[m])
+    assert (per[~m] == 0).all()
+    # unmasked labels may be anything (e.g. -100): they are ignored
+    bad = SimpleNamespace(**{**vars(batch), "targets": torch.where(m, batch.targets, -100)})
+    torch.testing.assert_close(model.loss(out, bad)[0], loss)
+    zmodel = GPT(tiny(head="lm", z_loss=1e-2))
+    zmodel.load_state_dict(model.state_dict())
+    zloss, zper = zmodel.loss(zmodel(batch.tokens), batch)
+    lse = torch.logsumexp(out, -1)
+    torch.testing.assert_close(zloss, ce[m].mean() + 1e-2 * lse[m].square().mean())
+    torch.testing.assert_close(zper, per)
+    capped = GPT(tiny(head="lm", logit_cap=0.01))
+    capped.load_state_dict(model.state_dict())
+    logits = capped(batch.tokens)
+    torch.testing.assert_close(logits, 0.01 * torch.tanh(out / 0.01))
+    assert logits.abs().max() <= 0.01
+
+
+def test_regress_and_classify_losses():
+    torch.manual_seed(0)
+    model = GPT(tiny(head="regress"))
+    batch = fake_batch("regress")
+    out = model(batch.tokens)
+    loss, per = model.loss(out, batch)
+    m = batch.loss_mask
+    torch.testing.assert_close(loss, (out - batch.targets).abs()[m].mean())
+    assert (per[~m] == 0).all()
+    model = GPT(tiny(head="classify", num_classes=4, mlp="relu2"))
+    batch = fake_batch("classify")
+    out = model(batch.tokens)
+    loss, per = model.loss(out, batch)
+    torch.testing.assert_close(per, F.cross_entropy(out, batch.targets, reduction="none"))
+    torch.testing.assert_close(loss, per.mean())
+    # the classify head reads the last position only
+    t2 = batch.tokens.clone()
+    t2[:, -1] = (t2[:, -1] + 1) % 13
+    assert not torch.allclose(model(t2), out)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"model\.norm_placement='middle'.*pre, post, peri"):
+        tiny(norm_placement="middle")
+    with pytest.raises(ValueError, match=r"model\.heads=3.*divide dim=16"):
+        tiny(heads=3)
+    with pytest.raises(ValueError, match=r"model\.attention: AttentionSpec\.out_norm"):
+        tiny(attention={"out_norm": "bogus"})
+    with pytest.raises(ValueError, match="vocab_size is None"):
+        GPT(GPTConfig())
+    assert math.isclose(tiny().to_dict()["attention"]["softmax_p"], 1.0)
