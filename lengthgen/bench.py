@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from lengthgen.attention import AttentionSpec, attend
 from lengthgen.attention import backends as attention_backends
 
-#: benchmarked variants: name -> (spec, packed documents?)
+#: benchmarked variants: name -> (spec, packed documents?). Only attend() is timed (query scaling, distance
+#: terms, masks, p-softmax); QK-norm, RoPE and projections belong to the layer and are not part of it.
 VARIANTS: dict[str, tuple[AttentionSpec, bool]] = {
     "baseline": (AttentionSpec.preset("baseline"), False),
     "l2": (AttentionSpec.preset("l2"), False),

@@ -151,6 +151,7 @@ def test_unsupported_reasons(monkeypatch):
         assert tp.unsupported(spec, torch.empty(1, 2, 8, 64), True) is None
         assert "head_dim" in tp.unsupported(spec, torch.empty(1, 2, 8, 256), True)
         assert "dtype" in tp.unsupported(spec, torch.empty(1, 2, 8, 64, dtype=torch.float64), True)
+        assert "interpreter" in tp.unsupported(spec, torch.empty(1, 2, 8, 64, dtype=torch.bfloat16), True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert tp.unsupported(spec, torch.empty(1, 2, 8, 64), False) is not None
     monkeypatch.setattr(tp, "triton", None)

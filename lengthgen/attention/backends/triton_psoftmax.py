@@ -69,6 +69,8 @@ def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | N
         return f"Triton kernels run on cuda, not {q.device.type}"
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (supported: float16, bfloat16, float32)"
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        return "bfloat16 under the Triton interpreter (its tl.dot mishandles bfloat16; use float32 or float16)"
     if q.shape[-1] > MAX_HEAD_DIM:
         return f"head_dim={q.shape[-1]} (the kernels take head_dim <= {MAX_HEAD_DIM})"
     if spec.distance not in DISTANCE_CODES:
