@@ -164,8 +164,14 @@ def test_record_captures_internals():
     torch.testing.assert_close(rec["y"], attend(rec["q"], rec["k"], rec["v"], m.spec, doc_ids=docs, backend="dense"),
                                **F64)
     torch.testing.assert_close(rec["y_norm"], fn.out_norm(rec["y"], "head_layer", 1e-5), **F64)
-    # v is the plain projection (no norm, no rotation)
-    torch.testing.assert_close(rec["v"], m.v_proj(x).view(2, 11, 2, DIM // HEADS).transpose(1, 2), **F64)
+    # q and k are normed then rotated; v is the plain projection (no norm, no rotation)
+    d, pos = DIM // HEADS, torch.arange(11)
+    q = fn.head_norm(m.q_proj(x).view(2, 11, HEADS, d).transpose(1, 2), "rms", 1e-6, m.q_norm_weight)
+    k = fn.head_norm(m.k_proj(x).view(2, 11, 2, d).transpose(1, 2), "rms", 1e-6, m.k_norm_weight)
+    torch.testing.assert_close(rec["q"], fn.apply_rope(q, pos, m.rope_freqs), **F64)
+    torch.testing.assert_close(rec["k"], fn.apply_rope(k, pos, m.rope_freqs), **F64)
+    assert (rec["k"] - k).abs().max() > 1e-3
+    torch.testing.assert_close(rec["v"], m.v_proj(x).view(2, 11, 2, d).transpose(1, 2), **F64)
 
 
 @pytest.mark.parametrize("granularity,shape", [("global", ()), ("layer", ()), ("head", (HEADS,))])
