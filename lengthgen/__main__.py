@@ -1,0 +1,7 @@
+"""``python -m lengthgen <command> ...`` (e.g. under torchrun)."""
+
+import sys
+
+from lengthgen.cli import main
+
+sys.exit(main())

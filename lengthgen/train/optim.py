@@ -1,0 +1,130 @@
+"""Optimizers (AdamW; Muon for 2-D hidden weights + AdamW for the rest) and QK-clip.
+
+Muon (`torch.optim.Muon`) orthogonalizes the update of 2-D weight matrices; it is meant for hidden layers
+only. `muon_param_names` picks the 2-D parameters inside the transformer blocks (attention and MLP
+projections, gates); embeddings, the head, norms, biases and scalars (e.g. learnable query-scaling
+multipliers) go to AdamW. AdamW applies weight decay to 2-D weights only.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+
+from lengthgen.attention import Attention
+from lengthgen.attention import functional as fn
+
+
+def muon_param_names(model: nn.Module) -> list[str]:
+    """Names of the 2-D hidden weights (inside ``model.blocks``) that Muon optimizes."""
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and p.ndim == 2 and name.startswith("blocks.")]
+
+
+def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]:
+    """[AdamW] or [Muon, AdamW] per ``train_cfg.optimizer``. Each group records its peak lr in ``initial_lr``."""
+    muon_names = set(muon_param_names(model)) if train_cfg.optimizer == "muon" else set()
+    muon_params, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name in muon_names:
+            muon_params.append(p)
+        elif p.ndim >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    optimizers: list[torch.optim.Optimizer] = []
+    if muon_params:
+        muon = torch.optim.Muon(muon_params, lr=train_cfg.muon_lr, weight_decay=train_cfg.muon_weight_decay,
+                                momentum=train_cfg.muon_momentum, nesterov=True,
+                                adjust_lr_fn=train_cfg.muon_adjust_lr)
+        optimizers.append(muon)
+    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if groups:
+        fused = all(p.is_cuda for g in groups for p in g["params"]) or None
+        optimizers.append(torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas),
+                                            eps=train_cfg.eps, fused=fused))
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["initial_lr"] = group["lr"]
+    return optimizers
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+
+
+# ---------------------------------------------------------------------------------------------------
+# QK-clip (Kimi K2, "MuonClip"): keep the largest attention logit of every head below tau
+
+
+@torch.no_grad()
+def attention_max_logits(attn: Attention, chunk: int = 256) -> torch.Tensor:
+    """(H,) largest pre-softmax logit of each head in the forward recorded in ``attn.record``.
+
+    The logit is ``g_i (q_i . k_j) * base_scale`` over visible pairs (causal, window, documents), i.e. with
+    query-length scaling but without the distance terms. Needs ``attn.record`` filled by a forward.
+    """
+    rec = attn.record
+    if not rec or "q" not in rec:
+        raise ValueError("attention_max_logits needs attn.record filled: set attn.record = {} and run a forward")
+    spec = attn.spec
+    q, k, doc_ids = rec["q"].detach().float(), rec["k"].detach().float(), rec.get("doc_ids")
+    multiplier = attn.multiplier.detach().float() if attn.multiplier is not None else None
+    qs = fn.scale_queries(q, spec, k.shape[-2], doc_ids, multiplier)
+    k = fn.repeat_kv(k, qs.shape[1] // k.shape[1])
+    lq, lk = qs.shape[-2], k.shape[-2]
+    q_pos_all, k_pos = fn.positions(lq, lk, qs.device)
+    q_run_all, k_run = fn.runs(doc_ids, spec, lq)
+    best = torch.full((qs.shape[1],), float("-inf"), device=qs.device)
+    for start in range(0, lq, chunk):
+        stop = min(lq, start + chunk)
+        s = qs[:, :, start:stop] @ k.transpose(-1, -2)                     # (B, H, c, Lk)
+        q_run = q_run_all[:, start:stop] if q_run_all is not None else None
+        mask = fn.visibility(q_pos_all[start:stop], k_pos, spec, q_run, k_run)
+        s = s.masked_fill(~mask, float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+    return best
+
+
+@torch.no_grad()
+def qk_clip_(attn: Attention, max_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """Rescale ``attn``'s query/key weights so that heads whose max logit exceeds ``tau`` come back to tau.
+
+    gamma_h = tau / max_h for heads above tau, else 1. Without QK-norm, head h's rows of W_q are scaled by
+    sqrt(gamma_h) and each key head's rows of W_k by sqrt(min gamma over the query heads sharing it), so
+    every head's logits shrink by at least gamma_h (exactly gamma_h without GQA). With QK-norm the
+    projections cannot change the logits; the (shared over heads) affine weights of the Q and K norms are
+    scaled by sqrt(min_h gamma_h) instead, and non-affine QK-norm is left alone (warning). Returns gamma (H,).
+    """
+    gamma = torch.where(max_logits > tau, tau / max_logits.clamp(min=1e-30), torch.ones_like(max_logits))
+    if bool((gamma >= 1).all()):
+        return gamma
+    hd, heads, kv_heads = attn.head_dim, attn.heads, attn.kv_heads
+    if attn.spec.qk_norm != "none":
+        if attn.q_norm_weight is None:
+            warnings.warn(f"QK-clip: layer {attn.layer_index} has non-affine QK-norm; nothing to rescale",
+                          stacklevel=2)
+            return gamma
+        factor = math.sqrt(float(gamma.min()))
+        attn.q_norm_weight.mul_(factor)
+        attn.k_norm_weight.mul_(factor)
+        return gamma
+    q_scale = gamma.sqrt().to(attn.q_proj.weight.dtype).repeat_interleave(hd)              # (H*hd,)
+    k_gamma = gamma.view(kv_heads, heads // kv_heads).amin(dim=1)
+    k_scale = k_gamma.sqrt().to(attn.k_proj.weight.dtype).repeat_interleave(hd)           # (Hkv*hd,)
+    attn.q_proj.weight.mul_(q_scale[:, None])
+    attn.k_proj.weight.mul_(k_scale[:, None])
+    if attn.q_proj.bias is not None:
+        attn.q_proj.bias.mul_(q_scale)
+    if attn.k_proj.bias is not None:
+        attn.k_proj.bias.mul_(k_scale)
+    return gamma

@@ -1,0 +1,53 @@
+"""Learning-rate schedules as pure functions of the step: the multiplier of the peak learning rate.
+
+``step`` counts optimizer updates from 0 (the multiplier used for update ``step``), ``total`` is the number
+of updates. Warmup (both schedules): ``(step + 1) / warmup`` for ``step < warmup``.
+
+* cosine: ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with
+  ``progress = (step - warmup) / max(1, total - warmup)``;
+* wsd (warmup, stable, decay): 1 until ``decay_start = total - round(cooldown_frac * total)``, then linear
+  ``1 - (1 - min) * (step - decay_start) / (total - decay_start)``;
+* constant: 1 after warmup.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def warmup_multiplier(step: int, warmup: int) -> float | None:
+    """The warmup multiplier, or None after warmup."""
+    return (step + 1) / warmup if step < warmup else None
+
+
+def cosine_multiplier(step: int, total: int, warmup: int = 0, min_ratio: float = 0.0) -> float:
+    w = warmup_multiplier(step, warmup)
+    if w is not None:
+        return w
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def wsd_multiplier(step: int, total: int, warmup: int = 0, cooldown_frac: float = 0.2,
+                   min_ratio: float = 0.0) -> float:
+    w = warmup_multiplier(step, warmup)
+    if w is not None:
+        return w
+    cooldown = round(cooldown_frac * total)
+    decay_start = total - cooldown
+    if step < decay_start or cooldown == 0:
+        return 1.0
+    return 1 - (1 - min_ratio) * min(1.0, (step - decay_start) / cooldown)
+
+
+def lr_multiplier(step: int, *, total: int, schedule: str = "cosine", warmup: int = 0,
+                  cooldown_frac: float = 0.2, min_ratio: float = 0.0) -> float:
+    """The multiplier of the peak learning rate at update ``step`` (see the module docstring)."""
+    if schedule == "cosine":
+        return cosine_multiplier(step, total, warmup, min_ratio)
+    if schedule == "wsd":
+        return wsd_multiplier(step, total, warmup, cooldown_frac, min_ratio)
+    if schedule == "constant":
+        w = warmup_multiplier(step, warmup)
+        return 1.0 if w is None else w
+    raise ValueError(f"schedule={schedule!r} is not valid; choose one of cosine, wsd, constant")

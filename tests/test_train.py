@@ -1,0 +1,295 @@
+"""Trainer: learning, exact resume, schedules, BEMA, staged lengths, NaN stop, atomic checkpoints, Muon, QK-clip."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from lengthgen.attention import Attention
+from lengthgen.config import RunConfig
+from lengthgen.model import GPT
+from lengthgen.train import (BEMA, NonFiniteLossError, Trainer, attention_max_logits, build_optimizers,
+                             load_run, lr_multiplier, muon_param_names, qk_clip_, train)
+from lengthgen.train import checkpoint as ckpt_io
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Under pytest-xdist (2 workers on 2 cores) one thread per worker avoids oversubscription."""
+    saved = torch.get_num_threads()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def config(*overrides: str) -> RunConfig:
+    base = ["model.dim=32", "model.layers=2", "model.heads=2", "model.mlp_ratio=2.0", "train.steps=8",
+            "train.lr=3e-3", "train.batch_size=8", "train.eval_batches=1", "train.eval_batch_size=4",
+            "data.task=counting", "data.task_kwargs={vocab_size = 8}", "data.length=16"]
+    return RunConfig().override(*base, *overrides)
+
+
+# ---------------------------------------------------------------------------------------------------
+# learning
+
+
+def test_counting_learns(tmp_path):
+    # seed 001: L2 (p=2) attention can count (softmax averages, so it cannot); 2 symbols, counts up to 15
+    cfg = config("train.steps=60", "train.lr=1e-2", "train.warmup_steps=5", "train.batch_size=16",
+                 "data.task_kwargs={vocab_size = 2}", "model.attention=l2")
+    result = train(cfg, tmp_path / "counting", progress=False)
+    h = result.history
+    assert len(h) == 60 and result.step == 60
+    assert sum(h[-10:]) / 10 < 0.5 * sum(h[:3]) / 3, h
+    assert "abs_error" in result.metrics["eval"]["16"]
+
+
+def test_mqar_learns(tmp_path):
+    cfg = config("data.task=mqar", "data.task_kwargs={vocab_size = 16}", "data.length=16", "train.steps=60",
+                 "train.lr=1e-2", "train.warmup_steps=5", "train.batch_size=16", "train.optimizer=muon",
+                 "train.muon_lr=0.02")
+    result = train(cfg, tmp_path / "mqar", progress=False)
+    h = result.history
+    assert result.config.model.head == "lm" and result.config.model.vocab_size == 16
+    assert sum(h[-10:]) / 10 < 0.75 * sum(h[:3]) / 3, h
+    assert "accuracy" in result.metrics["eval"]["16"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# resume
+
+
+def test_resume_reproduces_losses_exactly(tmp_path):
+    cfg = config("train.steps=8", "train.optimizer=muon", "train.bema.enabled=true", "train.grad_accum=2",
+                 "model.dropout=0.1", "train.tokens_per_step=128", "train.stages=[[0, 8], [4, 16]]",
+                 "train.schedule=wsd", "train.warmup_steps=2", "train.qk_clip=5.0", "train.eval_every=3")
+    full = train(cfg, tmp_path / "full", progress=False)
+    half = train(cfg, tmp_path / "resumed", progress=False, stop_at=4)
+    assert half.step == 4 and half.history == full.history[:4]
+    assert json.loads((tmp_path / "resumed" / "latest.json").read_text())["step"] == 4
+    resumed = train(cfg, tmp_path / "resumed", progress=False, resume=True)
+    assert resumed.step == 8
+    assert resumed.history == full.history                     # exact, not approximately
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for a, b in zip(full.trainer.bema_state_dict().values(), resumed.trainer.bema_state_dict().values()):
+        assert torch.equal(a, b)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(line)]
+    assert steps == list(range(1, 9))
+
+
+def test_load_run_and_bema_weights(tmp_path):
+    cfg = config("train.steps=5", "train.bema.enabled=true", "train.bema.rho=2")
+    result = train(cfg, tmp_path / "run", progress=False)
+    loaded_cfg, model = load_run(tmp_path / "run")
+    assert loaded_cfg == result.config
+    tokens = torch.randint(8, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), result.model(tokens), rtol=0, atol=0)
+    _, model_file = load_run(result.checkpoint / "model.safetensors")
+    assert torch.equal(model_file.embed.weight, model.embed.weight)
+    _, bema_model = load_run(tmp_path / "run", bema=True)
+    expected = result.trainer.bema_state_dict()
+    for key, value in bema_model.state_dict().items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0)
+    live = {k: v.clone() for k, v in result.model.state_dict().items()}
+    with result.trainer.use_bema() as swapped:
+        assert torch.equal(swapped.embed.weight, expected["embed.weight"])
+    assert all(torch.equal(v, result.model.state_dict()[k]) for k, v in live.items())
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_run(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_run(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# schedules, BEMA, stages
+
+
+def test_schedules_match_their_formulas():
+    total, warmup = 100, 10
+    for step in range(total):
+        cos = lr_multiplier(step, total=total, schedule="cosine", warmup=warmup, min_ratio=0.1)
+        wsd = lr_multiplier(step, total=total, schedule="wsd", warmup=warmup, cooldown_frac=0.3, min_ratio=0.1)
+        if step < warmup:
+            assert cos == pytest.approx((step + 1) / warmup) and wsd == pytest.approx((step + 1) / warmup)
+            continue
+        p = (step - warmup) / (total - warmup)
+        assert cos == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+        if step < 70:
+            assert wsd == 1.0
+        else:
+            assert wsd == pytest.approx(1 - 0.9 * (step - 70) / 30)
+    assert lr_multiplier(99, total=100, schedule="wsd", cooldown_frac=0.3) == pytest.approx(1 / 30)
+    assert lr_multiplier(50, total=100, schedule="constant", warmup=10) == 1.0
+
+
+def test_bema_matches_its_formula():
+    kappa, eta, rho, gamma, tau = 0.5, 0.2, 3, 0.5, 2
+    p = torch.nn.Parameter(torch.zeros(3))
+    module = torch.nn.Module()
+    module.w = p
+    tracker = BEMA(module, kappa=kappa, eta=eta, rho=rho, gamma=gamma, tau=tau)
+    g = torch.Generator().manual_seed(0)
+    thetas = [torch.randn(3, generator=g) for _ in range(9)]
+    theta0 = ema = None
+    for step, theta in enumerate(thetas):
+        with torch.no_grad():
+            p.copy_(theta)
+        tracker.update(step)
+        if step < tau:
+            expected = theta
+        else:
+            if theta0 is None:
+                theta0, ema = theta.clone(), theta.clone()
+            t = max(step - tau + rho, 1)
+            beta, alpha = (1 + gamma * t) ** -kappa, (1 + gamma * t) ** -eta
+            ema = (1 - beta) * ema + beta * theta
+            expected = alpha * (theta - theta0) + ema
+        torch.testing.assert_close(tracker.weights()["w"], expected)
+
+
+def test_staged_lengths_keep_tokens_per_step(tmp_path):
+    cfg = config("train.tokens_per_step=256", "train.stages=[[0, 8], [2, 16], [4, 32]]", "train.steps=6",
+                 "train.eval_batches=0")
+    assert [cfg.length_at(s) for s in range(6)] == [8, 8, 16, 16, 32, 32]
+    assert all(cfg.batch_size_at(s) * cfg.length_at(s) == 256 for s in range(6))
+    train(cfg, tmp_path / "staged", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "staged" / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    assert [r["length"] for r in records] == [8, 8, 16, 16, 32, 32]
+    assert {r["batch_size"] * r["length"] for r in records} == {256}
+    assert records[-1]["tokens"] == 6 * 256
+
+
+# ---------------------------------------------------------------------------------------------------
+# failures: NaN, atomic checkpoints
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    cfg = config("train.steps=10", "train.checkpoint_every=2")
+    calls = {"n": 0}
+    original = GPT.loss
+
+    def loss(self, output, batch):
+        calls["n"] += 1
+        value, per = original(self, output, batch)
+        return (value * float("nan"), per) if calls["n"] == 6 and self.training else (value, per)
+
+    monkeypatch.setattr(GPT, "loss", loss)
+    with pytest.raises(NonFiniteLossError, match=r"at step 5\b.*step_00000004"):
+        train(cfg, tmp_path / "nan", progress=False)
+    assert json.loads((tmp_path / "nan" / "latest.json").read_text())["step"] == 4
+    _, model = load_run(tmp_path / "nan")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
+    cfg = config("train.steps=2", "train.eval_batches=0")
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    trainer.fit()
+    latest = (tmp_path / "run" / "latest.json").read_text()
+    good = sorted((tmp_path / "run" / "checkpoints").iterdir())
+
+    def broken_save(obj, path, *a, **k):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_io.torch, "save", broken_save)
+    trainer.step = 3
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_checkpoint()
+    assert (tmp_path / "run" / "latest.json").read_text() == latest
+    assert sorted((tmp_path / "run" / "checkpoints").iterdir()) == good          # no partial folder or file
+    assert not list((tmp_path / "run").rglob("*.tmp*"))
+    # a single file: the old content survives a failing writer
+    target = tmp_path / "file.txt"
+    target.write_text("old")
+
+    def writer(p):
+        with open(p, "w") as f:
+            f.write("half")
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        ckpt_io.atomic_write(target, writer)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir() if "file" in p.name] == ["file.txt"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# optimizers, QK-clip
+
+
+def test_muon_gets_hidden_matrices_adamw_the_rest():
+    cfg = config("train.optimizer=muon", "model.attention={preset = \"ssmax\", learnable_scaling = \"global\"}",
+                 "model.attention.qk_norm=rms", "model.attention.gate=head")
+    model = GPT(cfg.model.replace(vocab_size=8, head="lm", tie_embeddings=False))
+    muon, adamw = build_optimizers(model, cfg.train)
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    in_adamw = {names[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert in_muon == set(muon_param_names(model))
+    assert in_muon | in_adamw == set(names.values()) and not in_muon & in_adamw
+    for n in in_muon:
+        assert n.startswith("blocks.") and model.get_parameter(n).ndim == 2
+    assert {"blocks.0.attn.q_proj.weight", "blocks.1.mlp.fc.weight", "blocks.0.attn.gate_proj.weight"} <= in_muon
+    assert {"embed.weight", "head.weight", "scaling_multiplier", "final_norm.weight",
+            "blocks.0.norm1.weight", "blocks.0.attn.q_norm_weight"} <= in_adamw
+    decay = [g for g in adamw.param_groups if g["weight_decay"] > 0 or g["params"][0].ndim >= 2][0]
+    assert all(p.ndim >= 2 for p in decay["params"])
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_qk_clip_brings_max_logit_to_tau(kv_heads):
+    torch.manual_seed(0)
+    attn = Attention(16, 4, {"kv_heads": kv_heads}, head_dim=8)
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(torch.tensor([30.0, 1.0, 20.0, 0.1]).repeat_interleave(8)[:, None])
+        attn.k_proj.weight.mul_(10.0)
+    x = torch.randn(2, 12, 16)
+
+    def maxima():
+        attn.record = {}
+        attn(x)
+        m = attention_max_logits(attn)
+        q, k = attn.record["q"], attn.record["k"].repeat_interleave(4 // attn.kv_heads, dim=1)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+        s = s.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
+        torch.testing.assert_close(m, s.amax(dim=(0, 2, 3)))     # the recorded maxima are the logits' maxima
+        attn.record = None
+        return m
+
+    before = maxima()
+    tau = float(before.sort().values[1]) + 1e-3     # two or three heads above tau
+    gamma = qk_clip_(attn, before, tau)
+    after = maxima()
+    above = before > tau
+    assert above.any() and (~above).any()
+    assert (after <= tau * (1 + 1e-4)).all()
+    torch.testing.assert_close(gamma[above], tau / before[above])
+    if kv_heads is None:   # without GQA every clipped head lands exactly on tau, the others are untouched
+        torch.testing.assert_close(after[above], torch.full_like(after[above], tau))
+        torch.testing.assert_close(after[~above], before[~above])
+
+
+def test_qk_clip_with_qk_norm_scales_norm_weights():
+    torch.manual_seed(0)
+    attn = Attention(16, 2, {"qk_norm": "rms"}, head_dim=8)
+    with torch.no_grad():
+        attn.q_norm_weight.fill_(6.0)
+        attn.k_norm_weight.fill_(6.0)
+    x = torch.randn(1, 10, 16)
+    attn.record = {}
+    attn(x)
+    before = attention_max_logits(attn)
+    qk_clip_(attn, before, 2.0)
+    attn(x)
+    assert attention_max_logits(attn).max() <= 2.0 * (1 + 1e-4)
