@@ -196,6 +196,25 @@ def test_many_documents_and_blocks():
             torch.testing.assert_close(g_got, g_want, **F64)
 
 
+def test_default_blocks():
+    assert tiled.default_blocks(4) == (1024, 1024)
+    for bh in (1, 3, 8, 12, 32, 64, 1000):
+        qb, kb = tiled.default_blocks(bh)
+        assert qb >= tiled.QUERY_BLOCK and kb >= tiled.KEY_BLOCK and max(qb, kb) <= tiled.MAX_BLOCK
+        assert bh * qb * kb <= tiled.BLOCK_ELEMENTS or (qb, kb) == (tiled.QUERY_BLOCK, tiled.KEY_BLOCK)
+
+
+def test_default_blocks_long_input_matches_dense():
+    """Several default-size blocks (1024 x 1024 for batch * heads = 1): p=2 with a window crossing blocks."""
+    spec = AttentionSpec(softmax_p=2.0, window=1100, distance="alibi")
+    q, k, v = make_inputs(b=1, h=1, hkv=1, lq=1300, lk=1300, d=4, seed=21, requires_grad=True)
+    want = attend(q, k, v, spec, backend="dense")
+    got = attend(q, k, v, spec, backend="tiled")
+    torch.testing.assert_close(got, want, **F64)
+    for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        torch.testing.assert_close(g_got, g_want, **F64)
+
+
 # ---------------------------------------------------------------------------------------------------
 # random combinations
 

@@ -129,6 +129,10 @@ def test_fast_backend_lse_identity(p):
     torch.testing.assert_close(lse_1, torch.logsumexp(logit, -1, keepdim=True), **F64)
     torch.testing.assert_close(lse_p, torch.logsumexp(p * logit, -1, keepdim=True), **F64)
     assert (out_p - out_1).abs().max() > 1e-3
+    _, lse_1_of_p1, lse_p_of_p1 = tiled.attention(qs, k, v, spec.replace(softmax_p=1.0), docs, q_block=4, k_block=3,
+                                                  return_lse=True)
+    torch.testing.assert_close(lse_1_of_p1, lse_1, **F64)
+    torch.testing.assert_close(lse_p_of_p1, lse_1, **F64)
 
 
 def test_visible_counts():

@@ -21,6 +21,24 @@ from lengthgen.attention.spec import AttentionSpec
 
 QUERY_BLOCK = 256
 KEY_BLOCK = 512
+# Default blocks grow from QUERY_BLOCK x KEY_BLOCK up to about this many logits per block (batch * heads *
+# q_block * k_block; 16 MiB in float32) and at most MAX_BLOCK a side. Few, large kernels matter on CPU:
+# each op is a parallel region whose thread sync dominates when cores are shared (at L=4K, B*H=4, 2 threads
+# on a busy 2-core machine: 256 x 512 blocks took ~9 s per step, 1024 x 1024 ~1.4 s; equal on 1 thread).
+BLOCK_ELEMENTS = 1 << 22
+MAX_BLOCK = 1024
+
+
+def default_blocks(batch_heads: int) -> tuple[int, int]:
+    """(q_block, k_block) for ``batch_heads`` = batch * heads: doubled (query side first) from the minimum
+    QUERY_BLOCK x KEY_BLOCK while a block stays within BLOCK_ELEMENTS logits and MAX_BLOCK a side."""
+    qb, kb = QUERY_BLOCK, KEY_BLOCK
+    while batch_heads * qb * kb * 2 <= BLOCK_ELEMENTS and min(qb, kb) < MAX_BLOCK:
+        if qb < kb:
+            qb *= 2
+        else:
+            kb *= 2
+    return qb, kb
 
 
 def _key_range(q0: int, q1: int, spec: AttentionSpec, starts: torch.Tensor | None) -> tuple[int, int]:
@@ -66,8 +84,11 @@ class _TiledPSoftmax(torch.autograd.Function):
                 e = torch.exp(logit - m_safe)
                 acc = acc * corr + e @ v[:, :, ksl]
                 s1 = s1 * corr + e.sum(-1, keepdim=True)
-                sp = sp * corr.pow(p) + e.pow(p).sum(-1, keepdim=True)
+                if p != 1:                                           # S_p = S_1 for softmax
+                    sp = sp * corr.pow(p) + e.pow(p).sum(-1, keepdim=True)
                 m = m_new
+            if p == 1:
+                sp = s1
             out[:, :, qsl] = acc * sp.pow(-1.0 / p)
             lse_1[:, :, qsl] = m + torch.log(s1)
             lse_p[:, :, qsl] = p * m + torch.log(sp)
@@ -109,12 +130,16 @@ def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | N
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                    doc_ids: torch.Tensor | None = None, *, q_block: int = QUERY_BLOCK,
-                    k_block: int = KEY_BLOCK, return_lse: bool = False):
+                    doc_ids: torch.Tensor | None = None, *, q_block: int | None = None,
+                    k_block: int | None = None, return_lse: bool = False):
     """Blocked p-softmax attention for scaled queries ``qs`` (B, H, Lq, D) and keys/values (B, Hkv, Lk, D).
+
+    ``q_block`` / ``k_block``: block sizes, default `default_blocks` (B * H).
 
     Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (each LSE (B, H, Lq, 1)).
     """
+    auto_q, auto_k = default_blocks(qs.shape[0] * qs.shape[1])
+    q_block, k_block = q_block or auto_q, k_block or auto_k
     compute = torch.float32 if qs.dtype in (torch.float16, torch.bfloat16) else qs.dtype
     groups = qs.shape[1] // k.shape[1]
     k, v = fn.repeat_kv(k, groups).to(compute), fn.repeat_kv(v, groups).to(compute)
