@@ -43,11 +43,7 @@ def _text_source(data) -> Any:
         from lengthgen.data import text
     except ImportError as err:
         raise ValueError(f"data.kind='text' needs the text data module lengthgen.data.text ({err})") from None
-    make = getattr(text, "make_source", None)
-    if make is None:
-        raise ValueError("data.kind='text': lengthgen.data.text has no make_source(**data.text) returning a "
-                         "Task-like source (sample(batch_size, length, generator) -> Batch)")
-    return make(**data.text)
+    return text.make_text_data(**data.text)
 
 
 SOURCES: dict[str, Callable[[Any], Any]] = {"task": _task_source, "text": _text_source}
