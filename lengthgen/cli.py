@@ -16,6 +16,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+class CommandError(Exception):
+    """A bad command-line argument; printed as a one-line error (exit status 2)."""
+
+
 Handler = Callable[[argparse.Namespace], int]
 #: name -> (add_arguments, handler)
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
@@ -61,6 +65,156 @@ def train_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 256,1024") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 256,1024")
+    return values
+
+
+def _compare_args(p: argparse.ArgumentParser) -> None:
+    from lengthgen.compare import DEFAULT_VARIANTS
+
+    add_config_arguments(p)
+    p.add_argument("--task", help="task name (counting, mqar, set_complement, ...); sets data.task")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated attention presets (default {','.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--train-length", type=int, help="training length (sets data.length)")
+    p.add_argument("--eval-lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
+    p.add_argument("--steps", type=int, help="training steps per variant (sets train.steps)")
+    p.add_argument("--seeds", type=int, default=1, help="seeds per variant (mean and spread are reported)")
+    p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+@command("compare", _compare_args)
+def compare_command(args: argparse.Namespace) -> int:
+    """Train attention variants at a short length, evaluate far beyond it, write a report folder."""
+    from lengthgen.compare import base_config, parse_variants, run_compare
+    from lengthgen.report import terminal_table
+
+    overrides = list(args.overrides)
+    overrides += [f"data.task={args.task}"] if args.task else []
+    overrides += [f"data.length={args.train_length}"] if args.train_length else []
+    overrides += [f"train.steps={args.steps}"] if args.steps else []
+    cfg = base_config(args.config, overrides)
+    try:
+        variants = parse_variants(args.variants)
+    except ValueError as err:
+        raise CommandError(f"--variants: {err}") from None
+    results = run_compare(cfg, args.out, variants=variants, eval_lengths=args.eval_lengths,
+                          seeds=list(range(args.seeds)), eval_tokens=args.eval_tokens, progress=not args.no_progress)
+    print(terminal_table(results))
+    print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json)")
+    return 0
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", help="compare folders (or results.json files) to report on")
+    p.add_argument("--out", "-o", help="write the report here (default: next to each results.json)")
+
+
+@command("report", _report_args)
+def report_command(args: argparse.Namespace) -> int:
+    """Rebuild report.md and the plots from existing results.json files (several are merged)."""
+    import json
+
+    from lengthgen.report import terminal_table, write_report
+
+    merged = None
+    for run in args.runs:
+        path = Path(run) / "results.json" if Path(run).is_dir() else Path(run)
+        if not path.is_file():
+            raise FileNotFoundError(f"no results.json at {path} (give a compare folder or a results.json file)")
+        results = json.loads(path.read_text())
+        if merged is None:
+            merged = results
+        elif results["eval_lengths"] != merged["eval_lengths"] or results["metric"] != merged["metric"]:
+            raise CommandError(f"{path}: its eval lengths/metric differ from {args.runs[0]}; cannot merge")
+        else:
+            merged["variants"].update(results["variants"])
+            merged.setdefault("specs", {}).update(results.get("specs", {}))
+    out = Path(args.out) if args.out else (Path(args.runs[0]) if Path(args.runs[0]).is_dir()
+                                           else Path(args.runs[0]).parent)
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(merged, out)
+    print(terminal_table(merged))
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
+    p.add_argument("--lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
+    p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
+    p.add_argument("--corpus", default="stdlib", help="with --hf: text corpus (stdlib, a path, bin:GLOB)")
+    p.add_argument("--out", "-o", help="write the results JSON here")
+
+
+@command("eval", _eval_args)
+def eval_command(args: argparse.Namespace) -> int:
+    """Evaluate a trained run (or a local HF model) by position at lengths far beyond training."""
+    import json
+
+    if args.hf:
+        from lengthgen.hf import evaluate_hf
+
+        rows = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024], tokens=args.tokens)
+    else:
+        if not args.run:
+            raise CommandError("give a run folder or checkpoint, or --hf PATH")
+        from lengthgen.eval.evaluate import evaluate
+        from lengthgen.train import load_run
+        from lengthgen.train.data import make_source
+
+        cfg, model = load_run(args.run, bema=args.bema)
+        lengths = args.lengths or [max(cfg.lengths()) * m for m in (1, 2, 4, 8, 16)]
+        source = make_source(cfg.data)
+        rows = evaluate(model, source, lengths, tokens_per_length=args.tokens)
+    for row in rows:
+        values = ", ".join(f"{k} {v:.4g}" for k, v in row["at_length"].items())
+        print(f"length {row['length']}: {values}")
+    longest = rows[-1]
+    if "loss" in longest.get("buckets", {}):
+        print("loss by position at length", longest["length"])
+        for b in longest["buckets"]["loss"]:
+            print(f"  [{b['lo']}, {b['hi']}): {b['mean']:.4f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+@command("theory", lambda p: p.add_argument("--out", "-o", default="runs/theory", help="output folder"))
+def theory_command(args: argparse.Namespace) -> int:
+    """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.png."""
+    from lengthgen.theory import main_theory
+
+    main_theory(args.out)
+    return 0
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from lengthgen import bench
+
+    p.add_argument("what", choices=["attention"], help="what to benchmark")
+    bench.add_arguments(p)
+
+
+@command("bench", _bench_args)
+def bench_command(args: argparse.Namespace) -> int:
+    """Benchmark attention backends x variants against SDPA (ratios measured in the same run)."""
+    from lengthgen import bench
+
+    bench.main(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lengthgen", description="Length generalization of attention.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -79,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+    except (CommandError, ConfigError, FileNotFoundError, FileExistsError) as err:
         print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
         return 2
 

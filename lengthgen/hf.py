@@ -623,11 +623,32 @@ def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.T
     return nll
 
 
+def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 1024),
+                tokens: int = 8192, split: str = "val", seed: int = 0) -> list[dict]:
+    """Loss by position of a local HF model (`load_local_model`) on long documents of ``corpus``, tokenized
+    with the model's own ``tokenizer.json``. One row per length in `lengthgen.eval.evaluate`'s format
+    (``at_length``, ``mean``, ``buckets``, ``prefix`` of the per-token loss)."""
+    from lengthgen.data.text import long_documents
+    from lengthgen.eval.buckets import bucket_means, prefix_means
+
+    model = load_local_model(path)
+    rows = []
+    for length in sorted(set(lengths)):
+        count = max(1, tokens // length)
+        docs = long_documents(corpus, f"hf:{path}", min_length=length + 1, count=count, seed=seed, split=split)
+        nll = token_losses(model, torch.as_tensor(docs, dtype=torch.long))
+        half = nll[:, max(length // 2 - 1, 0):]
+        rows.append({"length": length, "batch_size": count, "at_length": {"loss": float(half.nanmean())},
+                     "mean": {"loss": float(nll.nanmean())}, "buckets": {"loss": bucket_means(nll)},
+                     "prefix": {"loss": prefix_means(nll)}})
+    return rows
+
+
 try:
     register()
 except ImportError:      # transformers is optional: the functions above raise a clear ImportError when used
     pass
 
-__all__ = ["LengthgenState", "attention_modules", "from_pretrained", "lengthgen_attention_forward",
+__all__ = ["LengthgenState", "attention_modules", "evaluate_hf", "from_pretrained", "lengthgen_attention_forward",
            "lengthgen_parameters", "load_local_model", "load_local_tokenizer", "module_spec", "plan_mask",
            "register", "retrofit", "retrofit_notes", "token_losses"]
