@@ -1,0 +1,91 @@
+"""`lengthgen compare` / `report` end to end on a tiny setting, and their errors."""
+
+import json
+
+import pytest
+
+from lengthgen.attention import PRESETS, AttentionSpec
+from lengthgen.cli import main
+from lengthgen.compare import base_config, parse_variants, run_compare, variant_spec
+from lengthgen.report import markdown_report, summarize
+
+TINY = ["train.steps=3", "model.dim=16", "model.heads=2", "model.layers=1", "train.batch_size=4"]
+
+
+def test_variant_spec_applies_preset_on_top_of_the_base():
+    base = AttentionSpec(position="nope", window=32)
+    spec = variant_spec(base, "l2")
+    assert spec.softmax_p == 2.0 and spec.position == "nope" and spec.window == 32
+    assert variant_spec(base, "baseline") == base
+    assert variant_spec(AttentionSpec(), "avnorm") == PRESETS["avnorm"]
+
+
+def test_parse_variants_errors_name_the_choices():
+    assert parse_variants("baseline, l2") == ["baseline", "l2"]
+    with pytest.raises(ValueError, match="unknown variant 'nope2'.*baseline"):
+        parse_variants("baseline,nope2")
+    with pytest.raises(ValueError, match="no variants"):
+        parse_variants(" , ")
+
+
+@pytest.fixture(scope="module")
+def tiny_compare(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    cfg = base_config(None, TINY + ["data.length=8"])
+    results = run_compare(cfg, out, variants=["baseline", "avnorm"], seeds=[0, 1], eval_tokens=64,
+                          progress=False, log=lambda _: None)
+    return out, results
+
+
+def test_compare_writes_all_four_report_files(tiny_compare):
+    out, results = tiny_compare
+    for name in ("results.json", "report.md", "extrapolation.png", "diagnostics.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "extrapolation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["eval_lengths"] == [8, 16, 32, 64, 128]
+    assert set(saved["variants"]) == {"baseline", "avnorm"}
+    assert [run["seed"] for run in saved["variants"]["avnorm"]] == [0, 1]
+    assert saved["specs"]["avnorm"]["out_norm"] == "head_layer"
+
+
+def test_report_table_matches_the_results(tiny_compare):
+    out, results = tiny_compare
+    rows = {row["variant"]: row for row in summarize(results)}
+    runs = results["variants"]["baseline"]
+    expected = sum(run["evals"][2]["at_length"]["abs_error"] for run in runs) / 2
+    assert rows["baseline"]["lengths"][32]["abs_error"][0] == pytest.approx(expected)
+    assert rows["baseline"]["lengths"][8]["ratio"] == pytest.approx(1.0)
+    text = (out / "report.md").read_text()
+    assert "| baseline |" in text and "| avnorm |" in text and "128 (16x)" in text
+    assert "has the lowest abs_error" in text
+
+
+def test_report_command_rebuilds_the_report(tiny_compare, tmp_path, capsys):
+    out, results = tiny_compare
+    assert main(["report", str(out), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").read_text() == markdown_report(results)
+    assert (tmp_path / "diagnostics.png").is_file()
+    assert "abs_error by evaluation length" in capsys.readouterr().out
+
+
+def test_report_command_missing_results_is_a_clear_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "no results.json" in capsys.readouterr().err
+
+
+def test_compare_command_bad_variant_exits_2(tmp_path, capsys):
+    assert main(["compare", "--variants", "baseline,bogus", "--out", str(tmp_path)]) == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
+    args = ["compare", "--variants", "l2", "--task", "mqar", "--train-length", "16", "--eval-lengths", "16,32",
+            "--eval-tokens", "64", "--out", str(tmp_path), "--no-progress"] + [x for s in TINY for x in ("--set", s)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "accuracy by evaluation length" in text
+    assert main(["eval", str(tmp_path / "runs" / "l2-seed0"), "--lengths", "16,32", "--tokens", "64",
+                 "--out", str(tmp_path / "eval.json")]) == 0
+    rows = json.loads((tmp_path / "eval.json").read_text())
+    assert [r["length"] for r in rows] == [16, 32] and "accuracy" in rows[0]["at_length"]
