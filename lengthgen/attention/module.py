@@ -15,6 +15,11 @@ from lengthgen.attention.core import attend
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
 
 
+# Backend selection is Python control flow: under torch.compile the attention call is one graph break and
+# the fast backends (FlexAttention, Triton) compile themselves.
+_attend_eager = torch.compiler.disable(attend)
+
+
 def scaling_multiplier(spec: AttentionSpec, heads: int) -> nn.Parameter | None:
     """The learnable query-scaling multiplier (s or r) at the spec's granularity, or None if fixed."""
     if spec.learnable_scaling == "none":
@@ -93,9 +98,17 @@ class Attention(nn.Module):
         if spec.position != "nope":
             pos = torch.arange(length, device=x.device)
             q, k = fn.apply_rope(q, pos, self.rope_freqs), fn.apply_rope(k, pos, self.rope_freqs)
-        y = attend(q, k, v, spec, doc_ids=doc_ids, multipliers=self.multiplier, backend=self.backend)
+        y = _attend_eager(q, k, v, spec, doc_ids=doc_ids, multipliers=self.multiplier, backend=self.backend)
+        return self.output(y, x, record=(q, k, v, doc_ids) if self.record is not None else None)
+
+    def output(self, y: torch.Tensor, x: torch.Tensor, record: tuple | None = None) -> torch.Tensor:
+        """out-norm -> merge heads -> affine -> gate -> o_proj for attention output y (B, H, L, D) and layer
+        input x. Pure tensor code: `torch.compile` fuses it (the attention call itself stays eager)."""
+        spec = self.spec
+        b, _, length, _ = y.shape
         y_norm = fn.out_norm(y, spec.out_norm, spec.out_norm_eps)
-        if self.record is not None:
+        if record is not None:
+            q, k, v, doc_ids = record
             self.record.update(q=q, k=k, v=v, y=y, y_norm=y_norm, doc_ids=doc_ids)
         y = y_norm.transpose(1, 2).reshape(b, length, self.heads * self.head_dim)
         if self.out_norm_weight is not None:

@@ -36,9 +36,13 @@ def unsupported(name: str, spec: AttentionSpec, q: torch.Tensor, training: bool)
 
 
 def choose(spec: AttentionSpec, q: torch.Tensor, lk: int, training: bool) -> str:
-    """`auto`: the fastest backend that supports ``spec`` on ``q``'s device."""
+    """`auto`: the fastest backend that supports ``spec`` on ``q``'s device.
+
+    On CUDA: SDPA (flash) when the spec is plain softmax, else FlexAttention, else the Triton kernel, else
+    `tiled`. The Triton kernel is verified only under the Triton interpreter so far; it stays behind
+    FlexAttention until its GPU tests and benchmark have run (select it with ``backend="triton"``)."""
     if q.is_cuda:
-        return next(n for n in ("triton", "flex", "sdpa", "tiled") if unsupported(n, spec, q, training) is None)
+        return next(n for n in ("sdpa", "flex", "triton", "tiled") if unsupported(n, spec, q, training) is None)
     small = q.shape[-2] * lk <= DENSE_MAX_PAIRS
     plain_causal = spec.window is None and not spec.doc_masking
     if unsupported("sdpa", spec, q, training) is None and (plain_causal or small):
