@@ -122,6 +122,7 @@ class TrainConfig:
     device: str = "auto"             # auto | cpu | cuda
     dtype: str = "auto"              # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | bfloat16
     compile: bool = False            # torch.compile the model (CUDA only; ignored on CPU)
+    threads: int = 0                 # CPU threads (torch.set_num_threads) while training; 0: torch's default
 
     def __post_init__(self) -> None:
         _int("train.steps", self.steps, 1)
@@ -171,6 +172,7 @@ class TrainConfig:
         _choice("train.dtype", self.dtype, DTYPES)
         if not isinstance(self.compile, bool):
             raise _bad("train.compile", self.compile, "it must be true or false")
+        _int("train.threads", self.threads, 0)
 
 
 @dataclass

@@ -80,14 +80,17 @@ def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
 
 
 def _check_lengths(cfg: RunConfig, source: Any) -> None:
+    """Every training and eval length must be one the data can generate (checked by sampling one sequence)."""
     max_length = getattr(source, "max_length", None)
-    if max_length is None:
-        return
     for key, lengths in (("data.length", [cfg.data.length]), ("train.stages", [s[1] for s in cfg.train.stages]),
                          ("train.eval_lengths", cfg.train.eval_lengths)):
         for length in lengths:
-            if length > max_length:
+            if max_length is not None and length > max_length:
                 raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}")
+            try:
+                source.sample(1, length, torch.Generator().manual_seed(0))
+            except ValueError as err:
+                raise ConfigError(f"{key}: length {length}: {err}") from None
 
 
 def _diff(a: Any, b: Any, prefix: str) -> str | None:
@@ -336,6 +339,9 @@ class Trainer:
         bar = _progress(total=tc.steps, initial=self.step, disable=not self.progress,
                         desc=cfg.name or self.run_dir.name)
         start_time, start_tokens = time.perf_counter(), self.tokens
+        saved_threads = torch.get_num_threads()
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
         try:
             while self.step < end:
                 record = self._train_step(self.step)
@@ -356,6 +362,7 @@ class Trainer:
             if self._saved_step != self.step:
                 self.save_checkpoint()
         finally:
+            torch.set_num_threads(saved_threads)
             bar.close()
             if writer is not None:
                 writer.close()
