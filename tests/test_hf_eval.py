@@ -1,0 +1,46 @@
+"""`lengthgen eval --hf DIR`: loss by position of a local Hugging Face model, offline."""
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is an optional extra (lengthgen[hf])")
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers comes with transformers")
+
+from lengthgen.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A random tiny Llama and a byte-level WordLevel tokenizer saved with save_pretrained."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {"<s>": 0, **{chr(i): i - 31 for i in range(32, 127)}, "<unk>": 96}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=len(vocab), max_position_embeddings=4096)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_eval_hf_writes_loss_by_position(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "hf.json"
+    assert main(["eval", "--hf", str(tiny_llama_dir), "--lengths", "64,256", "--tokens", "512",
+                 "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["length"] for r in rows] == [64, 256]
+    assert rows[1]["batch_size"] == 2
+    assert [b["lo"] for b in rows[1]["buckets"]["loss"]][-1] == 256
+    # a random model over ~97 tokens has a loss near log(97) = 4.57 at every position
+    assert 3.5 < rows[1]["at_length"]["loss"] < 6.0
+    assert "loss by position at length 256" in capsys.readouterr().out
+
+
+def test_eval_hf_missing_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["eval", "--hf", str(tmp_path / "absent")]) == 2
+    assert "does not exist" in capsys.readouterr().err
