@@ -43,7 +43,7 @@ import sys
 import time
 
 BATCH, HEADS, HEAD_DIM = 1, 4, 64
-DENSE_BYTES_PER_PAIR = 24        # measured ~21-23 for p=2 at 1K-4K: about six float32 (L, L) tensors per head
+DENSE_BYTES_PER_PAIR = 24        # measured 20.4 (p=1 and p=2, 2K-8K): about five float32 (L, L) tensors per head
 
 
 def _maxrss_mib() -> float:
