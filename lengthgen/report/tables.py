@@ -14,15 +14,15 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(results: dict) -> list[dict]:
-    """One row per variant: for each evaluated length, the headline metric and the loss (mean, std over
-    seeds) and the metric's ratio to its value at the training length."""
+    """One row per variant: for each evaluated length, every measured quantity (mean, std over seeds) and the
+    headline metric's ratio to its value at the training length."""
     metric, train_length = results["metric"], results["train_length"]
     rows = []
     for variant, runs in results["variants"].items():
         row = {"variant": variant, "seeds": len(runs), "lengths": {}}
         for i, length in enumerate(results["eval_lengths"]):
             cell = {}
-            for name in dict.fromkeys([metric, "loss"]):
+            for name in metric_names(results):
                 cell[name] = _mean_std([run["evals"][i]["at_length"].get(name, math.nan) for run in runs])
             row["lengths"][length] = cell
         base = row["lengths"].get(train_length, {}).get(metric, (math.nan, 0))[0]
@@ -30,6 +30,12 @@ def summarize(results: dict) -> list[dict]:
             cell["ratio"] = cell[metric][0] / base if base and not math.isnan(base) else math.nan
         rows.append(row)
     return rows
+
+
+def metric_names(results: dict) -> list[str]:
+    """The headline metric first, then every other quantity measured at each length."""
+    first = next(iter(results["variants"].values()))[0]["evals"][0]["at_length"]
+    return list(dict.fromkeys([results["metric"], *first]))
 
 
 def _fmt(mean: float, std: float, seeds: int) -> str:
@@ -87,12 +93,12 @@ def markdown_report(results: dict) -> str:
         cells = [_fmt(*row["lengths"][n][metric], row["seeds"]) + f" ({row['lengths'][n]['ratio']:.3g}x)"
                  for n in lengths]
         lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
-    if metric != "loss":
-        lines += ["", "## loss by evaluation length", "",
+    for name in metric_names(results)[1:]:
+        lines += ["", f"## {name} by evaluation length", "",
                   "| variant | " + " | ".join(_label(n, train_length) for n in lengths) + " |",
                   "|---|" + "---|" * len(lengths)]
         for row in rows:
-            lines.append(f"| {row['variant']} | " + " | ".join(_fmt(*row["lengths"][n]["loss"], row["seeds"])
+            lines.append(f"| {row['variant']} | " + " | ".join(_fmt(*row["lengths"][n][name], row["seeds"])
                                                             for n in lengths) + " |")
     lines += ["", "## Runs", "", "| variant | seed | final train loss | train s | eval s |", "|---|---|---|---|---|"]
     for variant, runs in results["variants"].items():
