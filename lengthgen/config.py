@@ -123,6 +123,8 @@ class TrainConfig:
     dtype: str = "auto"              # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | bfloat16
     compile: bool = False            # torch.compile the model (CUDA only; ignored on CPU)
     threads: int = 0                 # CPU threads (torch.set_num_threads) while training; 0: torch's default
+    init_from: str | None = None     # start from this run folder's / checkpoint's weights (fresh optimizer);
+                                     # parameters the attention spec adds keep their init (lengthgen retrofit)
 
     def __post_init__(self) -> None:
         _int("train.steps", self.steps, 1)
@@ -173,6 +175,8 @@ class TrainConfig:
         if not isinstance(self.compile, bool):
             raise _bad("train.compile", self.compile, "it must be true or false")
         _int("train.threads", self.threads, 0)
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from):
+            raise _bad("train.init_from", self.init_from, "it must be a run folder or checkpoint path (or none)")
 
 
 @dataclass

@@ -5,6 +5,17 @@ One step: draw the step's batch from a generator seeded with (seed, step) at the
 bf16 autocast on CUDA (float32 on CPU), stop on a non-finite loss, clip the gradient norm, set the scheduled
 learning rate, step AdamW (and Muon), apply QK-clip, update BEMA, log, evaluate and checkpoint.
 On CPU a resumed run reproduces the losses of an uninterrupted run exactly.
+
+When ``train.eval_lengths`` go beyond the training length, the end of training also evaluates loss (and
+the task's metrics) by position at every eval length (`lengthgen.train.position_eval`: long documents for
+text) and writes ``eval.json`` (and ``eval_bema.json`` with BEMA) in the run folder.
+
+``train.init_from`` starts from another run's weights (fresh optimizer); parameters that the new config's
+attention adds keep their initialization (see `load_initial_weights`).
+
+Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DDP and each rank trains on its contiguous share
+of the step's global batch (`lengthgen.train.distributed`); only rank 0 logs, checkpoints and evaluates by
+position.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import torch.nn as nn
 from lengthgen.config import ConfigError, RunConfig, load_config, save_config
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
+from lengthgen.train import distributed
 from lengthgen.train.bema import BEMA
 from lengthgen.train.data import make_source, split_batch, step_generator
 from lengthgen.train.optim import attention_max_logits, build_optimizers, qk_clip_, set_lr
@@ -44,6 +56,7 @@ class TrainResult:
     metrics: dict[str, Any] = field(default_factory=dict)   # the last evaluation
     checkpoint: Path | None = None
     trainer: "Trainer | None" = None
+    by_position: list[dict] | None = None   # the final evaluation by position (eval.json), when it ran
 
 
 def _as_config(config: RunConfig | dict | str | Path) -> RunConfig:
@@ -103,6 +116,72 @@ def _diff(a: Any, b: Any, prefix: str) -> str | None:
     return None if a == b else f"{prefix}: checkpoint {a!r}, now {b!r}"
 
 
+def _check_world(cfg: RunConfig, world: int) -> None:
+    """Under DDP every step's global batch must split into ``world`` equal shares of >= grad_accum rows."""
+    for step in sorted({0, *(s[0] for s in cfg.train.stages)}):
+        batch = cfg.batch_size_at(step)
+        if batch % world or batch // world < cfg.train.grad_accum:
+            raise ConfigError(f"train: the batch of {batch} sequences at length {cfg.length_at(step)} does not "
+                              f"split into {world} equal shares of at least train.grad_accum="
+                              f"{cfg.train.grad_accum} sequences (WORLD_SIZE={world}); change "
+                              "train.batch_size / train.tokens_per_step or train.grad_accum")
+
+
+#: parameters an attention spec can add to a layer without changing the others (kept at their init)
+SPEC_PARAMETERS = ("gate_proj.weight", "out_norm_weight", "out_norm_bias", "q_norm_weight", "k_norm_weight",
+                   "multiplier", "v_norm_weight", "v_norm_bias")
+
+
+def _addable(name: str) -> bool:
+    return name == "scaling_multiplier" or (".attn." in name and name.rsplit(".attn.", 1)[1] in SPEC_PARAMETERS)
+
+
+def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch.device = "cpu"
+                         ) -> dict[str, Any]:
+    """Load the weights of a run folder or checkpoint into ``model`` whose attention spec may add parameters.
+
+    Parameters of attention layers that the checkpoint lacks (gates, out-norm affine, QK-norm weights,
+    learnable scaling multipliers) keep their initialization, so e.g. a 2sigmoid gate starts as the identity.
+    Anything else that differs (a missing non-attention parameter, an unexpected checkpoint tensor, a shape
+    change) raises `ConfigError` listing all of it. Returns {"checkpoint", "added"}.
+    """
+    from safetensors.torch import load_file
+
+    ckpt = ckpt_io.find_checkpoint(path)
+    stored = load_file(str(Path(ckpt) / "model.safetensors"), device=str(device))
+    own = model.state_dict()
+    # tied tensors are stored once under one of their names: map every alias to the stored copy
+    alias: dict[str, str] = {}
+    by_storage: dict[tuple[int, int], list[str]] = {}
+    for name, t in own.items():
+        by_storage.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), []).append(name)
+    groups: dict[str, list[str]] = {}
+    for names in by_storage.values():
+        hit = next((n for n in names if n in stored), None)
+        for n in names:
+            alias[n], groups[n] = (hit if hit is not None else n), names
+    problems, added, load = [], [], {}
+    for name, t in own.items():
+        src = alias[name]
+        if src in stored:
+            if tuple(stored[src].shape) != tuple(t.shape):
+                problems.append(f"{name}: checkpoint shape {tuple(stored[src].shape)}, model {tuple(t.shape)}")
+            else:
+                load[name] = stored[src]
+        elif any(_addable(n) for n in groups[name]):
+            added.append(name)
+        else:
+            problems.append(f"{name}: not in the checkpoint")
+    used = {alias[n] for n in own}
+    problems += [f"{name}: in the checkpoint, not in the model" for name in stored if name not in used]
+    if problems:
+        raise ConfigError(f"cannot initialize from {ckpt}: the new config changes more than added attention "
+                          "parameters:\n  " + "\n  ".join(problems))
+    missing, unexpected = model.load_state_dict(load, strict=False)
+    assert not unexpected and set(missing) == set(added), (missing, unexpected)
+    return {"checkpoint": str(ckpt), "added": added}
+
+
 class Trainer:
     """Holds the model, optimizers, BEMA and bookkeeping of one run. `train` is the usual entry point.
 
@@ -118,11 +197,15 @@ class Trainer:
         _check_lengths(cfg, self.source)
         self.config, tc = cfg, cfg.train
         self.run_dir = Path(out_dir)
-        self.progress = progress
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if tc.device == "auto"
-                                   else tc.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
+        device_type = ("cuda" if torch.cuda.is_available() else "cpu") if tc.device == "auto" else tc.device
+        if device_type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("train.device='cuda' but CUDA is not available")
+        self.rank, self.world, local_rank = distributed.setup(device_type)
+        self.is_main = self.rank == 0
+        self.progress = progress and self.is_main
+        self.device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" and self.world > 1 else device_type)
+        if self.world > 1:
+            _check_world(cfg, self.world)
         if tc.dtype == "bfloat16" or (tc.dtype == "auto" and self.device.type == "cuda"):
             self.autocast_dtype: torch.dtype | None = torch.bfloat16
         else:
@@ -132,9 +215,19 @@ class Trainer:
 
         torch.manual_seed(tc.seed)
         self.model = GPT(cfg.model).to(self.device)
+        self.initialized_from: dict[str, Any] | None = None
+        existing = (self.run_dir / ckpt_io.LATEST).exists()
+        if tc.init_from and not (resume and existing):
+            self.initialized_from = load_initial_weights(self.model, tc.init_from, self.device)
         self.forward_model: nn.Module = self.model
+        self.ddp: nn.Module | None = None
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.ddp = self.forward_model = DDP(self.model, device_ids=[self.device.index]
+                                                if self.device.type == "cuda" else None)
         if tc.compile and self.device.type == "cuda":
-            self.forward_model = torch.compile(self.model)
+            self.forward_model = torch.compile(self.forward_model)
         self.optimizers = build_optimizers(self.model, tc)
         b = tc.bema
         self.bema = (BEMA(self.model, kappa=b.kappa, eta=b.eta, rho=b.rho, gamma=b.gamma, tau=b.tau)
@@ -145,8 +238,8 @@ class Trainer:
         self.metrics: dict[str, Any] = {}
         self.last_checkpoint: Path | None = None
         self._saved_step: int | None = None
+        self.by_position: list[dict] | None = None
 
-        existing = (self.run_dir / ckpt_io.LATEST).exists()
         if resume and existing:
             self._resume()
         else:
@@ -181,13 +274,17 @@ class Trainer:
 
     def _truncate_metrics(self, step: int) -> None:
         path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
+        if not self.is_main or not path.exists():
             return
         keep = [line for line in path.read_text().splitlines() if line.strip()
                 and json.loads(line).get("step", 0) <= step]
         ckpt_io.atomic_write_text(path, "".join(line + "\n" for line in keep))
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint (rank 0 only; other ranks return None)."""
+        if not self.is_main:
+            self._saved_step = self.step
+            return None
         state = {
             "config": self.config.to_dict(),
             "rng": ckpt_io.rng_state(),
@@ -229,9 +326,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, lengths: list[int] | None = None) -> dict[str, dict[str, float]]:
-        """Mean loss and task metrics on fixed eval batches (seeded per length) at each length."""
+        """Mean loss and task metrics on fixed eval batches (seeded per length) at each length. Beyond the
+        training length the batches keep the tokens of ``eval_batch_size`` sequences at the training length
+        (at least one sequence)."""
         tc = self.config.train
         lengths = lengths or tc.eval_lengths or [self.config.data.length]
+        train_length = max(self.config.lengths())
         was_training = self.model.training
         self.model.eval()
         out: dict[str, dict[str, float]] = {}
@@ -239,8 +339,10 @@ class Trainer:
             for length in lengths:
                 gen = step_generator(tc.seed, length, stream=1)
                 sums: dict[str, float] = {}
+                rows = tc.eval_batch_size if length <= train_length else \
+                    max(1, tc.eval_batch_size * train_length // length)
                 for _ in range(tc.eval_batches):
-                    batch = self.source.sample(tc.eval_batch_size, length, gen).to(self.device)
+                    batch = self.source.sample(rows, length, gen).to(self.device)
                     with self._autocast():
                         output = self.model(batch.tokens, batch.doc_ids)
                     loss, _ = self.model.loss(output, batch)
@@ -255,6 +357,37 @@ class Trainer:
             self.model.train(was_training)
         return out
 
+    def evaluate_by_position(self, lengths: list[int] | None = None, *, diagnostics: bool = False
+                             ) -> list[dict]:
+        """Loss and metrics by position at ``lengths`` (default train.eval_lengths), see
+        `lengthgen.train.position_eval`; ``eval_batches * eval_batch_size`` sequences of the training length's
+        tokens per length."""
+        from lengthgen.train.position_eval import evaluate_by_position, position_eval_source
+
+        cfg, tc = self.config, self.config.train
+        lengths = lengths or tc.eval_lengths or [cfg.data.length]
+        tokens = max(1, tc.eval_batches) * tc.eval_batch_size * max(cfg.lengths())
+        task = position_eval_source(cfg.data, self.source)
+        was_training = self.model.training
+        try:
+            return evaluate_by_position(self.model, task, lengths, tokens_per_length=tokens, seed=tc.seed,
+                                        device=self.device, autocast=self._autocast, diagnostics=diagnostics)
+        finally:
+            self.model.train(was_training)
+
+    def _final_position_eval(self) -> None:
+        """At the end of training (rank 0), when eval lengths go beyond the training length: eval.json."""
+        cfg, tc = self.config, self.config.train
+        if not (self.is_main and tc.eval_batches and tc.eval_lengths
+                and max(tc.eval_lengths) > max(cfg.lengths())):
+            return
+        self.by_position = self.evaluate_by_position()
+        ckpt_io.atomic_write_text(self.run_dir / "eval.json", json.dumps(self.by_position, indent=1))
+        if self.bema is not None and self.bema.started:
+            with self.use_bema():
+                rows = self.evaluate_by_position()
+            ckpt_io.atomic_write_text(self.run_dir / "eval_bema.json", json.dumps(rows, indent=1))
+
     def _evaluate_all(self) -> dict[str, Any]:
         if self.config.train.eval_batches == 0:
             return {}
@@ -266,6 +399,8 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any], writer: Any) -> None:
+        if not self.is_main:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -277,7 +412,10 @@ class Trainer:
     def _train_step(self, step: int) -> dict[str, Any]:
         cfg, tc = self.config, self.config.train
         length, batch_size = cfg.length_at(step), cfg.batch_size_at(step)
-        batch = self.source.sample(batch_size, length, step_generator(tc.seed, step)).to(self.device)
+        batch = self.source.sample(batch_size, length, step_generator(tc.seed, step))
+        if self.world > 1:  # this rank's contiguous share of the global batch (equal shares, see _check_world)
+            batch = split_batch(batch, self.world)[self.rank][0]
+        batch = batch.to(self.device)
         multiplier = lr_multiplier(step, total=tc.steps, schedule=tc.schedule, warmup=tc.warmup_steps,
                                    cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio)
         set_lr(self.optimizers, multiplier)
@@ -292,12 +430,15 @@ class Trainer:
             if record:
                 for attn in attentions:
                     attn.record = {}
-            with self._autocast():
-                output = self.forward_model(micro.tokens, micro.doc_ids)
-            loss, _ = self.model.loss(output, micro)
-            (loss * weight).backward()
+            # DDP: all-reduce the gradients once, in the last micro-batch's backward
+            sync = self.ddp is None or i == len(parts) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with self._autocast():
+                    output = self.forward_model(micro.tokens, micro.doc_ids)
+                loss, _ = self.model.loss(output, micro)
+                (loss * weight).backward()
             total += loss.detach() * weight
-        loss_value = float(total)
+        loss_value = float(distributed.all_reduce_mean(total))
         where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
             "; no checkpoint was written yet"
         if not math.isfinite(loss_value):
@@ -314,7 +455,7 @@ class Trainer:
         if tc.qk_clip is not None:
             maxima = []
             for attn in attentions:
-                m = attention_max_logits(attn)
+                m = distributed.all_reduce_max(attention_max_logits(attn))
                 attn.record = None
                 qk_clip_(attn, m, tc.qk_clip)
                 maxima.append(float(m.max()))
@@ -325,6 +466,8 @@ class Trainer:
         self.history.append(loss_value)
         self.tokens += batch_size * length
         record_out.update(loss=loss_value, lr_mult=multiplier, length=length, batch_size=batch_size)
+        if self.world > 1:
+            record_out["rank_batch_size"] = int(batch.tokens.shape[0])
         if grad_norm is not None:
             record_out["grad_norm"] = grad_norm
         return record_out
@@ -332,16 +475,18 @@ class Trainer:
     def fit(self, stop_at: int | None = None) -> TrainResult:
         """Train until ``train.steps`` (or until ``stop_at`` steps, then checkpoint as if interrupted)."""
         cfg, tc = self.config, self.config.train
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.run_dir)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.run_dir)
         end = tc.steps if stop_at is None else min(tc.steps, stop_at)
-        writer = _tensorboard(self.run_dir)
+        writer = _tensorboard(self.run_dir) if self.is_main else None
         bar = _progress(total=tc.steps, initial=self.step, disable=not self.progress,
                         desc=cfg.name or self.run_dir.name)
         start_time, start_tokens = time.perf_counter(), self.tokens
         saved_threads = torch.get_num_threads()
         if tc.threads:
             torch.set_num_threads(tc.threads)
+        ran = self.step < end
         try:
             while self.step < end:
                 record = self._train_step(self.step)
@@ -361,6 +506,8 @@ class Trainer:
                     self.save_checkpoint()
             if self._saved_step != self.step:
                 self.save_checkpoint()
+            if self.step >= tc.steps and (ran or not (self.run_dir / "eval.json").exists()):
+                self._final_position_eval()
         finally:
             torch.set_num_threads(saved_threads)
             bar.close()
@@ -368,7 +515,7 @@ class Trainer:
                 writer.close()
         self.model.eval()
         return TrainResult(self.model, self.run_dir, self.step, list(self.history), cfg, self.metrics,
-                           self.last_checkpoint, self)
+                           self.last_checkpoint, self, self.by_position)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
