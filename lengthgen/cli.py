@@ -54,14 +54,30 @@ def train_command(args: argparse.Namespace) -> int:
     from lengthgen.config import load_config
     from lengthgen.train import train
 
+    from lengthgen.train import distributed
+    from lengthgen.train.position_eval import position_table
+
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
-    result = train(cfg, out, progress=not args.no_progress, resume=args.resume)
+    try:
+        result = train(cfg, out, progress=not args.no_progress, resume=args.resume)
+    finally:
+        rank = distributed.env_world()[0]
+        distributed.cleanup()
+    if rank != 0:  # torchrun: rank 0 reports
+        return 0
     final = f"{result.history[-1]:.4g}" if result.history else "n/a"
     print(f"trained {result.step} steps; final loss {final}; run folder {result.run_dir}")
     for length, values in result.metrics.get("eval", {}).items():
         print(f"  eval at length {length}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+    if result.by_position:
+        train_length = max(result.config.lengths())
+        metric = getattr(result.trainer.source, "metric", "loss")
+        print(position_table(result.by_position, "loss", train_length=train_length))
+        if metric != "loss" and any(r["buckets"].get(metric) != r["buckets"].get("loss") for r in result.by_position):
+            print(position_table(result.by_position, metric, train_length=train_length))
+        print(f"by-position results: {result.run_dir / 'eval.json'}")
     return 0
 
 
@@ -212,6 +228,36 @@ def bench_command(args: argparse.Namespace) -> int:
     from lengthgen import bench
 
     bench.main(args)
+    return 0
+
+
+def _retrofit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a trained run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config change to retrofit, e.g. --set model.attention.out_norm=head_layer or "
+                        "--set model.attention.gate=elementwise --set model.attention.gate_act=2sigmoid "
+                        "(also train.* keys, e.g. --set train.lr=1e-3)")
+    p.add_argument("--steps", type=int, required=True, help="finetuning steps (fresh optimizer)")
+    p.add_argument("--eval-lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
+    p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--out", "-o", required=True, help="report folder (results.json, report.md, plots, finetune/)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("retrofit", _retrofit_args)
+def retrofit_command(args: argparse.Namespace) -> int:
+    """Add attention parameters to a trained model (e.g. AVNorm out-norm), finetune, and compare before/after."""
+    from lengthgen.report import terminal_table
+    from lengthgen.retrofit import run_retrofit
+
+    if args.steps < 1:
+        raise CommandError(f"--steps {args.steps}: give a positive number of finetuning steps")
+    results = run_retrofit(args.checkpoint, args.out, overrides=args.overrides, steps=args.steps,
+                           eval_lengths=args.eval_lengths, eval_tokens=args.eval_tokens,
+                           progress=not args.no_progress)
+    print(terminal_table(results))
+    print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json; "
+          f"finetuning run {Path(args.out) / 'finetune'})")
     return 0
 
 

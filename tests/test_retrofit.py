@@ -1,0 +1,106 @@
+"""`lengthgen retrofit`: loading a checkpoint into a model whose attention spec adds parameters, finetuning,
+and the before/after report."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from lengthgen.cli import main
+from lengthgen.config import ConfigError, RunConfig
+from lengthgen.model import GPT
+from lengthgen.retrofit import finetune_config
+from lengthgen.train import Trainer, load_run, train
+from lengthgen.train.trainer import load_initial_weights
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny counting run (a few steps)."""
+    cfg = RunConfig().override("model.dim=32", "model.layers=2", "model.heads=2", "model.mlp_ratio=2.0",
+                               "train.steps=6", "train.lr=3e-3", "train.batch_size=8", "train.eval_batches=1",
+                               "train.eval_batch_size=4", "data.task=counting", "data.task_kwargs={vocab_size = 2}",
+                               "data.length=16", "train.eval_lengths=[16]")
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    train(cfg, run, progress=False)
+    return run
+
+
+def _outputs(model, seed=0):
+    tokens = torch.randint(2, (3, 24), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+def test_gated_2sigmoid_gate_keeps_outputs_identical_before_finetuning(checkpoint, tmp_path):
+    base, before = load_run(checkpoint)
+    cfg = finetune_config(base, checkpoint, steps=2, overrides=["model.attention.gate=elementwise",
+                                                                "model.attention.gate_act=2sigmoid"])
+    trainer = Trainer(cfg, tmp_path / "ft", progress=False)   # train.init_from loads the checkpoint
+    added = trainer.initialized_from["added"]
+    assert added == [f"blocks.{i}.attn.gate_proj.weight" for i in range(2)]
+    assert all(float(trainer.model.blocks[i].attn.gate_proj.weight.detach().abs().max()) == 0 for i in range(2))
+    torch.testing.assert_close(_outputs(trainer.model), _outputs(before), rtol=0, atol=0)
+    # the finetuning then moves the new gate
+    result = trainer.fit()
+    assert result.step == 2 and float(result.model.blocks[0].attn.gate_proj.weight.detach().abs().max()) > 0
+
+
+def test_changes_beyond_added_attention_parameters_are_listed(checkpoint):
+    base, _ = load_run(checkpoint)
+    cfg = base.override("model.attention.kv_heads=1", "model.attention.qk_norm=rms")
+    with pytest.raises(ConfigError) as err:
+        load_initial_weights(GPT(cfg.model), checkpoint)
+    message = str(err.value)
+    # both layers' k and v projections change shape; the added QK-norm weights are not complaints
+    for i in range(2):
+        for proj in ("k_proj", "v_proj"):
+            assert f"blocks.{i}.attn.{proj}.weight: checkpoint shape (32, 32), model (16, 32)" in message
+    assert "q_norm_weight" not in message
+    wider = base.override("model.mlp_ratio=4.0")
+    with pytest.raises(ConfigError, match=r"blocks\.0\.mlp\..*checkpoint shape"):
+        load_initial_weights(GPT(wider.model), checkpoint)
+    removed = RunConfig.from_dict({**base.to_dict(), "model": {**base.to_dict()["model"], "layers": 1}})
+    with pytest.raises(ConfigError, match=r"blocks\.1\.attn\.q_proj\.weight: in the checkpoint, not in the model"):
+        load_initial_weights(GPT(removed.model), checkpoint)
+
+
+def test_retrofit_out_norm_writes_the_report(checkpoint, tmp_path, capsys):
+    out = tmp_path / "retrofit"
+    code = main(["retrofit", str(checkpoint), "--set", "model.attention.out_norm=head_layer",
+                 "--set", "model.attention.out_norm_affine=true", "--steps", "3", "--eval-lengths", "16,32",
+                 "--eval-tokens", "64", "--out", str(out), "--no-progress"])
+    assert code == 0
+    for name in ("results.json", "report.md", "extrapolation.png", "diagnostics.png"):
+        assert (out / name).is_file(), name
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["variants"]) == ["before", "after"]
+    assert results["specs"]["before"]["out_norm"] == "none" and results["specs"]["after"]["out_norm"] == "head_layer"
+    assert results["retrofit"]["added_parameters"] == [f"blocks.{i}.attn.{p}" for i in range(2)
+                                                       for p in ("out_norm_weight", "out_norm_bias")]
+    assert [row["length"] for row in results["variants"]["after"][0]["evals"]] == [16, 32]
+    assert json.loads((out / "finetune" / "latest.json").read_text())["step"] == 3
+    report = (out / "report.md").read_text()
+    assert report.startswith("# lengthgen retrofit: counting") and "model.attention.out_norm=head_layer" in report
+    printed = capsys.readouterr().out
+    assert "before" in printed and "after" in printed
+
+
+def test_retrofit_command_errors(checkpoint, tmp_path, capsys):
+    assert main(["retrofit", str(tmp_path / "missing"), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "no run folder or checkpoint" in capsys.readouterr().err
+    assert main(["retrofit", str(checkpoint), "--set", "model.dim=64", "--steps", "1",
+                 "--out", str(tmp_path / "o2")]) == 2
+    assert "cannot initialize from" in capsys.readouterr().err
