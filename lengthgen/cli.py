@@ -103,6 +103,8 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="training steps per variant (sets train.steps)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per variant (mean and spread are reported)")
     p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--metric", help="the report's headline: loss or the task's metric (default: the task's; "
+                                    "loss for the embedded default)")
     p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -110,7 +112,8 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
 @command("compare", _compare_args)
 def compare_command(args: argparse.Namespace) -> int:
     """Train attention variants at a short length, evaluate far beyond it, write a report folder."""
-    from lengthgen.compare import base_config, parse_variants, run_compare
+    from lengthgen.compare import base_config, check_metric, default_metric, parse_variants, run_compare
+    from lengthgen.train.data import make_source
     from lengthgen.report import terminal_table
 
     overrides = list(args.overrides)
@@ -120,9 +123,10 @@ def compare_command(args: argparse.Namespace) -> int:
     cfg = base_config(args.config, overrides)
     try:
         variants = parse_variants(args.variants)
+        metric = check_metric(make_source(cfg.data), args.metric or (default_metric(cfg) if not args.config else None))
     except ValueError as err:
-        raise CommandError(f"--variants: {err}") from None
-    results = run_compare(cfg, args.out, variants=variants, eval_lengths=args.eval_lengths,
+        raise CommandError(f"{err}") from None
+    results = run_compare(cfg, args.out, variants=variants, eval_lengths=args.eval_lengths, metric=metric,
                           seeds=list(range(args.seeds)), eval_tokens=args.eval_tokens, progress=not args.no_progress)
     print(terminal_table(results))
     print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json)")

@@ -9,7 +9,7 @@ from lengthgen.cli import main
 from lengthgen.compare import base_config, parse_variants, run_compare, variant_spec
 from lengthgen.report import markdown_report, summarize
 
-TINY = ["train.steps=3", "model.dim=16", "model.heads=2", "model.layers=1", "train.batch_size=4"]
+TINY = ["data.task=counting", "train.steps=3", "model.dim=16", "model.heads=2", "model.layers=1", "train.batch_size=4"]
 
 
 def test_variant_spec_applies_preset_on_top_of_the_base():
@@ -77,6 +77,23 @@ def test_report_command_missing_results_is_a_clear_error(tmp_path, capsys):
 def test_compare_command_bad_variant_exits_2(tmp_path, capsys):
     assert main(["compare", "--variants", "baseline,bogus", "--out", str(tmp_path)]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_compare_command_bad_metric_exits_2_before_training(tmp_path, capsys):
+    assert main(["compare", "--task", "counting", "--metric", "accuracy", "--out", str(tmp_path)]) == 2
+    assert "choose loss or abs_error" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path):
+    from lengthgen.compare import default_metric
+
+    cfg = base_config(None, [s for s in TINY if not s.startswith("data.task")] + ["data.length=8"])
+    assert cfg.data.task == "dyck" and default_metric(cfg) == "loss"
+    results = run_compare(cfg, tmp_path, variants=["baseline"], eval_lengths=[8, 16], eval_tokens=32,
+                          metric=default_metric(cfg), progress=False, log=lambda _: None)
+    text = (tmp_path / "report.md").read_text()
+    assert "## loss by evaluation length" in text and "## legal_accuracy by evaluation length" in text
 
 
 def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
