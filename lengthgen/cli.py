@@ -195,7 +195,9 @@ def eval_command(args: argparse.Namespace) -> int:
 
         cfg, model = load_run(args.run, bema=args.bema)
         lengths = args.lengths or [max(cfg.lengths()) * m for m in (1, 2, 4, 8, 16)]
-        source = make_source(cfg.data)
+        from lengthgen.train.position_eval import position_eval_source
+
+        source = position_eval_source(cfg.data, make_source(cfg.data))   # text: long validation documents
         rows = evaluate(model, source, lengths, tokens_per_length=args.tokens)
     for row in rows:
         values = ", ".join(f"{k} {v:.4g}" for k, v in row["at_length"].items())

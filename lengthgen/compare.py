@@ -22,6 +22,7 @@ from lengthgen.config import RunConfig, load_config
 from lengthgen.eval.evaluate import evaluate
 from lengthgen.train import train
 from lengthgen.train.data import make_source
+from lengthgen.train.position_eval import position_eval_source
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 MULTIPLES = (1, 2, 4, 8, 16)
@@ -88,6 +89,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] = list(D
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
     task = make_source(cfg.data)
     metric = check_metric(task, metric)
+    eval_source = position_eval_source(cfg.data, task)      # text: single long validation documents
     results: dict[str, Any] = {
         "config": cfg.to_dict(), "task": getattr(task, "name", cfg.data.task), "metric": metric,
         "higher_is_better": task.higher_is_better if metric == task.metric else False, "train_length": train_length, "eval_lengths": eval_lengths,
@@ -106,7 +108,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] = list(D
             trained = train(run_cfg, out / "runs" / f"{variant}-seed{seed}", progress=progress)
             train_s = time.perf_counter() - start
             log(f"[{variant} seed {seed}] evaluating at {', '.join(map(str, eval_lengths))}")
-            evals = evaluate(trained.model, task, eval_lengths, tokens_per_length=eval_tokens, seed=1000 + seed)
+            evals = evaluate(trained.model, eval_source, eval_lengths, tokens_per_length=eval_tokens, seed=1000 + seed)
             runs.append({"seed": seed, "train_seconds": round(train_s, 2),
                          "final_train_loss": trained.history[-1] if trained.history else None,
                          "eval_seconds": round(time.perf_counter() - start - train_s, 2), "evals": evals})
