@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,16 +13,6 @@ from lengthgen import GPT, GPTConfig
 from lengthgen.attention import PRESETS, AttentionSpec
 from lengthgen.model.config import PLACEMENTS
 from lengthgen.model.norms import NORMS, HeadNormLinear
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Under pytest-xdist (2 workers on 2 cores) one thread per worker avoids oversubscription."""
-    saved = torch.get_num_threads()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def tiny(**kw) -> GPTConfig:

@@ -4,11 +4,9 @@ with tiny overrides (the GPU-sized ones included)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from lengthgen.config import load_config
 from lengthgen.train import train
@@ -20,15 +18,6 @@ TINY = ["model.head_dim=8", "model.heads=2", "model.dim=16", "model.layers=1", "
         "train.warmup_steps=0", "train.eval_every=0", "train.checkpoint_every=0", "train.eval_batches=1",
         "train.eval_batch_size=2", "train.compile=false", "train.device=cpu", "train.threads=1",
         "data.length=16", "train.eval_lengths=[16, 32]"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def test_presets_exist():

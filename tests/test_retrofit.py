@@ -4,7 +4,6 @@ and the before/after report."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -15,15 +14,6 @@ from lengthgen.model import GPT
 from lengthgen.retrofit import finetune_config
 from lengthgen.train import Trainer, load_run, train
 from lengthgen.train.trainer import load_initial_weights
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    saved = torch.get_num_threads()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

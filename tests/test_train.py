@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -15,16 +14,6 @@ from lengthgen.model import GPT
 from lengthgen.train import (BEMA, NonFiniteLossError, Trainer, attention_max_logits, build_optimizers,
                              load_run, lr_multiplier, muon_param_names, qk_clip_, train)
 from lengthgen.train import checkpoint as ckpt_io
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Under pytest-xdist (2 workers on 2 cores) one thread per worker avoids oversubscription."""
-    saved = torch.get_num_threads()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 def config(*overrides: str) -> RunConfig:
