@@ -91,7 +91,7 @@ def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path
     cfg = base_config(None, [s for s in TINY if not s.startswith("data.task")] + ["data.length=8"])
     assert cfg.data.task == "dyck" and default_metric(cfg) == "loss"
     run_compare(cfg, tmp_path, variants=["baseline"], eval_lengths=[8, 16], eval_tokens=32,
-                          metric=default_metric(cfg), progress=False, log=lambda _: None)
+                metric=default_metric(cfg), progress=False, log=lambda _: None)
     text = (tmp_path / "report.md").read_text()
     assert "## loss by evaluation length" in text and "## legal_accuracy by evaluation length" in text
 
