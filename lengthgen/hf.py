@@ -637,7 +637,7 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
         count = max(1, tokens // length)
         docs = long_documents(corpus, f"hf:{path}", min_length=length + 1, count=count, seed=seed, split=split)
         nll = token_losses(model, torch.as_tensor(docs, dtype=torch.long))
-        half = nll[:, max(length // 2 - 1, 0):]
+        half = nll[:, length // 2:]
         rows.append({"length": length, "batch_size": count, "at_length": {"loss": float(half.nanmean())},
                      "mean": {"loss": float(nll.nanmean())}, "buckets": {"loss": bucket_means(nll)},
                      "prefix": {"loss": prefix_means(nll)}})

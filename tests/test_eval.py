@@ -14,27 +14,27 @@ from lengthgen.model import GPT, GPTConfig
 
 
 def test_bucket_edges_are_powers_of_two_cut_at_length():
-    assert bucket_edges(10) == [(1, 2), (2, 4), (4, 8), (8, 11)]
-    assert bucket_edges(8) == [(1, 2), (2, 4), (4, 8), (8, 9)]
-    assert bucket_edges(1) == [(1, 2)]
+    assert bucket_edges(10) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 10)]
+    assert bucket_edges(8) == [(0, 1), (1, 2), (2, 4), (4, 8)]
+    assert bucket_edges(1) == [(0, 1)]
 
 
 def test_bucket_means_on_hand_made_losses():
-    # positions 1..8 carry losses 1..8; position 3 of row 1 is undefined
+    # positions 0..7 carry losses 1..8; position 2 of row 1 is undefined
     values = torch.tensor([[1., 2, 3, 4, 5, 6, 7, 8], [1., 2, math.nan, 4, 5, 6, 7, 8]])
     rows = bucket_means(values)
-    assert [(r["lo"], r["hi"]) for r in rows] == [(1, 2), (2, 4), (4, 8), (8, 9)]
-    assert [r["count"] for r in rows] == [2, 3, 8, 2]
-    assert rows[1]["mean"] == pytest.approx((2 + 3 + 2) / 3)
-    assert rows[2]["mean"] == pytest.approx(5.5)
-    assert rows[3]["mean"] == 8.0
+    assert [(r["lo"], r["hi"]) for r in rows] == [(0, 1), (1, 2), (2, 4), (4, 8)]
+    assert [r["count"] for r in rows] == [2, 2, 3, 8]
+    assert rows[1]["mean"] == 2.0
+    assert rows[2]["mean"] == pytest.approx((3 + 4 + 4) / 3)
+    assert rows[3]["mean"] == pytest.approx(6.5)
     prefix = prefix_means(values)
     assert [r["length"] for r in prefix] == [1, 2, 4, 8]
     assert prefix[2]["mean"] == pytest.approx((1 + 2 + 3 + 4 + 1 + 2 + 4) / 7)
 
 
 def test_empty_bucket_is_nan():
-    rows = bucket_means(torch.tensor([[1.0, math.nan, math.nan]]))
+    rows = bucket_means(torch.tensor([[1.0, math.nan, math.nan]]))   # buckets [0,1), [1,2), [2,3)
     assert math.isnan(rows[1]["mean"]) and rows[1]["count"] == 0
 
 
@@ -78,10 +78,11 @@ def test_evaluate_tiny_model_by_length():
     assert [r["length"] for r in results] == [8, 16, 32]
     last = results[-1]
     assert {"loss", "abs_error"} <= set(last["at_length"])
-    assert [b["lo"] for b in last["buckets"]["abs_error"]] == [1, 2, 4, 8, 16, 32]
+    assert [b["lo"] for b in last["buckets"]["abs_error"]] == [0, 1, 2, 4, 8, 16]
     assert "diagnostics" in last and "diagnostics" not in results[0]
     assert len(last["diagnostics"]) == 1 and "inv_wmax" in last["diagnostics"][0]
-    # at_length is the mean over positions [L/2, L]: recompute it from a fresh identical evaluation
+    # at_length is the mean over positions [L/2, L): the last bucket
+    assert last["at_length"]["abs_error"] == pytest.approx(last["buckets"]["abs_error"][-1]["mean"], rel=1e-6)
     again = evaluate(model, task, [32], tokens_per_length=64, seed=3, diagnostics=False)[0]
     assert again["at_length"] == last["at_length"]
 

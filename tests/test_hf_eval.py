@@ -35,7 +35,7 @@ def test_eval_hf_writes_loss_by_position(tiny_llama_dir, tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [r["length"] for r in rows] == [64, 256]
     assert rows[1]["batch_size"] == 2
-    assert [b["lo"] for b in rows[1]["buckets"]["loss"]][-1] == 256
+    assert [(b["lo"], b["hi"]) for b in rows[1]["buckets"]["loss"]][-1] == (128, 256)
     # a random model over ~97 tokens has a loss near log(97) = 4.57 at every position
     assert 3.5 < rows[1]["at_length"]["loss"] < 6.0
     assert "loss by position at length 256" in capsys.readouterr().out

@@ -38,4 +38,4 @@ def test_preset_loads_and_trains_tiny_on_cpu(path, tmp_path):
     assert result.step == 2 and len(result.history) == 2
     rows = json.loads((tmp_path / path.stem / "eval.json").read_text())
     assert [r["length"] for r in rows] == [16, 32]
-    assert "loss" in rows[-1]["buckets"] and rows[-1]["buckets"]["loss"][-1]["hi"] == 33
+    assert "loss" in rows[-1]["buckets"] and rows[-1]["buckets"]["loss"][-1]["hi"] == 32

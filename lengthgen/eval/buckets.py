@@ -1,4 +1,7 @@
-"""Loss (or any metric) by position, in power-of-2 buckets (seed 000's stratified evaluation)."""
+"""Loss (or any metric) by position, in power-of-2 buckets (seed 000's stratified evaluation).
+
+Positions are 0-based (position p predicts with p + 1 tokens of context): buckets ``[0, 1)``, ``[1, 2)``,
+``[2, 4)``, ..., ``[2^(k-1), 2^k)``; at a power-of-2 length L the last bucket is exactly ``[L/2, L)``."""
 
 from __future__ import annotations
 
@@ -8,10 +11,10 @@ import torch
 
 
 def bucket_edges(length: int) -> list[tuple[int, int]]:
-    """1-based position buckets ``[2^(k-1), 2^k)`` covering positions 1..length; the last one is cut at length."""
-    edges, lo = [], 1
-    while lo <= length:
-        edges.append((lo, min(2 * lo, length + 1)))
+    """Position buckets ``[0, 1)``, then ``[2^(k-1), 2^k)`` covering 0..length-1; the last one is cut at length."""
+    edges, lo = [(0, 1)], 1
+    while lo < length:
+        edges.append((lo, min(2 * lo, length)))
         lo *= 2
     return edges
 
@@ -25,11 +28,11 @@ def nanmean_by_position(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def bucket_means(values: torch.Tensor) -> list[dict]:
-    """Per-bucket mean of (B, L) or (L,) values (NaN ignored). Rows: lo, hi (1-based, hi exclusive), mean, count."""
+    """Per-bucket mean of (B, L) or (L,) values (NaN ignored). Rows: lo, hi (0-based, hi exclusive), mean, count."""
     values = values.reshape(-1, values.shape[-1]).double()
     rows = []
     for lo, hi in bucket_edges(values.shape[-1]):
-        chunk = values[:, lo - 1:hi - 1]
+        chunk = values[:, lo:hi]
         valid = ~torch.isnan(chunk)
         count = int(valid.sum())
         mean = float(chunk[valid].mean()) if count else math.nan
@@ -38,10 +41,9 @@ def bucket_means(values: torch.Tensor) -> list[dict]:
 
 
 def prefix_means(values: torch.Tensor) -> list[dict]:
-    """Mean over positions 1..P for P = 1, 2, 4, ..., and the full length. Rows: length, mean, count."""
+    """Mean over the first P positions for P = 1, 2, 4, ..., and the full length. Rows: length, mean, count."""
     values = values.reshape(-1, values.shape[-1]).double()
-    length = values.shape[-1]
-    ends = sorted({lo for lo, _ in bucket_edges(length)} | {length})
+    ends = sorted({hi for _, hi in bucket_edges(values.shape[-1])})
     rows = []
     for end in ends:
         chunk = values[:, :end]

@@ -3,7 +3,7 @@
 For each evaluated length L a fresh seeded batch is drawn (constant tokens per length), the model runs
 once (memory-linear attention backends pick themselves), and every per-position quantity is averaged in
 power-of-2 position buckets (seed 000). The value "at length L" of a per-position metric is its mean over
-the last bucket ``[L/2, L)``: how the model does at positions it reaches only at that length. Per-sequence
+positions ``[L/2, L)`` (0-based; the last bucket): how the model does at positions only that length reaches. Per-sequence
 metrics (``classify`` tasks) are averaged over the batch at each length.
 """
 
@@ -25,11 +25,11 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _last_bucket_mean(values: torch.Tensor) -> float:
-    """Mean over 1-based positions [L/2, L) (NaN ignored); the whole sequence for per-sequence values."""
+    """Mean over positions [L/2, L) (NaN ignored); the whole sequence for per-sequence values."""
     if values.dim() == 1:
         return float(values.nanmean())
     length = values.shape[-1]
-    chunk = values[:, max(length // 2 - 1, 0):]
+    chunk = values[:, length // 2:]
     return float(chunk.nanmean())
 
 

@@ -11,8 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _centre(row: dict) -> float:
-    return math.sqrt(row["lo"] * max(row["hi"] - 1, row["lo"]))
+def _x(row: dict) -> float:
+    """A bucket [lo, hi) is drawn at hi: the context length its positions reach."""
+    return row["hi"]
 
 
 def _curve(runs: list[dict], pick) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -22,7 +23,7 @@ def _curve(runs: list[dict], pick) -> tuple[list[float], list[float], list[float
     for i, row in enumerate(per_seed[0]):
         values = [rows[i]["mean"] for rows in per_seed if not math.isnan(rows[i]["mean"])]
         if values:
-            xs.append(_centre(row))
+            xs.append(_x(row))
             means.append(sum(values) / len(values))
             lows.append(min(values))
             highs.append(max(values))
@@ -43,7 +44,7 @@ def plot_extrapolation(results: dict, path: str | Path) -> None:
     for variant, runs in results["variants"].items():
         if metric in runs[0]["evals"][-1]["buckets"]:
             _draw(ax, *_curve(runs, lambda run: run["evals"][-1]["buckets"][metric]), variant)
-            ax.set_xlabel("position (power-of-2 buckets)")
+            ax.set_xlabel("position (power-of-2 buckets, drawn at their end)")
         else:
             lengths = results["eval_lengths"]
             values = [[run["evals"][i]["at_length"][metric] for run in runs] for i in range(len(lengths))]
@@ -86,7 +87,7 @@ def plot_diagnostics(results: dict, path: str | Path) -> None:
                           f"{variant} (after out-norm)", linestyle=":")
         ax.axvline(results["train_length"], color="grey", linestyle="--", linewidth=1)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("query position (power-of-2 buckets)")
+        ax.set_xlabel("query position (power-of-2 buckets, drawn at their end)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -101,10 +101,8 @@ def position_table(rows: list[dict], metric: str = "loss", *, train_length: int 
     header = ["positions", *(str(r["length"]) for r in rows)]
     body = []
     for i, bucket in enumerate(longest["buckets"][metric]):
-        if bucket["lo"] == longest["length"] > 1:   # the one-position bucket at exactly the longest length
-            continue
         label = f"[{bucket['lo']}, {bucket['hi']})"
-        if train_length is not None and bucket["hi"] - 1 > train_length:
+        if train_length is not None and bucket["hi"] > train_length:
             label += " *"
         cells = []
         for r in rows:
