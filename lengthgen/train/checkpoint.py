@@ -19,12 +19,10 @@ at any point leaves the previous checkpoint and ``latest.json`` untouched and no
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,33 +30,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from lengthgen.atomic import atomic_write, atomic_write_text
+
 LATEST = "latest.json"
 CHECKPOINTS = "checkpoints"
-
-
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then ``os.replace(tmp_path, path)``; the temp file is removed on failure."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    return atomic_write(path, write)
 
 
 # ---------------------------------------------------------------------------------------------------

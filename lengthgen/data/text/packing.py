@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lengthgen.atomic import atomic_write
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.text.corpora import Corpus, CorpusError, make_corpus
 from lengthgen.data.text.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
@@ -59,21 +59,13 @@ class TokenStream:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write to ``path`` (``.npz``) atomically: a temporary file in the same directory, renamed."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
                 np.savez(f, tokens=self.tokens, starts=self.starts,
                          meta=np.array(json.dumps({"vocab_size": self.vocab_size, "bos_id": self.bos_id,
                                                    "name": self.name, "format": CACHE_FORMAT})))
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+
+        atomic_write(path, write)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TokenStream":

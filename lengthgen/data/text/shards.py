@@ -9,10 +9,11 @@ BOS.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from lengthgen.atomic import atomic_write
 
 BIN_MAGIC = 20240520
 BIN_VERSION = 1
@@ -45,20 +46,13 @@ def write_bin_shard(path: str | os.PathLike, tokens) -> Path:
                          f"token count of the header")
     header = np.zeros(BIN_HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = BIN_MAGIC, BIN_VERSION, arr.size
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             f.write(header.tobytes())
             f.write(arr.astype("<u2", copy=False).tobytes())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+
+    return atomic_write(path, write)
 
 
 def read_bin_header(path: str | os.PathLike) -> int:
