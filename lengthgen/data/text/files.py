@@ -169,13 +169,7 @@ class FileCorpus(Corpus):
     def documents(self) -> Iterator[str]:
         self._seen = self._kept = 0
         for key, path in self.files:
-            for i, doc in enumerate(self._file_documents(path)):
-                if not doc.strip():
-                    continue
-                self._seen += 1
-                if self._keep(f"{key}#{i}"):
-                    self._kept += 1
-                    yield doc
+            yield from self._split_documents(key, self._file_documents(path), lambda doc: not doc.strip())
 
     def fingerprint(self) -> str:
         parts = ["files", self.split, repr(self.val_fraction), repr(self.separator), self.text_field]
@@ -232,13 +226,7 @@ class BinCorpus(Corpus):
                 cuts = np.flatnonzero(tokens == self.bos_id)
                 docs = [tokens[:cuts[0]] if cuts.size else tokens]
                 docs += [tokens[a + 1:b] for a, b in zip(cuts, list(cuts[1:]) + [tokens.size])]
-            for i, doc in enumerate(docs):
-                if doc.size == 0:
-                    continue
-                self._seen += 1
-                if self._keep(f"{key}#{i}"):
-                    self._kept += 1
-                    yield doc
+            yield from self._split_documents(key, docs, lambda doc: doc.size == 0)
 
     def fingerprint(self) -> str:
         parts = ["bin", self.split, repr(self.val_fraction), repr(self.bos_id)]
