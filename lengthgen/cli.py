@@ -51,8 +51,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @command("train", _train_args)
 def train_command(args: argparse.Namespace) -> int:
     """Train a model from a TOML config (+ --set overrides) into a run folder."""
-    from lengthgen.config import load_config
     from lengthgen.train import train
+    from lengthgen.train.config import load_config
 
     from lengthgen.train import distributed
     from lengthgen.train.position_eval import position_table
@@ -113,7 +113,7 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
 def compare_command(args: argparse.Namespace) -> int:
     """Train attention variants at a short length, evaluate far beyond it, write a report folder."""
     from lengthgen.compare import base_config, check_metric, default_metric, parse_variants, run_compare
-    from lengthgen.train.data import make_source
+    from lengthgen.data.config import make_source
     from lengthgen.report import terminal_table
 
     overrides = list(args.overrides)
@@ -190,8 +190,8 @@ def eval_command(args: argparse.Namespace) -> int:
         if not args.run:
             raise CommandError("give a run folder or checkpoint, or --hf PATH")
         from lengthgen.eval.evaluate import evaluate
+        from lengthgen.data.config import make_source
         from lengthgen.train import load_run
-        from lengthgen.train.data import make_source
 
         cfg, model = load_run(args.run, bema=args.bema)
         lengths = args.lengths or [max(cfg.lengths()) * m for m in (1, 2, 4, 8, 16)]

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import RunConfig, load_config
+from lengthgen.data.config import make_source
 from lengthgen.eval.evaluate import evaluate
 from lengthgen.train import train
-from lengthgen.train.data import make_source
+from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.position_eval import position_eval_source
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")

@@ -24,12 +24,13 @@ from typing import Any, Callable
 
 import torch
 
-from lengthgen.config import ConfigError, RunConfig
+from lengthgen.config import ConfigError
+from lengthgen.data.config import make_source
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import load_run, train
+from lengthgen.train.config import RunConfig
 from lengthgen.train.trainer import load_initial_weights
-from lengthgen.train.data import make_source
 from lengthgen.train.position_eval import evaluate_by_position, position_eval_source
 
 MULTIPLES = (1, 2, 4, 8, 16)

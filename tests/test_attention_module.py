@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
@@ -11,7 +12,6 @@ import torch.nn as nn
 from lengthgen.attention import FIELDS, PRESETS, Attention, AttentionSpec, attend, resolve_spec
 from lengthgen.attention import backends
 from lengthgen.attention import functional as fn
-from lengthgen.attention import spec as spec_mod
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 DIM, HEADS = 32, 4
@@ -243,13 +243,14 @@ BAD_VALUES = [
     ("gate_act", "tanh"), ("doc_masking", "yes"), ("doc_masking", 1), ("qk_norm_affine", None),
     ("out_norm_affine", 0),
 ]
-CHOICES = {"query_scaling": spec_mod.QUERY_SCALINGS, "learnable_scaling": spec_mod.GRANULARITIES,
-           "distance": spec_mod.DISTANCES, "qk_norm": spec_mod.QK_NORMS, "position": spec_mod.POSITIONS,
-           "out_norm": spec_mod.OUT_NORMS, "gate": spec_mod.GATES, "gate_act": spec_mod.GATE_ACTS}
+CHOICES = {name: typing.get_args(hint) for name, hint in typing.get_type_hints(AttentionSpec).items()
+           if typing.get_origin(hint) is typing.Literal}
 
 
 def test_bad_values_cover_every_field():
     assert {f for f, _ in BAD_VALUES} | {"scaling_init", "learnable_scaling"} == set(FIELDS)
+    assert set(CHOICES) == {"query_scaling", "learnable_scaling", "distance", "qk_norm", "position", "out_norm",
+                            "gate", "gate_act"}
 
 
 @pytest.mark.parametrize("field,value", BAD_VALUES, ids=[f"{f}={v!r}" for f, v in BAD_VALUES])

@@ -27,7 +27,7 @@ def _losses(run: Path) -> list[float]:
 
 
 def test_two_processes_match_one(tmp_path):
-    from lengthgen.config import RunConfig
+    from lengthgen.train.config import RunConfig
     from lengthgen.train import train
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -52,7 +52,8 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_batch_must_split_into_equal_shares(tmp_path, monkeypatch):
-    from lengthgen.config import ConfigError, RunConfig
+    from lengthgen.config import ConfigError
+    from lengthgen.train.config import RunConfig
     from lengthgen.train.trainer import _check_world
 
     _check_world(RunConfig().override(*BASE), 2)
@@ -67,7 +68,7 @@ def test_batch_must_split_into_equal_shares(tmp_path, monkeypatch):
 def _worker(out: Path) -> None:
     """Runs under torchrun: run A through the Python API, run B through the CLI (which leaves the group)."""
     from lengthgen.cli import main
-    from lengthgen.config import RunConfig
+    from lengthgen.train.config import RunConfig
     from lengthgen.train import train
 
     train(RunConfig().override(*RUN_A), out / "ddp-a", progress=False)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from lengthgen import GPT, GPTConfig
 from lengthgen.attention import PRESETS, AttentionSpec
+from lengthgen.config import ConfigError
 from lengthgen.model.config import PLACEMENTS
 from lengthgen.model.norms import NORMS, HeadNormLinear
 
@@ -210,11 +211,11 @@ def test_regress_and_classify_losses():
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"model\.norm_placement='middle'.*pre, post, peri"):
+    with pytest.raises(ConfigError, match=r"GPTConfig\.norm_placement='middle'.*pre, post, peri"):
         tiny(norm_placement="middle")
-    with pytest.raises(ValueError, match=r"model\.heads=3.*divide dim=16"):
+    with pytest.raises(ConfigError, match=r"GPTConfig\.heads=3.*divisor of dim=16"):
         tiny(heads=3)
-    with pytest.raises(ValueError, match=r"model\.attention: AttentionSpec\.out_norm"):
+    with pytest.raises(ConfigError, match=r"GPTConfig\.attention\.out_norm='bogus'.*head_layer"):
         tiny(attention={"out_norm": "bogus"})
     with pytest.raises(ValueError, match="vocab_size is None"):
         GPT(GPTConfig())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lengthgen.config import load_config
+from lengthgen.train.config import load_config
 from lengthgen.train import train
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lengthgen.cli import main
-from lengthgen.config import ConfigError, RunConfig
+from lengthgen.config import ConfigError
+from lengthgen.train.config import RunConfig
 from lengthgen.model import GPT
 from lengthgen.retrofit import finetune_config
 from lengthgen.train import Trainer, load_run, train

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lengthgen.attention import Attention
-from lengthgen.config import RunConfig
+from lengthgen.train.config import RunConfig
 from lengthgen.model import GPT
 from lengthgen.train import (BEMA, NonFiniteLossError, Trainer, attention_max_logits, build_optimizers,
                              load_run, lr_multiplier, muon_param_names, qk_clip_, train)

@@ -10,33 +10,19 @@ p-RoPE (Barbero et al. 2024); gated attention (Qiu et al. 2025).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-QUERY_SCALINGS = ("none", "log_n", "sqrt_log_n")
-GRANULARITIES = ("none", "global", "layer", "head")
-DISTANCES = ("none", "scale_invariant", "alibi", "log_bias")
-QK_NORMS = ("none", "rms", "layer")
-POSITIONS = ("nope", "rope", "prope")
-OUT_NORMS = ("none", "head_layer", "head_rms", "global_layer", "global_rms")
-GATES = ("none", "head", "elementwise")
-GATE_ACTS = ("sigmoid", "2sigmoid")
+from lengthgen.config import ConfigError, check, option
 
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"AttentionSpec.{name}={value!r} is not valid; choose one of {', '.join(choices)}")
-
-
-def _positive(name: str, value: Any, *, allow_none: bool = False, integer: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not 0 < value < math.inf:
-        what = "a positive integer" if integer else "a positive (finite) number"
-        raise ValueError(f"AttentionSpec.{name}={value!r} is not valid; it must be {what}"
-                         + (" or None" if allow_none else ""))
+QueryScaling = Literal["none", "log_n", "sqrt_log_n"]
+Granularity = Literal["none", "global", "layer", "head"]
+Distance = Literal["none", "scale_invariant", "alibi", "log_bias"]
+QKNorm = Literal["none", "rms", "layer"]
+Position = Literal["nope", "rope", "prope"]
+OutNorm = Literal["none", "head_layer", "head_rms", "global_layer", "global_rms"]
+Gate = Literal["none", "head", "elementwise"]
+GateAct = Literal["sigmoid", "2sigmoid"]
 
 
 @dataclass(frozen=True)
@@ -47,71 +33,49 @@ class AttentionSpec:
     ``t = i - j``; weights ``w_ij = exp(logit_ij) / (sum_j exp(p * logit_ij))^(1/p)``.
     """
 
-    # p-softmax (seed 001): p=1 is softmax, p=2 keeps output variance for uncorrelated values.
-    softmax_p: float = 1.0
-    # query-length scaling g_i, a function of n_i = number of visible keys.
-    query_scaling: str = "none"          # none | log_n (g = s log n) | sqrt_log_n (g = a + r sqrt(2 log(b n + c)))
-    scaling_a: float = 0.0               # sqrt_log_n constants (seed 004's tuned values)
-    scaling_b: float = 0.1
-    scaling_c: float = 1.9
-    scaling_init: float = 1.0            # initial (or fixed) multiplier s / r
-    learnable_scaling: str = "none"      # none | global | layer | head
-    # distance terms a_t (logit multiplier) and bias_t
-    distance: str = "none"               # none | scale_invariant | alibi | log_bias
-    tau: float = 10.0                    # scale_invariant and log_bias length scale
-    log_bias_lambda: float = 1.0         # log_bias: bias_t = -lambda log(1 + t/tau)
-    # masks
-    window: int | None = None            # sliding window W: key j visible iff i - j < W
-    doc_masking: bool = False            # attend within a document only (needs doc_ids)
-    # projections
-    base_scale: float | None = None      # default 1/sqrt(head_dim)
-    kv_heads: int | None = None          # grouped-query attention; default = heads
-    qk_norm: str = "none"                # none | rms | layer, per head over head_dim
-    qk_norm_affine: bool = True
-    qk_norm_eps: float = 1e-6            # a large finite eps keeps some norm information (seed 004)
-    position: str = "rope"               # nope | rope | prope
-    rope_theta: float = 10000.0
-    prope_fraction: float = 0.75         # p-RoPE: fraction of (highest-frequency) pairs rotated
-    # after attend()
-    out_norm: str = "none"               # AVNorm (seed 000): none | head_layer | head_rms | global_layer | global_rms
-    out_norm_affine: bool = False
-    out_norm_eps: float = 1e-5
-    gate: str = "none"                   # none | head | elementwise
-    gate_act: str = "sigmoid"            # sigmoid (normal init) | 2sigmoid (W_g = 0: identity at init)
+    softmax_p: float = option(1.0, "p-softmax power (seed 001): 1 is softmax, 2 keeps the output variance "
+                              "for uncorrelated values", gt=0)
+    query_scaling: QueryScaling = option("none", "query-length scaling g of the n visible keys: log_n "
+                                         "(g = s log n) or sqrt_log_n (g = a + r sqrt(2 log(b n + c)))")
+    scaling_a: float = option(0.0, "sqrt_log_n constant a (seed 004's tuned value)")
+    scaling_b: float = option(0.1, "sqrt_log_n constant b (seed 004's tuned value)")
+    scaling_c: float = option(1.9, "sqrt_log_n constant c (seed 004's tuned value)")
+    scaling_init: float = option(1.0, "initial (or fixed) query-scaling multiplier s / r")
+    learnable_scaling: Granularity = option("none", "granularity of a learnable multiplier s / r")
+    distance: Distance = option("none", "distance term: logit multiplier a_t (scale_invariant) or bias_t "
+                                "(alibi, log_bias), t = i - j")
+    tau: float = option(10.0, "length scale of scale_invariant and log_bias", gt=0)
+    log_bias_lambda: float = option(1.0, "log_bias strength: bias_t = -lambda log(1 + t / tau)")
+    window: int | None = option(None, "sliding window W: key j visible iff i - j < W", ge=1)
+    doc_masking: bool = option(False, "attend within a document only (needs doc_ids)")
+    base_scale: float | None = option(None, "logit scale (default 1/sqrt(head_dim))", gt=0)
+    kv_heads: int | None = option(None, "key/value heads for grouped-query attention (default: heads)", ge=1)
+    qk_norm: QKNorm = option("none", "per-head norm of queries and keys over head_dim")
+    qk_norm_affine: bool = option(True, "learnable QK-norm weight")
+    qk_norm_eps: float = option(1e-6, "QK-norm eps; a large finite eps keeps some norm information "
+                                "(seed 004)", gt=0)
+    position: Position = option("rope", "positions: nope, rope, or prope (p-RoPE: rotate only the "
+                                "highest-frequency pairs)")
+    rope_theta: float = option(10000.0, "RoPE base", gt=0)
+    prope_fraction: float = option(0.75, "p-RoPE: fraction of (highest-frequency) pairs rotated", ge=0, le=1)
+    out_norm: OutNorm = option("none", "norm of the attention output (AVNorm, seed 000), per head or over "
+                               "all heads")
+    out_norm_affine: bool = option(False, "learnable out-norm weight")
+    out_norm_eps: float = option(1e-5, "out-norm eps", gt=0)
+    gate: Gate = option("none", "output gate (Qiu et al. 2025): one per head or one per channel")
+    gate_act: GateAct = option("sigmoid", "gate activation: sigmoid (normal init) or 2sigmoid "
+                               "(W_g = 0: identity at init)")
 
     def __post_init__(self) -> None:
-        _positive("softmax_p", self.softmax_p)
-        _choice("query_scaling", self.query_scaling, QUERY_SCALINGS)
-        _choice("learnable_scaling", self.learnable_scaling, GRANULARITIES)
+        check(self)
         if self.learnable_scaling != "none" and self.query_scaling == "none":
-            raise ValueError("AttentionSpec.learnable_scaling="
-                             f"{self.learnable_scaling!r} needs query_scaling log_n or sqrt_log_n, got 'none'")
-        for name in ("scaling_a", "scaling_b", "scaling_c", "scaling_init", "log_bias_lambda"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"AttentionSpec.{name}={value!r} is not valid; it must be a number")
+            raise ConfigError("AttentionSpec.learnable_scaling="
+                              f"{self.learnable_scaling!r} needs query_scaling log_n or sqrt_log_n, got 'none'",
+                              "AttentionSpec.learnable_scaling")
         if self.query_scaling == "sqrt_log_n" and (self.scaling_b < 0 or self.scaling_b + self.scaling_c <= 1):
-            raise ValueError(f"AttentionSpec.scaling_b={self.scaling_b}, scaling_c={self.scaling_c} are not valid; "
-                             "sqrt_log_n needs b >= 0 and b + c > 1 so that log(b n + c) > 0 for n >= 1")
-        _choice("distance", self.distance, DISTANCES)
-        _positive("tau", self.tau)
-        _positive("window", self.window, allow_none=True, integer=True)
-        _positive("base_scale", self.base_scale, allow_none=True)
-        _positive("kv_heads", self.kv_heads, allow_none=True, integer=True)
-        _choice("qk_norm", self.qk_norm, QK_NORMS)
-        _positive("qk_norm_eps", self.qk_norm_eps)
-        _choice("position", self.position, POSITIONS)
-        _positive("rope_theta", self.rope_theta)
-        if isinstance(self.prope_fraction, bool) or not (isinstance(self.prope_fraction, (int, float))
-                                                         and 0 <= self.prope_fraction <= 1):
-            raise ValueError(f"AttentionSpec.prope_fraction={self.prope_fraction!r} is not valid; it must be in [0, 1]")
-        _choice("out_norm", self.out_norm, OUT_NORMS)
-        _positive("out_norm_eps", self.out_norm_eps)
-        _choice("gate", self.gate, GATES)
-        _choice("gate_act", self.gate_act, GATE_ACTS)
-        for name in ("doc_masking", "qk_norm_affine", "out_norm_affine"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"AttentionSpec.{name}={getattr(self, name)!r} is not valid; it must be true or false")
+            raise ConfigError(f"AttentionSpec.scaling_b={self.scaling_b}, scaling_c={self.scaling_c} are not "
+                              "valid; sqrt_log_n needs b >= 0 and b + c > 1 so that log(b n + c) > 0 for n >= 1",
+                              "AttentionSpec.scaling_b")
 
     # -- convenience ---------------------------------------------------------------------------------
     @property
@@ -119,10 +83,8 @@ class AttentionSpec:
         return self.distance != "none"
 
     def replace(self, **changes: Any) -> "AttentionSpec":
-        """A copy with some fields changed (validated); unknown fields raise ValueError."""
-        unknown = set(changes) - set(FIELDS)
-        if unknown:
-            raise ValueError(f"unknown AttentionSpec field(s) {sorted(unknown)}; valid fields: {', '.join(FIELDS)}")
+        """A copy with some fields changed (validated); unknown fields raise `ConfigError`."""
+        _check_names(changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,12 +97,21 @@ class AttentionSpec:
     @classmethod
     def preset(cls, name: str, **changes: Any) -> "AttentionSpec":
         """A named variant from the seeds (see `PRESETS`), optionally with fields changed."""
-        if name not in PRESETS:
-            raise ValueError(f"unknown attention preset {name!r}; choose one of {', '.join(PRESETS)}")
+        if not isinstance(name, str) or name not in PRESETS:
+            raise ConfigError(f"unknown attention preset {name!r}; choose one of {', '.join(PRESETS)}")
         return PRESETS[name].replace(**changes)
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))
+
+
+def _check_names(changes: dict[Any, Any]) -> None:
+    unknown = [name for name in changes if name not in FIELDS]
+    if unknown:
+        raise ConfigError(f"unknown AttentionSpec field(s) {sorted(map(str, unknown))}; valid fields: "
+                          f"{', '.join(FIELDS)}")
+
+
 BASE = AttentionSpec()
 
 #: The seeds' variants by name. Each differs from `baseline` (softmax + RoPE) in the knobs its seed studies.
@@ -170,8 +141,10 @@ def resolve_spec(spec: "AttentionSpec | str | dict[str, Any] | None") -> Attenti
         return AttentionSpec.preset(spec)
     if isinstance(spec, dict):
         data = dict(spec)
-        return AttentionSpec.preset(data.pop("preset", "baseline"), **data)
-    raise ValueError(f"attention spec must be an AttentionSpec, a preset name or a dict, got {type(spec).__name__}")
+        name = data.pop("preset", "baseline")
+        _check_names(data)
+        return AttentionSpec.preset(name, **data)
+    raise ConfigError(f"attention spec must be an AttentionSpec, a preset name or a dict, got {type(spec).__name__}")
 
 
 __all__ = ["AttentionSpec", "PRESETS", "FIELDS", "resolve_spec"]

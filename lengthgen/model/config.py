@@ -22,37 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from lengthgen.attention import AttentionSpec, resolve_spec
-from lengthgen.model.norms import NORMS
+from lengthgen.attention import PRESETS, AttentionSpec, resolve_spec
+from lengthgen.config import ConfigError, build, check, check_value, invalid, option, unknown_key
+from lengthgen.model.norms import Norm
 
-PLACEMENTS = ("pre", "post", "peri", "hybrid", "hybrid_star", "mix")
-MLPS = ("gelu", "relu2")
-HEADS = ("lm", "regress", "classify")
+Placement = Literal["pre", "post", "peri", "hybrid", "hybrid_star", "mix"]
+Mlp = Literal["gelu", "relu2"]
+Head = Literal["lm", "regress", "classify"]
+Backend = Literal["auto", "dense", "tiled", "sdpa", "flex", "triton"]
+PLACEMENTS = typing.get_args(Placement)
 #: placements that end with a norm before the head (post ends normalized already)
 FINAL_NORM_PLACEMENTS = ("pre", "peri", "hybrid", "hybrid_star", "mix")
-
-
-def _err(field: str, value: Any, what: str) -> ValueError:
-    return ValueError(f"model.{field}={value!r} is not valid; {what}")
-
-
-def _check_int(field: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _err(field, value, f"it must be an integer >= {minimum}")
-
-
-def _check_number(field: str, value: Any, minimum: float, *, strict: bool = False) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not ok or (value <= minimum if strict else value < minimum):
-        raise _err(field, value, f"it must be a number {'>' if strict else '>='} {minimum}")
-
-
-def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise _err(field, value, f"choose one of {', '.join(choices)}")
+RULE_KEYS = ("spec", "every", "offset", "layers")
 
 
 def resolve_layer_spec(value: Any, default: AttentionSpec) -> AttentionSpec:
@@ -60,12 +45,8 @@ def resolve_layer_spec(value: Any, default: AttentionSpec) -> AttentionSpec:
     if value is None:
         return default
     if isinstance(value, dict) and "preset" not in value:
-        return default.replace(**value)
+        return resolve_spec({**dataclasses.asdict(default), **value})   # default's fields, then the changes
     return resolve_spec(value)
-
-
-def _spec_to_plain(value: Any) -> Any:
-    return value.to_dict() if isinstance(value, AttentionSpec) else value
 
 
 @dataclass
@@ -82,64 +63,37 @@ class GPTConfig:
     pre after. A final norm precedes the head for every placement except ``post``.
     """
 
-    vocab_size: int | None = None
-    dim: int = 128
-    layers: int = 2
-    heads: int = 4
-    head_dim: int | None = None          # default dim // heads
-    mlp_ratio: float = 4.0
-    mlp: str = "gelu"                    # gelu | relu2
-    dropout: float = 0.0
-    tie_embeddings: bool = True          # lm head only
-    norm: str = "layer"                  # layer | rms | batch (batch: seed 001 only, leaks statistics)
-    norm_placement: str = "pre"          # pre | post | peri | hybrid | hybrid_star | mix
-    norm_eps: float = 1e-5
-    mix_alpha: float = 0.25              # mix: fraction of post-norm layers
-    attention: Any = "baseline"          # AttentionSpec, preset name or dict (resolved to an AttentionSpec)
-    layer_attention: Any = None          # per-layer overrides, see the module docstring
-    attention_backend: str = "auto"      # see `attend`
-    head: str | None = None              # lm | regress | classify (None: lm)
-    num_classes: int = 0                 # classify head
-    z_loss: float = 0.0                  # lm: coefficient of mean(logsumexp(logits)^2)
-    logit_cap: float | None = None       # lm: logits -> cap * tanh(logits / cap)
-    init_std: float = 0.02
+    vocab_size: int | None = option(None, "vocabulary size (default: the data's)", ge=1)
+    dim: int = option(128, "model width", ge=1)
+    layers: int = option(2, "number of transformer blocks", ge=1)
+    heads: int = option(4, "attention heads per layer", ge=1)
+    head_dim: int | None = option(None, "width of one head (default dim // heads)", ge=1)
+    mlp_ratio: float = option(4.0, "MLP hidden width / dim", gt=0)
+    mlp: Mlp = option("gelu", "MLP activation: gelu or relu2 (squared ReLU)")
+    dropout: float = option(0.0, "dropout probability on embeddings and residual branches", ge=0, lt=1)
+    tie_embeddings: bool = option(True, "lm head shares the embedding matrix")
+    norm: Norm = option("layer", "norm kind (batch: seed 001 only, it leaks statistics across positions)")
+    norm_placement: Placement = option("pre", "where the norms sit in a block (see GPTConfig)")
+    norm_eps: float = option(1e-5, "norm eps", gt=0)
+    mix_alpha: float = option(0.25, "mix placement: fraction of post-norm layers", ge=0, le=1)
+    attention: AttentionSpec = option(PRESETS["baseline"], "every layer's attention: a preset name or a "
+                                      "table of AttentionSpec fields (with an optional preset)",
+                                      parse=resolve_spec)
+    layer_attention: Any = option(None, "per-layer attention: rules {spec, every[, offset]} or {spec, "
+                                  "layers}, or one spec per layer (see the module docstring)")
+    attention_backend: Backend = option("auto", "attention backend (auto picks by device, spec and size)")
+    head: Head | None = option(None, "output head (default: the data's; lm without data)")
+    num_classes: int = option(0, "classes of the classify head", ge=0)
+    z_loss: float = option(0.0, "lm: coefficient of mean(logsumexp(logits)^2)", ge=0)
+    logit_cap: float | None = option(None, "lm: logits -> cap * tanh(logits / cap)", gt=0)
+    init_std: float = option(0.02, "standard deviation of the weight init", ge=0)
 
     def __post_init__(self) -> None:
-        if self.vocab_size is not None:
-            _check_int("vocab_size", self.vocab_size, 1)
-        for name in ("dim", "layers", "heads"):
-            _check_int(name, getattr(self, name), 1)
-        if self.head_dim is None:
-            if self.dim % self.heads:
-                raise _err("heads", self.heads, f"it must divide dim={self.dim} (or set head_dim)")
-        else:
-            _check_int("head_dim", self.head_dim, 1)
-        _check_number("mlp_ratio", self.mlp_ratio, 0, strict=True)
-        _check_choice("mlp", self.mlp, MLPS)
-        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1) or isinstance(self.dropout, bool):
-            raise _err("dropout", self.dropout, "it must be a number in [0, 1)")
-        if not isinstance(self.tie_embeddings, bool):
-            raise _err("tie_embeddings", self.tie_embeddings, "it must be true or false")
-        _check_choice("norm", self.norm, NORMS)
-        _check_choice("norm_placement", self.norm_placement, PLACEMENTS)
-        _check_number("norm_eps", self.norm_eps, 0, strict=True)
-        if isinstance(self.mix_alpha, bool) or not isinstance(self.mix_alpha, (int, float)) \
-                or not 0 <= self.mix_alpha <= 1:
-            raise _err("mix_alpha", self.mix_alpha, "it must be a number in [0, 1]")
-        if self.head is not None:
-            _check_choice("head", self.head, HEADS)
-        if self.head == "classify":
-            _check_int("num_classes", self.num_classes, 2)
-        _check_number("z_loss", self.z_loss, 0)
-        if self.logit_cap is not None:
-            _check_number("logit_cap", self.logit_cap, 0, strict=True)
-        _check_number("init_std", self.init_std, 0)
-        if not isinstance(self.attention_backend, str):
-            raise _err("attention_backend", self.attention_backend, "it must be a backend name")
-        try:
-            self.attention = resolve_spec(self.attention)
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"model.attention: {err}") from None
+        check(self)
+        if self.head_dim is None and self.dim % self.heads:
+            raise invalid("GPTConfig.heads", self.heads, f"a divisor of dim={self.dim} (or set head_dim)")
+        if self.head == "classify" and self.num_classes < 2:
+            raise invalid("GPTConfig.num_classes", self.num_classes, "an integer >= 2 for the classify head")
         self.layer_specs()  # validates layer_attention
 
     # -- derived -------------------------------------------------------------------------------------
@@ -162,77 +116,56 @@ class GPTConfig:
 
     def layer_specs(self) -> list[AttentionSpec]:
         """The resolved AttentionSpec of every layer (before the hybrid placements' QKV-norm adjustment)."""
-        default, n, rules = self.attention, self.layers, self.layer_attention
+        default, n, rules, key = self.attention, self.layers, self.layer_attention, "GPTConfig.layer_attention"
         specs = [default] * n
         if rules is None:
             return specs
         if isinstance(rules, dict):
             rules = [rules]
         if not isinstance(rules, (list, tuple)):
-            raise _err("layer_attention", rules, "it must be a list of rules or of per-layer specs")
+            raise invalid(key, rules, "a list of rules or of per-layer specs")
         is_rule = [isinstance(r, dict) and "spec" in r for r in rules]
         if rules and not all(is_rule):
             if any(is_rule) or len(rules) != n:
-                raise _err("layer_attention", rules, f"a per-layer list needs exactly layers={n} entries "
-                           "(specs or None); rules are dicts with 'spec' and 'every' or 'layers'")
+                raise invalid(key, rules, f"a per-layer list of exactly layers={n} entries (specs or None); "
+                              "rules are tables with spec and every or layers")
             for i, entry in enumerate(rules):
-                try:
-                    specs[i] = resolve_layer_spec(entry, default)
-                except (ValueError, TypeError) as err:
-                    raise ValueError(f"model.layer_attention[{i}]: {err}") from None
+                specs[i] = _layer_spec(entry, default, f"{key}[{i}]")
             return specs
         for r, rule in enumerate(rules):
-            where = f"model.layer_attention[{r}]"
-            unknown = set(rule) - {"spec", "every", "offset", "layers"}
-            if unknown:
-                raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; a rule has spec and every "
-                                 "(with optional offset) or layers")
+            where = f"{key}[{r}]"
+            for name in rule:
+                if name not in RULE_KEYS:
+                    raise unknown_key(where, name, RULE_KEYS)
             if ("every" in rule) == ("layers" in rule):
-                raise ValueError(f"{where}: a rule needs exactly one of 'every' or 'layers'")
-            try:
-                spec = resolve_layer_spec(rule["spec"], default)
-            except (ValueError, TypeError) as err:
-                raise ValueError(f"{where}.spec: {err}") from None
+                raise ConfigError(f"{where}: a rule needs exactly one of 'every' or 'layers'", where)
+            spec = _layer_spec(rule["spec"], default, f"{where}.spec")
             if "every" in rule:
-                every, offset = rule["every"], rule.get("offset", 0)
-                if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                    raise ValueError(f"{where}.every={every!r} is not valid; it must be an integer >= 1")
-                if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < every:
-                    raise ValueError(f"{where}.offset={offset!r} is not valid; it must be in [0, every)")
+                every = check_value(f"{where}.every", rule["every"], int, ge=1)
+                offset = check_value(f"{where}.offset", rule.get("offset", 0), int, ge=0, lt=every)
                 chosen = [i for i in range(n) if i % every == offset]
             else:
                 if "offset" in rule:
-                    raise ValueError(f"{where}: 'offset' goes with 'every', not 'layers'")
-                layers = rule["layers"]
-                if not isinstance(layers, (list, tuple)) or not all(
-                        isinstance(i, int) and not isinstance(i, bool) and -n <= i < n for i in layers):
-                    raise ValueError(f"{where}.layers={layers!r} is not valid; it must be a list of layer "
-                                     f"indices in [-{n}, {n})")
-                chosen = [i % n for i in layers]
+                    raise ConfigError(f"{where}: 'offset' goes with 'every', not 'layers'", where)
+                chosen = [i % n for i in check_value(f"{where}.layers", rule["layers"], list[int], ge=-n, lt=n)]
             for i in chosen:
                 specs[i] = spec
         return specs
 
     # -- (de)serialization ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["attention"] = self.attention.to_dict()
-        rules = self.layer_attention
-        if isinstance(rules, dict):
-            rules = [rules]
-        if isinstance(rules, (list, tuple)):
-            out["layer_attention"] = [
-                {**r, "spec": _spec_to_plain(r["spec"])} if isinstance(r, dict) and "spec" in r
-                else _spec_to_plain(r) for r in rules]
-        return out
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GPTConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise ValueError(f"unknown model key(s) {sorted(unknown)}; valid keys: {', '.join(sorted(names))}")
-        return cls(**data)
+        return build(cls, data)
 
     def replace(self, **changes: Any) -> "GPTConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _layer_spec(value: Any, default: AttentionSpec, key: str) -> AttentionSpec:
+    try:
+        return resolve_layer_spec(value, default)
+    except ConfigError as err:
+        raise err.under(key) from None

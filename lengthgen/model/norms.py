@@ -9,12 +9,16 @@ gathered at the training length. Do not use it for language modelling.
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
 import torch
 import torch.nn as nn
 
 from lengthgen.attention import functional as fn
 
-NORMS = ("layer", "rms", "batch")
+Norm = Literal["layer", "rms", "batch"]
+NORMS = typing.get_args(Norm)
 
 
 class SequenceBatchNorm(nn.BatchNorm1d):

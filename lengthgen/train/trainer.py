@@ -32,12 +32,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lengthgen.config import ConfigError, RunConfig, load_config, save_config
+from lengthgen.config import ConfigError
+from lengthgen.data.config import make_source, step_generator
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import distributed
 from lengthgen.train.bema import BEMA
-from lengthgen.train.data import make_source, split_batch, step_generator
+from lengthgen.train.config import RunConfig, load_config, save_config
+from lengthgen.train.data import split_batch
 from lengthgen.train.optim import attention_max_logits, build_optimizers, qk_clip_, set_lr
 from lengthgen.train.schedule import lr_multiplier
 
@@ -88,8 +90,8 @@ def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
         changes["num_classes"] = classes
     try:
         return RunConfig(model.replace(**changes), cfg.train, cfg.data, cfg.name)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    except ConfigError as err:
+        raise err.under("model") from None
 
 
 def _check_lengths(cfg: RunConfig, source: Any) -> None:

@@ -1,25 +1,18 @@
-"""Helpers shared by the synthetic tasks: argument checks and masked per-position accuracy."""
+"""Helpers shared by the synthetic tasks: sample-argument checks and masked per-position accuracy."""
 
 from __future__ import annotations
 
 import torch
 
+from lengthgen.config import check_value
 from lengthgen.data.tasks.base import Task
-
-
-def check_int(task: str, kwarg: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an int >= ``minimum``, else raise a ValueError naming task and kwarg."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"task {task!r}: {kwarg} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def check_sample_args(task: Task, batch_size: int, length: int) -> None:
     """Raise a ValueError naming the task, the bad value and the limit for a request outside
     ``task.min_length..task.max_length`` or a non-positive batch size."""
-    check_int(task.name, "batch_size", batch_size, 1)
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise ValueError(f"task {task.name!r}: length must be an int, got {length!r}")
+    check_value(f"{task.name}.batch_size", batch_size, int, ge=1)
+    check_value(f"{task.name}.length", length, int)
     if length < task.min_length:
         raise ValueError(f"task {task.name!r}: length {length} is below the minimum length {task.min_length}")
     if task.max_length is not None and length > task.max_length:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.tasks.common import check_int, check_sample_args
+from lengthgen.config import check_value
+from lengthgen.data.tasks.common import check_sample_args
 
 
 class CountingTask(Task):
@@ -27,7 +28,7 @@ class CountingTask(Task):
     max_length = None
 
     def __init__(self, *, vocab_size: int = 32):
-        self.vocab_size = check_int(self.name, "vocab_size", vocab_size, 2)
+        self.vocab_size = check_value(f"{self.name}.vocab_size", vocab_size, int, ge=2)
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         check_sample_args(self, batch_size, length)

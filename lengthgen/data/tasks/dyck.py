@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.tasks.common import check_int, check_sample_args
+from lengthgen.config import check_value
+from lengthgen.data.tasks.common import check_sample_args
 
 
 class DyckTask(Task):
@@ -32,8 +33,8 @@ class DyckTask(Task):
     max_length = None
 
     def __init__(self, *, num_types: int = 2, max_depth: int = 8):
-        self.num_types = check_int(self.name, "num_types", num_types, 1)
-        self.max_depth = check_int(self.name, "max_depth", max_depth, 1)
+        self.num_types = check_value(f"{self.name}.num_types", num_types, int, ge=1)
+        self.max_depth = check_value(f"{self.name}.max_depth", max_depth, int, ge=1)
         self.bos = 2 * num_types
         self.vocab_size = 2 * num_types + 1
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.tasks.common import check_int, check_sample_args, masked_accuracy
+from lengthgen.config import check_value
+from lengthgen.data.tasks.common import check_sample_args, masked_accuracy
 
 
 class MaxRetrievalTask(Task):
@@ -27,8 +28,8 @@ class MaxRetrievalTask(Task):
     min_length = 3
 
     def __init__(self, *, num_keys: int = 512, num_values: int = 16):
-        self.num_keys = check_int(self.name, "num_keys", num_keys, 1)
-        self.num_values = check_int(self.name, "num_values", num_values, 2)
+        self.num_keys = check_value(f"{self.name}.num_keys", num_keys, int, ge=1)
+        self.num_values = check_value(f"{self.name}.num_values", num_values, int, ge=2)
         self.query = num_keys + num_values
         self.pad = self.query + 1
         self.vocab_size = self.pad + 1

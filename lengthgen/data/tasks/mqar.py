@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.tasks.common import check_int, check_sample_args, masked_accuracy
+from lengthgen.config import check_value
+from lengthgen.data.tasks.common import check_sample_args, masked_accuracy
 
 
 class MQARTask(Task):
@@ -28,7 +29,7 @@ class MQARTask(Task):
     min_length = 4
 
     def __init__(self, *, vocab_size: int = 256):
-        self.vocab_size = check_int(self.name, "vocab_size", vocab_size, 4)
+        self.vocab_size = check_value(f"{self.name}.vocab_size", vocab_size, int, ge=4)
         self.num_keys = vocab_size // 2
         self.max_length = 4 * self.num_keys + 3
 

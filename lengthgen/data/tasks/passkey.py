@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.tasks.common import check_int, check_sample_args, masked_accuracy
+from lengthgen.config import check_value
+from lengthgen.data.tasks.common import check_sample_args, masked_accuracy
 
 
 class PasskeyTask(Task):
@@ -32,8 +33,8 @@ class PasskeyTask(Task):
     query = 11
 
     def __init__(self, *, num_digits: int = 5, num_filler: int = 16):
-        self.num_digits = check_int(self.name, "num_digits", num_digits, 1)
-        self.num_filler = check_int(self.name, "num_filler", num_filler, 1)
+        self.num_digits = check_value(f"{self.name}.num_digits", num_digits, int, ge=1)
+        self.num_filler = check_value(f"{self.name}.num_filler", num_filler, int, ge=1)
         self.vocab_size = 12 + num_filler
         self.min_length = 2 * num_digits + 1
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.tasks.common import check_int, check_sample_args
+from lengthgen.config import check_value
+from lengthgen.data.tasks.common import check_sample_args
 
 
 class SetComplementTask(Task):
@@ -30,7 +31,7 @@ class SetComplementTask(Task):
     higher_is_better = False
 
     def __init__(self, *, num_tokens: int = 64):
-        self.num_tokens = check_int(self.name, "num_tokens", num_tokens, 2)
+        self.num_tokens = check_value(f"{self.name}.num_tokens", num_tokens, int, ge=2)
         self.bos = num_tokens
         self.vocab_size = num_tokens + 1
         self.max_length = num_tokens

@@ -7,9 +7,11 @@ are Tomita (1982), "Dynamic construction of finite automata from examples using 
 from __future__ import annotations
 
 import itertools
+from typing import Literal
 
 import torch
 
+from lengthgen.config import check_value
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.tasks.common import check_sample_args
 
@@ -101,12 +103,8 @@ class TomitaTask(Task):
     pad = 3
 
     def __init__(self, *, grammar: int = 3, near_miss: float = 0.5):
-        if isinstance(grammar, bool) or grammar not in _DFAS:
-            raise ValueError(f"task {self.name!r}: grammar must be one of {sorted(_DFAS)}, got {grammar!r}")
-        if isinstance(near_miss, bool) or not isinstance(near_miss, (int, float)) or not 0 <= near_miss <= 1:
-            raise ValueError(f"task {self.name!r}: near_miss must be a number in [0, 1], got {near_miss!r}")
-        self.grammar = grammar
-        self.near_miss = float(near_miss)
+        self.grammar = check_value(f"{self.name}.grammar", grammar, Literal[tuple(_DFAS)])
+        self.near_miss = check_value(f"{self.name}.near_miss", near_miss, float, ge=0, le=1)
         transitions, accepting = _DFAS[grammar]
         self.transitions = torch.tensor(transitions)                # (Q, 2)
         self.accepting = torch.tensor(accepting)                    # (Q,)

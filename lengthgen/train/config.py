@@ -1,0 +1,172 @@
+"""Run configuration: `RunConfig` = `GPTConfig` (``model``) + `TrainConfig` (``train``) + `DataConfig` (``data``).
+
+TOML files (``configs/*.toml``) have the sections ``[model]``, ``[train]`` (with ``[train.bema]``) and ``[data]``
+(with ``[data.task_kwargs]``); ``name`` may sit at the top. Overrides ``a.b.c=value`` (CLI ``--set``) parse
+``value`` as a TOML literal and fall back to a plain string: ``train.steps=200``, ``model.attention=l2``
+(a preset), ``model.attention.out_norm=head_rms`` (one field), ``train.stages=[[0, 32], [100, 64]]``,
+``model.logit_cap=none`` (None). Every unknown key, bad choice or bad type raises `ConfigError` naming the
+full key and the valid keys or choices, before anything is trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from lengthgen.atomic import atomic_write_text
+from lengthgen.config import ConfigError, build, check, invalid, load_toml, option, parse_assignment, set_key
+from lengthgen.data.config import DataConfig
+from lengthgen.model.config import GPTConfig
+
+Schedule = Literal["cosine", "wsd", "constant"]
+Optimizer = Literal["adamw", "muon"]
+MuonAdjust = Literal["original", "match_rms_adamw"]
+Device = Literal["auto", "cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16"]
+
+
+@dataclass
+class BemaConfig:
+    """BEMA (Block et al. 2025, "Accelerating training with bias-corrected EMA"): see `lengthgen.train.bema`."""
+
+    enabled: bool = option(False, "keep a BEMA of the weights and evaluate it")
+    kappa: float = option(0.5, "EMA power: beta_t = (1 + gamma t)^-kappa", ge=0)
+    eta: float = option(0.2, "bias-correction power: alpha_t = (1 + gamma t)^-eta", ge=0)
+    rho: int = option(10, "lag: t = max(step - tau + rho, 1)", ge=0)
+    gamma: float = option(1.0, "time scale gamma", ge=0)
+    tau: int = option(0, "burn-in: before step tau, theta_bema = theta", ge=0)
+
+    def __post_init__(self) -> None:
+        check(self)
+
+
+@dataclass
+class TrainConfig:
+    """Optimization, schedule, batch and bookkeeping of a run."""
+
+    steps: int = option(1000, "optimizer steps", ge=1)
+    lr: float = option(1e-3, "peak AdamW learning rate", ge=0)
+    schedule: Schedule = option("cosine", "cosine (warmup + cosine), wsd (warmup, constant, linear cooldown) "
+                                "or constant")
+    warmup_steps: int = option(0, "linear warmup steps", ge=0)
+    cooldown_frac: float = option(0.2, "wsd: fraction of the steps in the linear cooldown", ge=0, le=1)
+    min_lr_ratio: float = option(0.0, "final lr / peak lr (cosine and wsd)", ge=0, le=1)
+    optimizer: Optimizer = option("adamw", "adamw, or muon (Muon for 2-D hidden weights, AdamW for the rest)")
+    betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas", ge=0, lt=1)
+    eps: float = option(1e-8, "AdamW eps", ge=0)
+    weight_decay: float = option(0.0, "AdamW weight decay, on 2-D weights only (not norms, biases, scalars)",
+                                 ge=0)
+    muon_lr: float = option(0.02, "Muon learning rate", ge=0)
+    muon_momentum: float = option(0.95, "Muon momentum", ge=0)
+    muon_weight_decay: float = option(0.0, "Muon weight decay", ge=0)
+    muon_adjust_lr: MuonAdjust = option("original", "torch.optim.Muon's adjust_lr_fn")
+    qk_clip: float | None = option(None, "QK-clip threshold tau (Kimi K2); none disables", gt=0)
+    grad_clip: float = option(1.0, "max global grad norm; 0 disables", ge=0)
+    grad_accum: int = option(1, "micro-batches per step", ge=1)
+    batch_size: int = option(32, "sequences per step at data.length (when tokens_per_step is none)", ge=1)
+    tokens_per_step: int | None = option(None, "constant tokens per step: batch = tokens_per_step // length",
+                                         ge=1)
+    stages: list[tuple[int, int]] = option([], "staged context length: [[step, length], ...]", ge=0)
+    bema: BemaConfig = option(BemaConfig(), "BEMA of the weights")
+    seed: int = option(0, "seed of the weights and the data", ge=0)
+    eval_every: int = option(0, "evaluate every this many steps; 0: at the end only", ge=0)
+    eval_lengths: list[int] = option([], "evaluation lengths (default [data.length])", ge=1)
+    eval_batches: int = option(2, "batches per evaluation length", ge=0)
+    eval_batch_size: int = option(16, "sequences per evaluation batch", ge=1)
+    checkpoint_every: int = option(0, "checkpoint every this many steps; 0: at the end only", ge=0)
+    keep_checkpoints: int = option(2, "checkpoints kept on disk", ge=1)
+    log_every: int = option(1, "log every this many steps", ge=1)
+    device: Device = option("auto", "training device")
+    dtype: Dtype = option("auto", "auto (bf16 autocast on CUDA, float32 on CPU), float32 or bfloat16")
+    compile: bool = option(False, "torch.compile the model (CUDA only; ignored on CPU)")
+    threads: int = option(0, "CPU threads (torch.set_num_threads) while training; 0: torch's default", ge=0)
+    init_from: str | None = option(None, "start from this run folder's or checkpoint's weights with a fresh "
+                                   "optimizer; parameters the attention spec adds keep their init")
+
+    def __post_init__(self) -> None:
+        check(self)
+        steps = [step for step, _ in self.stages]
+        if steps != sorted(set(steps)) or any(length < 1 for _, length in self.stages):
+            raise invalid("TrainConfig.stages", self.stages, "a list of [step, length] pairs with increasing "
+                          "steps >= 0 and lengths >= 1, e.g. [[0, 32], [500, 64]]")
+
+
+@dataclass
+class RunConfig:
+    """A whole run: ``model``, ``train``, ``data`` and an optional ``name``."""
+
+    model: GPTConfig = option(GPTConfig(), "the model")
+    train: TrainConfig = option(TrainConfig(), "optimization, schedule, evaluation and checkpoints")
+    data: DataConfig = option(DataConfig(), "the training data")
+    name: str = option("", "the run's name")
+
+    def __post_init__(self) -> None:
+        check(self)
+
+    # -- derived -------------------------------------------------------------------------------------
+    def length_at(self, step: int) -> int:
+        """The context length at ``step`` (the last stage started at or before it, else data.length)."""
+        length = self.data.length
+        for start, stage_length in self.train.stages:
+            if start <= step:
+                length = stage_length
+        return length
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.tokens_per_step or self.train.batch_size * self.data.length
+
+    def batch_size_at(self, step: int) -> int:
+        """Sequences per step: tokens_per_step // length (at least 1)."""
+        return max(1, self.tokens_per_step // self.length_at(step))
+
+    def lengths(self) -> list[int]:
+        return sorted({self.data.length, *(s[1] for s in self.train.stages)})
+
+    # -- (de)serialization ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        """A run from a (TOML/JSON) dict; errors name the key as written in the file (``train.lr``)."""
+        try:
+            return build(cls, data)
+        except ConfigError as err:
+            raise err.under("") from None
+
+    def override(self, *assignments: str) -> "RunConfig":
+        """A copy with ``key=value`` assignments applied in order (see the module docstring)."""
+        cfg = self
+        for assignment in assignments:
+            key, value = parse_assignment(assignment)
+            cfg = RunConfig.from_dict(set_key(cfg.to_dict(), key, value, RunConfig))
+        return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A `RunConfig` from a TOML (or JSON, e.g. a run's ``config.json``) file plus ``key=value`` overrides."""
+    if path is None:
+        cfg = RunConfig()
+    elif str(path).endswith(".json"):
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"config file not found: {p}")
+        cfg = RunConfig.from_dict(json.loads(p.read_text()))
+    else:
+        cfg = RunConfig.from_dict(load_toml(path))
+    return cfg.override(*overrides)
+
+
+def save_config(cfg: RunConfig, directory: str | Path) -> Path:
+    """Write the resolved config as ``config.json`` in ``directory``."""
+    return atomic_write_text(Path(directory) / "config.json", cfg.to_json())
+
+
+__all__ = ["BemaConfig", "RunConfig", "TrainConfig", "load_config", "save_config"]
