@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from lengthgen.config import ConfigError
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.text import (BIN_MAGIC, BinCorpus, ByteTokenizer, CorpusError, FileCorpus,
                                  HFTokenizer, ResourceUnavailableError, ShardFormatError,
@@ -263,7 +264,7 @@ def test_make_corpus_rejects_unknown_forms_and_options(monkeypatch):
         make_corpus("wikitext")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['separator'\]"):
         make_corpus("stdlib", separator="\n")
-    with pytest.raises(ValueError, match=r"split must be one of train, val, all"):
+    with pytest.raises(ConfigError, match=r"StdlibCorpus\.split='test' is not valid; it must be one of train, val"):
         make_corpus("stdlib", "test")
     monkeypatch.setitem(sys.modules, "datasets", None)
     with pytest.raises(ImportError, match=r"'hf:wikitext' needs .*'datasets'.*pip install datasets"):

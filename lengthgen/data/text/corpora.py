@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import os
 
-from lengthgen.data.text.corpus import (SPLITS, Corpus, CorpusError, check_split, check_val_fraction,
-                                        split_of)
+from lengthgen.config import ConfigError
+from lengthgen.data.text.corpus import Corpus, CorpusError, Split, split_of
 from lengthgen.data.text.files import (_GLOB_CHARS, TEXT_EXTENSIONS, BinCorpus, FileCorpus,
                                        resolve_files)
 from lengthgen.data.text.hf import HFCorpus
 from lengthgen.data.text.stdlib import StdlibCorpus, stdlib_files, stdlib_root
 
-__all__ = ["SPLITS", "TEXT_EXTENSIONS", "BinCorpus", "Corpus", "CorpusError", "FileCorpus", "HFCorpus",
-           "StdlibCorpus", "check_split", "check_val_fraction", "make_corpus", "resolve_files",
+__all__ = ["TEXT_EXTENSIONS", "BinCorpus", "Corpus", "CorpusError", "FileCorpus", "HFCorpus", "Split",
+           "StdlibCorpus", "make_corpus", "resolve_files",
            "split_of", "stdlib_files", "stdlib_root"]
 
 CORPUS_FORMS = ("stdlib", "a .txt/.jsonl/.parquet file, directory or glob", "bin:<file, dir or glob>",
@@ -43,8 +43,8 @@ _OPTIONS = {
 def _check_options(kind: str, spec: str, options: dict) -> None:
     bad = sorted(set(options) - _OPTIONS[kind])
     if bad:
-        raise ValueError(f"corpus {spec!r}: unknown option(s) {bad}; a {kind} corpus takes "
-                         f"{sorted(_OPTIONS[kind])}")
+        raise ConfigError(f"corpus {spec!r}: unknown option(s) {bad}; a {kind} corpus takes "
+                          f"{sorted(_OPTIONS[kind])}")
 
 
 def _looks_like_path(spec: str) -> bool:

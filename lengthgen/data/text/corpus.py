@@ -4,28 +4,23 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 import numpy as np
 
-SPLITS = ("train", "val", "all")
+from lengthgen.config import check_value
+
+Split = Literal["train", "val", "all"]
 
 
 class CorpusError(ValueError):
     """A corpus is empty, or one of its files is malformed (the message names the file)."""
 
 
-def check_split(split: str, where: str) -> str:
-    if split not in SPLITS:
-        raise ValueError(f"{where}: split must be one of {', '.join(SPLITS)}, got {split!r}")
-    return split
-
-
-def check_val_fraction(val_fraction: float, where: str) -> float:
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or \
-            not 0.0 <= val_fraction <= 1.0:
-        raise ValueError(f"{where}: val_fraction must be a number in [0, 1], got {val_fraction!r}")
-    return float(val_fraction)
+def check_split_options(owner: str, split: str, val_fraction: float) -> tuple[str, float]:
+    """``split`` (train | val | all) and ``val_fraction`` (in [0, 1]) checked; errors name ``owner.split``."""
+    return (check_value(f"{owner}.split", split, Split),
+            check_value(f"{owner}.val_fraction", val_fraction, float, ge=0, le=1))
 
 
 def split_of(key: str, val_fraction: float) -> str:

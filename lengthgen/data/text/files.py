@@ -11,8 +11,8 @@ from typing import Iterator
 
 import numpy as np
 
-from lengthgen.data.text.corpus import (Corpus, CorpusError, stat_fingerprint, check_split,
-                                        check_val_fraction)
+from lengthgen.config import check_value, invalid
+from lengthgen.data.text.corpus import Corpus, CorpusError, check_split_options, stat_fingerprint
 from lengthgen.data.text.shards import read_bin_shard
 
 TEXT_EXTENSIONS = (".txt", ".jsonl", ".parquet")
@@ -105,13 +105,11 @@ class FileCorpus(Corpus):
                  separator: str | None = None, text_field: str = "text",
                  val_fraction: float = 0.05):
         self.source = source
-        self.split = check_split(split, f"corpus {source!r}")
-        self.val_fraction = check_val_fraction(val_fraction, f"corpus {source!r}")
-        if separator is not None and (not isinstance(separator, str) or not separator):
-            raise ValueError(f"corpus {source!r}: separator must be a non-empty string or None, got "
-                             f"{separator!r}")
+        self.split, self.val_fraction = check_split_options("FileCorpus", split, val_fraction)
+        if check_value("FileCorpus.separator", separator, str | None) == "":
+            raise invalid("FileCorpus.separator", separator, "a non-empty string, or none")
         self.separator = separator
-        self.text_field = text_field
+        self.text_field = check_value("FileCorpus.text_field", text_field, str)
         self.files = resolve_files(source, TEXT_EXTENSIONS, f"corpus {source!r}")
         self.name = f"{os.fspath(source) if not isinstance(source, (list, tuple)) else 'files'}/{split}"
         parquet = [p for _, p in self.files if p.suffix.lower() == ".parquet"]
@@ -204,8 +202,7 @@ class BinCorpus(Corpus):
                  bos_id: int | None = None, vocab_size: int | None = None,
                  val_fraction: float = 0.05, tokenizer_name: str = ""):
         self.source = source
-        self.split = check_split(split, f"bin corpus {source!r}")
-        self.val_fraction = check_val_fraction(val_fraction, f"bin corpus {source!r}")
+        self.split, self.val_fraction = check_split_options("BinCorpus", split, val_fraction)
         self.bos_id, self.vocab_size, self.tokenizer_name = bos_id, vocab_size, tokenizer_name
         self.files = resolve_files(source, (".bin",), f"bin corpus {source!r}")
         self.name = f"bin:{os.fspath(source) if not isinstance(source, (list, tuple)) else 'files'}/{split}"

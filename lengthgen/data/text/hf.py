@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from lengthgen.data.text.corpus import Corpus, CorpusError, check_split
+from lengthgen.config import check_value
+from lengthgen.data.text.corpus import Corpus, CorpusError, Split
 
 
 class HFCorpus(Corpus):
@@ -25,7 +26,7 @@ class HFCorpus(Corpus):
         if not dataset:
             raise ValueError("hf corpus: empty dataset name; use 'hf:<dataset>[:config]'")
         self.dataset, self.config = dataset, config
-        self.split = check_split(split, f"corpus 'hf:{dataset}'")
+        self.split = check_value("HFCorpus.split", split, Split)
         self.hf_split = hf_split or {"train": "train", "val": "validation", "all": "train"}[split]
         self.text_field, self.streaming = text_field, streaming
         self.name = f"hf:{dataset}{':' + config if config else ''}/{self.hf_split}"

@@ -15,12 +15,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from lengthgen.atomic import atomic_write
+from lengthgen.config import check_value
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.text.corpora import Corpus, CorpusError, make_corpus
 from lengthgen.data.text.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
@@ -109,8 +111,7 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
     the Python version, corpus fingerprint and tokenizer; ``"auto"`` caches for every tokenizer but
     the byte one (which is faster than the cache); ``False`` never caches. Corpora without a
     fingerprint (streamed) are never cached. Raises ``CorpusError`` for an empty corpus."""
-    if cache not in (True, False, "auto"):
-        raise ValueError(f"cache must be True, False or 'auto', got {cache!r}")
+    check_value("pretokenize.cache", cache, Literal[True, False, "auto"])
     use_cache = cache is True or (cache == "auto" and not isinstance(tokenizer, ByteTokenizer))
     path = _cache_path(corpus, tokenizer, cache_dir, max_documents, max_tokens) if use_cache else None
     if path is not None and path.is_file():
@@ -175,23 +176,15 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
     return stream
 
 
-def _check_positive_int(where: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {name} must be an int >= 1, got {value!r}")
-    return value
-
-
 def long_document_rows(stream: TokenStream, min_length: int, count: int, seed: int = 0,
                        *, row_length: int | None = None) -> torch.Tensor:
     """(count, row_length) long: ``[BOS] + the start of one document`` per row, from ``count``
     distinct documents with at least ``min_length`` tokens chosen by a permutation seeded with
     ``seed``. ``row_length`` defaults to ``min_length`` and may be at most ``min_length + 1``."""
-    _check_positive_int("long_documents", "min_length", min_length)
-    _check_positive_int("long_documents", "count", count)
+    check_value("long_documents.min_length", min_length, int, ge=1)
+    check_value("long_documents.count", count, int, ge=1)
     row_length = min_length if row_length is None else row_length
-    if not 1 <= row_length <= min_length + 1:
-        raise ValueError(f"long_documents: row_length {row_length} must be in [1, min_length + 1 = "
-                         f"{min_length + 1}]")
+    check_value("long_documents.row_length", row_length, int, ge=1, le=min_length + 1)
     lengths = stream.doc_lengths
     eligible = np.flatnonzero(lengths >= min_length)
     if eligible.size < count:
@@ -246,8 +239,8 @@ class TextData(Task):
         return (starts[:, None] + np.arange(width)[None, :]) % self.stream.num_tokens
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        _check_positive_int(self.name, "batch_size", batch_size)
-        _check_positive_int(self.name, "length", length)
+        check_value("TextData.batch_size", batch_size, int, ge=1)
+        check_value("TextData.length", length, int, ge=1)
         n = self.stream.num_tokens
         pos = torch.randint(n, (batch_size,), generator=generator, device=generator.device)
         pos = pos.cpu().numpy().astype(np.int64)

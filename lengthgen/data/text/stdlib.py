@@ -8,7 +8,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from lengthgen.data.text.corpus import Corpus, stat_fingerprint, check_split, check_val_fraction
+from lengthgen.config import check_value
+from lengthgen.data.text.corpus import Corpus, check_split_options, stat_fingerprint
 
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
@@ -45,9 +46,8 @@ class StdlibCorpus(Corpus):
 
     def __init__(self, split: str = "train", *, val_fraction: float = 0.05,
                  include_tests: bool = False, root: str | os.PathLike | None = None):
-        self.split = check_split(split, "stdlib corpus")
-        self.val_fraction = check_val_fraction(val_fraction, "stdlib corpus")
-        self.include_tests = bool(include_tests)
+        self.split, self.val_fraction = check_split_options("StdlibCorpus", split, val_fraction)
+        self.include_tests = check_value("StdlibCorpus.include_tests", include_tests, bool)
         self.root = Path(root) if root is not None else stdlib_root()
         self.name = f"stdlib{'+tests' if include_tests else ''}/{split}"
 
