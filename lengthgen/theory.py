@@ -24,9 +24,12 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 import torch
+
+from lengthgen.config import ConfigError, check_value
 
 EULER_GAMMA = 0.5772156649015329
 
@@ -76,39 +79,21 @@ def inverse_wmax_limit(r: float) -> float:
 
 
 def _check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, float, np.integer, np.floating)):
-        raise ValueError(f"n must be an integer >= 2, got n={n!r}")
-    if not (math.isfinite(n) and n == int(n) and n >= 2):
-        raise ValueError(f"n must be an integer >= 2, got n={n!r}")
-    return int(n)
+    return check_value("n", n, int, ge=2)
 
 
-def _check_trials(trials) -> int:
-    if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 2:
-        raise ValueError(f"trials must be an integer >= 2 (a standard error needs two samples), got trials={trials!r}")
-    return int(trials)
-
-
-def _check_r(r) -> float:
-    if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)) or not (
-        math.isfinite(r) and r > 0
-    ):
-        raise ValueError(f"r must be a finite number > 0, got r={r!r}")
-    return float(r)
+def _check_trials(trials, name: str = "trials") -> int:
+    return check_value(name, trials, int, ge=2)       # a standard error needs two samples
 
 
 def _check_method(method: str) -> str:
-    if method not in ("direct", "conditional"):
-        raise ValueError(f"method must be 'direct' or 'conditional', got method={method!r}")
-    return method
+    return check_value("method", method, Literal["direct", "conditional"])
 
 
 def _generator(seed: int, generator: torch.Generator | None) -> torch.Generator:
     if generator is not None:
         return generator
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an integer, got seed={seed!r}")
-    return torch.Generator().manual_seed(int(seed))
+    return torch.Generator().manual_seed(check_value("seed", seed, int))
 
 
 def _mean_stderr(x: torch.Tensor) -> tuple[float, float]:
@@ -126,8 +111,7 @@ def _direct(n: int, rs: Sequence[float], trials: int, gen: torch.Generator, chun
     ``chunk_elements`` is streamed in column blocks with an online log-sum-exp (running max, rescaled
     running sum), so any n fits in memory.
     """
-    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, (int, np.integer)) or chunk_elements < 1:
-        raise ValueError(f"chunk_elements must be an integer >= 1, got chunk_elements={chunk_elements!r}")
+    check_value("chunk_elements", chunk_elements, int, ge=1)
     betas = [_beta(n, r) for r in rs]
     rows = max(1, min(trials, chunk_elements // n))
     cols = min(n, chunk_elements)
@@ -201,7 +185,7 @@ def monte_carlo_inverse_wmax(
 
     ``generator`` (a torch.Generator) takes precedence over ``seed``.
     """
-    n, r, trials = _check_n(n), _check_r(r), _check_trials(trials)
+    n, r, trials = _check_n(n), check_value("r", r, float, gt=0), _check_trials(trials)
     gen = _generator(seed, generator)
     if _check_method(method) == "direct":
         _, (x,) = _direct(n, [r], trials, gen, chunk_elements)
@@ -259,17 +243,14 @@ def theory_table(
     ``conditional``: the Rao-Blackwellized estimator with ``conditional_trials`` draws of the max;
     ``limit``: `inverse_wmax_limit`, None where r <= 1 (infinite).
     """
-    rs = [_check_r(r) for r in rs]
-    ns = [_check_n(n) for n in ns]
-    if not rs:
-        raise ValueError("rs must be a non-empty sequence of r > 0, got rs=[]")
-    if not ns:
-        raise ValueError("ns must be a non-empty sequence of integers >= 2, got ns=[]")
-    trials = _check_trials(trials)
-    min_trials = _check_trials(min_trials)
-    conditional_trials = _check_trials(conditional_trials)
-    if isinstance(element_budget, bool) or not isinstance(element_budget, (int, np.integer)) or element_budget < 1:
-        raise ValueError(f"element_budget must be an integer >= 1, got element_budget={element_budget!r}")
+    rs = check_value("rs", list(rs), list[float], gt=0)
+    ns = check_value("ns", list(ns), list[int], ge=2)
+    for name, values in (("rs", rs), ("ns", ns)):
+        if not values:
+            raise ConfigError(f"{name}=[] is not valid; it must be a non-empty list", name)
+    trials, min_trials = _check_trials(trials), _check_trials(min_trials, "min_trials")
+    conditional_trials = _check_trials(conditional_trials, "conditional_trials")
+    check_value("element_budget", element_budget, int, ge=1)
     by_key = {}
     for n in ns:
         t = min(trials, max(min_trials, element_budget // n))
