@@ -30,7 +30,7 @@ Dtype = Literal["auto", "float32", "bfloat16"]
 
 @dataclass
 class BemaConfig:
-    """BEMA (Block et al. 2025, "Accelerating training with bias-corrected EMA"): see `lengthgen.train.bema`."""
+    """BEMA, the bias-corrected EMA of the weights (Block et al. 2025): see `lengthgen.train.bema`."""
 
     enabled: bool = option(False, "keep a BEMA of the weights and evaluate it")
     kappa: float = option(0.5, "EMA power: beta_t = (1 + gamma t)^-kappa", ge=0)
