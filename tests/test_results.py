@@ -36,6 +36,8 @@ def test_run_and_comparison_round_trip(tmp_path):
     assert data["schema"] == SCHEMA and data["kind"] == "comparison"
     assert set(data["provenance"]) == {"lengthgen", "torch", "device", "date", "git_commit"}
     assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "plain.txt").write_text("x")   # saved like any new file, not private to its owner
+    assert (tmp_path / "results.json").stat().st_mode == (tmp_path / "plain.txt").stat().st_mode
 
 
 def test_provenance_names_versions_and_device():
