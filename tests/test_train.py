@@ -305,10 +305,12 @@ def _eval_autocast(monkeypatch) -> list[bool]:
 
 def test_evaluation_runs_under_the_training_autocast_and_writes_a_run_eval(tmp_path, monkeypatch):
     seen = _eval_autocast(monkeypatch)
-    cfg = config("train.steps=2", "train.dtype=bfloat16", "train.eval_lengths=[16, 32]")
+    cfg = config("train.steps=2", "train.dtype=bfloat16", "train.eval_lengths=[16, 32]", "train.bema.enabled=true")
     result = train(cfg, tmp_path / "run", progress=False)
     assert seen and all(seen)
     saved = RunEval.load(tmp_path / "run" / "eval.json")
+    bema = RunEval.load(tmp_path / "run" / "eval_bema.json")
+    assert bema.bema and not saved.bema and bema.at(32).mean != saved.at(32).mean
     assert saved == result.evaluation
     assert saved.config == result.config.to_dict() and saved.seed == saved.eval_seed == cfg.train.seed
     assert [r.length for r in saved.lengths] == [16, 32] and saved.final_train_loss == result.history[-1]

@@ -111,6 +111,7 @@ class RunEval:
     config: dict[str, Any] = field(default_factory=dict)   # the run's config (or the HF model and corpus)
     seed: int | None = None                                # the run's training seed (None: not a lengthgen run)
     run_dir: str | None = None
+    bema: bool = False                                     # evaluated with the run's BEMA weights
     final_train_loss: float | None = None
     train_seconds: float | None = None
     eval_seconds: float | None = None

@@ -22,7 +22,7 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
     source = eval_source(cfg.data, make_source(cfg.data))
     result = evaluate(model.to(kind), source, lengths, tokens_per_length=tokens, seed=cfg.train.seed,
                       autocast=autocast_dtype(cfg.train, kind))
-    return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path))
+    return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path), bema=bema)
 
 
 __all__ = ["eval_run"]

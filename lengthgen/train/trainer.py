@@ -231,7 +231,7 @@ class Trainer:
         self.evaluation.save(self.run_dir / "eval.json")
         if self.bema is not None and self.bema.started:
             with self.use_bema():
-                self.evaluate().save(self.run_dir / "eval_bema.json")
+                dataclasses.replace(self.evaluate(), bema=True).save(self.run_dir / "eval_bema.json")
 
     # -- the loop ------------------------------------------------------------------------------------
     def _forward_backward(self, batch) -> float:
