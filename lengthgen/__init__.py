@@ -6,6 +6,6 @@ trainer and an evaluation harness that measures behaviour far beyond the trainin
 
 from lengthgen.attention import Attention, AttentionSpec, attend
 from lengthgen.model import GPT, GPTConfig
+from lengthgen.version import __version__
 
-__all__ = ["Attention", "AttentionSpec", "GPT", "GPTConfig", "attend"]
-__version__ = "0.1.0"
+__all__ = ["Attention", "AttentionSpec", "GPT", "GPTConfig", "__version__", "attend"]

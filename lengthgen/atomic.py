@@ -16,6 +16,7 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, _creation_mode())   # mkstemp makes the file private; give it open()'s permissions
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -23,6 +24,13 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def _creation_mode() -> int:
+    """The permissions ``open(path, "w")`` gives a new file: 0o666 less the process umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -1,8 +1,8 @@
 """Command line: ``lengthgen <command> ...`` (also ``python -m lengthgen <command> ...``).
 
-Each subcommand is one function decorated with `command`, whose docstring is its help and whose
-``add_arguments`` callback declares its options. Add ``eval``, ``compare``, ``report``, ``bench``, ``theory``
-or ``retrofit`` the same way::
+The top layer: each command parses its arguments and calls the layers below (`lengthgen.experiments`,
+`lengthgen.train`, `lengthgen.report`). A subcommand is one function decorated with `command`, whose
+docstring is its help and whose ``add_arguments`` callback declares its options::
 
     def _eval_args(p): p.add_argument("run")
     @command("eval", _eval_args)
@@ -15,6 +15,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
 
 class CommandError(Exception):
     """A bad command-line argument; printed as a one-line error (exit status 2)."""
@@ -51,11 +52,9 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @command("train", _train_args)
 def train_command(args: argparse.Namespace) -> int:
     """Train a model from a TOML config (+ --set overrides) into a run folder."""
-    from lengthgen.train import train
     from lengthgen.train.config import load_config
-
-    from lengthgen.train import distributed
-    from lengthgen.train.position_eval import position_table
+    from lengthgen.report import run_summary
+    from lengthgen.train import distributed, train
 
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
@@ -71,12 +70,9 @@ def train_command(args: argparse.Namespace) -> int:
     print(f"trained {result.step} steps; final loss {final}; run folder {result.run_dir}")
     for length, values in result.metrics.get("eval", {}).items():
         print(f"  eval at length {length}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
-    if result.by_position:
-        train_length = max(result.config.lengths())
-        metric = getattr(result.trainer.source, "metric", "loss")
-        print(position_table(result.by_position, "loss", train_length=train_length))
-        if metric != "loss" and any(r["buckets"].get(metric) != r["buckets"].get("loss") for r in result.by_position):
-            print(position_table(result.by_position, metric, train_length=train_length))
+    if result.evaluation:
+        print(run_summary(result.evaluation, getattr(result.trainer.source, "metric", "loss"),
+                          train_length=max(result.config.lengths())))
         print(f"by-position results: {result.run_dir / 'eval.json'}")
     return 0
 
@@ -92,7 +88,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _compare_args(p: argparse.ArgumentParser) -> None:
-    from lengthgen.compare import DEFAULT_VARIANTS
+    from lengthgen.experiments.compare import DEFAULT_VARIANTS
 
     add_config_arguments(p)
     p.add_argument("--task", help="task name (counting, mqar, set_complement, ...); sets data.task")
@@ -103,7 +99,7 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="training steps per variant (sets train.steps)")
     p.add_argument("--seeds", type=int, default=1, help="seeds per variant (mean and spread are reported)")
     p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluated length")
-    p.add_argument("--metric", help="the report's headline: loss or the task's metric (default: the task's; "
+    p.add_argument("--metric", help="the report's headline: loss or the source's metric (default: the source's; "
                                     "loss for the embedded default)")
     p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -112,14 +108,16 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
 @command("compare", _compare_args)
 def compare_command(args: argparse.Namespace) -> int:
     """Train attention variants at a short length, evaluate far beyond it, write a report folder."""
-    from lengthgen.compare import base_config, check_metric, default_metric, parse_variants, run_compare
-    from lengthgen.data.config import make_source
+    from lengthgen.experiments.compare import base_config, check_metric, default_metric, parse_variants, run_compare
     from lengthgen.report import terminal_table
+    from lengthgen.data.config import make_source
 
     overrides = list(args.overrides)
     overrides += [f"data.task={args.task}"] if args.task else []
     overrides += [f"data.length={args.train_length}"] if args.train_length else []
     overrides += [f"train.steps={args.steps}"] if args.steps else []
+    if args.seeds < 1:
+        raise CommandError(f"--seeds {args.seeds}: give a positive number of seeds")
     cfg = base_config(args.config, overrides)
     try:
         variants = parse_variants(args.variants)
@@ -134,33 +132,21 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", help="compare folders (or results.json files) to report on")
+    p.add_argument("results", nargs="+", help="compare or retrofit folders (or results.json files) to report on")
     p.add_argument("--out", "-o", help="write the report here (default: next to each results.json)")
 
 
 @command("report", _report_args)
 def report_command(args: argparse.Namespace) -> int:
     """Rebuild report.md and the plots from existing results.json files (several are merged)."""
-    import json
-
+    from lengthgen.eval import Comparison
     from lengthgen.report import terminal_table, write_report
 
-    merged = None
-    for run in args.runs:
-        path = Path(run) / "results.json" if Path(run).is_dir() else Path(run)
-        if not path.is_file():
-            raise FileNotFoundError(f"no results.json at {path} (give a compare folder or a results.json file)")
-        results = json.loads(path.read_text())
-        if merged is None:
-            merged = results
-        elif results["eval_lengths"] != merged["eval_lengths"] or results["metric"] != merged["metric"]:
-            raise CommandError(f"{path}: its eval lengths/metric differ from {args.runs[0]}; cannot merge")
-        else:
-            merged["variants"].update(results["variants"])
-            merged.setdefault("specs", {}).update(results.get("specs", {}))
-    out = Path(args.out) if args.out else (Path(args.runs[0]) if Path(args.runs[0]).is_dir()
-                                           else Path(args.runs[0]).parent)
-    out.mkdir(parents=True, exist_ok=True)
+    paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
+    merged = Comparison.load(paths[0])
+    for path in paths[1:]:
+        merged.merge(Comparison.load(path), str(path))
+    out = Path(args.out) if args.out else paths[0].parent
     write_report(merged, out)
     print(terminal_table(merged))
     print(f"report: {out / 'report.md'}")
@@ -180,49 +166,38 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 @command("eval", _eval_args)
 def eval_command(args: argparse.Namespace) -> int:
     """Evaluate a trained run (or a local HF model) by position at lengths far beyond training."""
-    import json
+    from lengthgen.report import run_summary
 
     if args.hf:
         from lengthgen.hf import evaluate_hf
 
-        rows = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024], tokens=args.tokens)
+        result = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024], tokens=args.tokens)
+        train_length = None
     else:
         if not args.run:
             raise CommandError("give a run folder or checkpoint, or --hf PATH")
-        from lengthgen.eval.evaluate import evaluate
-        from lengthgen.data.config import make_source
-        from lengthgen.train import load_run
+        from lengthgen.train.config import RunConfig
+        from lengthgen.experiments.eval_run import eval_run
 
-        cfg, model = load_run(args.run, bema=args.bema)
-        lengths = args.lengths or [max(cfg.lengths()) * m for m in (1, 2, 4, 8, 16)]
-        from lengthgen.train.position_eval import position_eval_source
-
-        source = position_eval_source(cfg.data, make_source(cfg.data))   # text: long validation documents
-        rows = evaluate(model, source, lengths, tokens_per_length=args.tokens)
-    for row in rows:
-        values = ", ".join(f"{k} {v:.4g}" for k, v in row["at_length"].items())
-        print(f"length {row['length']}: {values}")
-    longest = rows[-1]
-    if "loss" in longest.get("buckets", {}):
-        print("loss by position at length", longest["length"])
-        for b in longest["buckets"]["loss"]:
-            print(f"  [{b['lo']}, {b['hi']}): {b['mean']:.4f}")
+        result = eval_run(args.run, lengths=args.lengths, tokens=args.tokens, bema=args.bema)
+        train_length = max(RunConfig.from_dict(result.config).lengths())
+    print(run_summary(result, train_length=train_length))
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        result.save(args.out)
     return 0
 
 
 @command("theory", lambda p: p.add_argument("--out", "-o", default="runs/theory", help="output folder"))
 def theory_command(args: argparse.Namespace) -> int:
     """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.png."""
-    from lengthgen.theory import main_theory
+    from lengthgen.experiments.theory import main_theory
 
     main_theory(args.out)
     return 0
 
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    from lengthgen import bench
+    from lengthgen.experiments import bench
 
     p.add_argument("what", choices=["attention"], help="what to benchmark")
     bench.add_arguments(p)
@@ -231,7 +206,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 @command("bench", _bench_args)
 def bench_command(args: argparse.Namespace) -> int:
     """Benchmark attention backends x variants against SDPA (ratios measured in the same run)."""
-    from lengthgen import bench
+    from lengthgen.experiments import bench
 
     bench.main(args)
     return 0
@@ -254,7 +229,7 @@ def _retrofit_args(p: argparse.ArgumentParser) -> None:
 def retrofit_command(args: argparse.Namespace) -> int:
     """Add attention parameters to a trained model (e.g. AVNorm out-norm), finetune, and compare before/after."""
     from lengthgen.report import terminal_table
-    from lengthgen.retrofit import run_retrofit
+    from lengthgen.experiments.retrofit import run_retrofit
 
     if args.steps < 1:
         raise CommandError(f"--steps {args.steps}: give a positive number of finetuning steps")
@@ -281,11 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lengthgen`` script. Configuration errors exit with status 2 and a one-line message."""
     from lengthgen.config import ConfigError
+    from lengthgen.eval import ResultsError
 
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (CommandError, ConfigError, FileNotFoundError, FileExistsError) as err:
+    except (CommandError, ConfigError, ResultsError, FileNotFoundError, FileExistsError) as err:
         print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
         return 2
 

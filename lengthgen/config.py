@@ -238,6 +238,17 @@ def build(cls: type, data: Any) -> Any:
     return cls(**data)
 
 
+def to_plain(value: Any) -> Any:
+    """A config as JSON/TOML data: dataclasses become dicts, tuples lists (``from_dict`` reads it back)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    return value
+
+
 _NONE_WORDS = ("none", "null")
 
 
@@ -307,4 +318,4 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
 
 
 __all__ = ["ConfigError", "build", "check", "check_value", "describe", "expected", "hints", "invalid",
-           "load_toml", "option", "parse_assignment", "parse_value", "set_key", "unknown_key"]
+           "load_toml", "option", "parse_assignment", "parse_value", "set_key", "to_plain", "unknown_key"]

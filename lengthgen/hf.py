@@ -41,6 +41,7 @@ import math
 import os
 import warnings
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ import torch.nn as nn
 from lengthgen.attention import functional as fn
 from lengthgen.attention.core import attend
 from lengthgen.attention.spec import BASE, AttentionSpec, resolve_spec
+from lengthgen.eval import LongDocuments, RunEval, evaluate
 
 NAME = "lengthgen"
 _INSTALL = "lengthgen's Hugging Face integration needs transformers: pip install 'lengthgen[hf]'"
@@ -623,25 +625,26 @@ def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.T
     return nll
 
 
+def measure_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Tensor]:
+    """The evaluator's adapter (`lengthgen.eval.Measure`) for a causal LM: ``loss`` per position from
+    `token_losses` on the batch's tokens followed by its last target (NaN outside the loss mask)."""
+    tokens = torch.cat([batch.tokens, batch.targets[:, -1:]], dim=1)
+    return {"loss": token_losses(model, tokens).masked_fill(~batch.loss_mask, float("nan"))}
+
+
 def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 1024),
-                tokens: int = 8192, split: str = "val", seed: int = 0) -> list[dict]:
-    """Loss by position of a local HF model (`load_local_model`) on long documents of ``corpus``, tokenized
-    with the model's own ``tokenizer.json``. One row per length in `lengthgen.eval.evaluate`'s format
-    (``at_length``, ``mean``, ``buckets``, ``prefix`` of the per-token loss)."""
-    from lengthgen.data.text import long_documents
-    from lengthgen.eval.buckets import bucket_means, prefix_means
+                tokens: int = 8192, split: str = "val", seed: int = 0) -> RunEval:
+    """Loss by position of a local HF model (`load_local_model`) on single long documents of ``corpus``'s
+    ``split``, tokenized with the model's own tokenizer: `lengthgen.eval.evaluate` with `measure_hf`, in the
+    model's own dtype."""
+    from lengthgen.data.text import make_text_data
 
     model = load_local_model(path)
-    rows = []
-    for length in sorted(set(lengths)):
-        count = max(1, tokens // length)
-        docs = long_documents(corpus, f"hf:{path}", min_length=length + 1, count=count, seed=seed, split=split)
-        nll = token_losses(model, torch.as_tensor(docs, dtype=torch.long))
-        half = nll[:, length // 2:]
-        rows.append({"length": length, "batch_size": count, "at_length": {"loss": float(half.nanmean())},
-                     "mean": {"loss": float(nll.nanmean())}, "buckets": {"loss": bucket_means(nll)},
-                     "prefix": {"loss": prefix_means(nll)}})
-    return rows
+    data = make_text_data(corpus, f"hf:{path}", split=split)
+    source = LongDocuments([(f"{split} split", data)], data)
+    result = evaluate(model, source, list(lengths), tokens_per_length=tokens, seed=seed, diagnostics=False,
+                      measure=measure_hf)
+    return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split})
 
 
 try:
@@ -650,5 +653,5 @@ except ImportError:      # transformers is optional: the functions above raise a
     pass
 
 __all__ = ["LengthgenState", "attention_modules", "evaluate_hf", "from_pretrained", "lengthgen_attention_forward",
-           "lengthgen_parameters", "load_local_model", "load_local_tokenizer", "module_spec", "plan_mask",
-           "register", "retrofit", "retrofit_notes", "token_losses"]
+           "lengthgen_parameters", "load_local_model", "load_local_tokenizer", "measure_hf", "module_spec",
+           "plan_mask", "register", "retrofit", "retrofit_notes", "token_losses"]

@@ -1,4 +1,4 @@
-"""`lengthgen.bench`: the attention benchmark runs on CPU at tiny sizes and writes the expected JSON."""
+"""`lengthgen.experiments.bench`: the attention benchmark runs on CPU at tiny sizes and writes the expected JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lengthgen import bench
+from lengthgen.experiments import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 

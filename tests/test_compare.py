@@ -1,12 +1,11 @@
 """`lengthgen compare` / `report` end to end on a tiny setting, and their errors."""
 
-import json
-
 import pytest
 
 from lengthgen.attention import PRESETS, AttentionSpec
 from lengthgen.cli import main
-from lengthgen.compare import base_config, parse_variants, run_compare, variant_spec
+from lengthgen.eval import Comparison, RunEval
+from lengthgen.experiments.compare import base_config, parse_variants, run_compare, variant_spec
 from lengthgen.report import markdown_report, summarize
 
 TINY = ["data.task=counting", "train.steps=3", "model.dim=16", "model.heads=2", "model.layers=1", "train.batch_size=4"]
@@ -42,18 +41,22 @@ def test_compare_writes_all_four_report_files(tiny_compare):
     for name in ("results.json", "report.md", "extrapolation.png", "diagnostics.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (out / "extrapolation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    saved = json.loads((out / "results.json").read_text())
-    assert saved["eval_lengths"] == [8, 16, 32, 64, 128]
-    assert set(saved["variants"]) == {"baseline", "avnorm"}
-    assert [run["seed"] for run in saved["variants"]["avnorm"]] == [0, 1]
-    assert saved["specs"]["avnorm"]["out_norm"] == "head_layer"
+    saved = Comparison.load(out / "results.json")
+    assert saved == results
+    assert saved.eval_lengths == [8, 16, 32, 64, 128]
+    assert set(saved.variants) == {"baseline", "avnorm"}
+    assert [run.seed for run in saved.variants["avnorm"]] == [0, 1]
+    assert saved.specs["avnorm"]["out_norm"] == "head_layer"
+    run = saved.variants["avnorm"][1]
+    assert run.config["train"]["seed"] == 1 and run.config["model"]["attention"]["out_norm"] == "head_layer"
+    assert run.provenance.device == "cpu" and run.provenance.torch and saved.title == "lengthgen compare: counting"
 
 
 def test_report_table_matches_the_results(tiny_compare):
     out, results = tiny_compare
     rows = {row["variant"]: row for row in summarize(results)}
-    runs = results["variants"]["baseline"]
-    expected = sum(run["evals"][2]["at_length"]["abs_error"] for run in runs) / 2
+    runs = results.variants["baseline"]
+    expected = sum(run.lengths[2].at_length["abs_error"] for run in runs) / 2
     assert rows["baseline"]["lengths"][32]["abs_error"][0] == pytest.approx(expected)
     assert rows["baseline"]["lengths"][8]["ratio"] == pytest.approx(1.0)
     text = (out / "report.md").read_text()
@@ -71,7 +74,7 @@ def test_report_command_rebuilds_the_report(tiny_compare, tmp_path, capsys):
 
 def test_report_command_missing_results_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nothing")]) == 2
-    assert "no results.json" in capsys.readouterr().err
+    assert "no results file at" in capsys.readouterr().err
 
 
 def test_compare_command_bad_variant_exits_2(tmp_path, capsys):
@@ -86,7 +89,7 @@ def test_compare_command_bad_metric_exits_2_before_training(tmp_path, capsys):
 
 
 def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path):
-    from lengthgen.compare import default_metric
+    from lengthgen.experiments.compare import default_metric
 
     cfg = base_config(None, [s for s in TINY if not s.startswith("data.task")] + ["data.length=8"])
     assert cfg.data.task == "dyck" and default_metric(cfg) == "loss"
@@ -104,5 +107,28 @@ def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
     assert "accuracy by evaluation length" in text
     assert main(["eval", str(tmp_path / "runs" / "l2-seed0"), "--lengths", "16,32", "--tokens", "64",
                  "--out", str(tmp_path / "eval.json")]) == 0
-    rows = json.loads((tmp_path / "eval.json").read_text())
-    assert [r["length"] for r in rows] == [16, 32] and "accuracy" in rows[0]["at_length"]
+    rows = RunEval.load(tmp_path / "eval.json").lengths
+    assert [r.length for r in rows] == [16, 32] and "accuracy" in rows[0].at_length
+    # one evaluator, one seeding rule: `lengthgen eval` of a compare run reproduces compare's numbers
+    compared = Comparison.load(tmp_path / "results.json").variants["l2"][0].lengths
+    assert [r.at_length for r in rows] == [r.at_length for r in compared]
+
+
+def test_compare_evaluates_under_the_runs_autocast(tmp_path, monkeypatch):
+    import torch
+
+    from lengthgen.model import GPT
+
+    seen: list[bool] = []
+    original = GPT.forward
+
+    def forward(self, tokens, doc_ids=None):
+        if not self.training:
+            seen.append(torch.is_autocast_enabled("cpu"))
+        return original(self, tokens, doc_ids)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    cfg = base_config(None, TINY + ["data.length=8", "train.steps=1", "train.dtype=bfloat16"])
+    run_compare(cfg, tmp_path, variants=["baseline"], eval_lengths=[8, 16], eval_tokens=32, progress=False,
+                log=lambda _: None)
+    assert len(seen) == 3 and all(seen)        # two lengths and the diagnostics pass, all under bf16 autocast

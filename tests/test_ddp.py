@@ -28,6 +28,7 @@ def _losses(run: Path) -> list[float]:
 
 def test_two_processes_match_one(tmp_path):
     from lengthgen.train.config import RunConfig
+    from lengthgen.eval import RunEval
     from lengthgen.train import train
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -47,22 +48,22 @@ def test_two_processes_match_one(tmp_path):
             assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), (name, step, ddp, single.history)
         # rank 0 alone wrote the run folder: one line per step, a checkpoint and the by-position evaluation
         assert (tmp_path / f"ddp-{name}" / "latest.json").is_file()
-        assert [r["length"] for r in json.loads((tmp_path / f"ddp-{name}" / "eval.json").read_text())] == [16, 32]
+        assert [r.length for r in RunEval.load(tmp_path / f"ddp-{name}" / "eval.json").lengths] == [16, 32]
     assert "trained 5 steps" in proc.stdout and proc.stdout.count("trained 5 steps") == 1   # rank 0 prints
 
 
 def test_batch_must_split_into_equal_shares(tmp_path, monkeypatch):
     from lengthgen.config import ConfigError
     from lengthgen.train.config import RunConfig
-    from lengthgen.train.trainer import _check_world
+    from lengthgen.train.setup import check_world
 
-    _check_world(RunConfig().override(*BASE), 2)
+    check_world(RunConfig().override(*BASE), 2)
     import pytest
 
     with pytest.raises(ConfigError, match="does not split into 3 equal shares"):
-        _check_world(RunConfig().override(*BASE), 3)
+        check_world(RunConfig().override(*BASE), 3)
     with pytest.raises(ConfigError, match="grad_accum=8"):
-        _check_world(RunConfig().override(*BASE, "train.grad_accum=8"), 2)
+        check_world(RunConfig().override(*BASE, "train.grad_accum=8"), 2)
 
 
 def _worker(out: Path) -> None:

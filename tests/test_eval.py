@@ -1,15 +1,18 @@
-"""Evaluation: position buckets, blockwise diagnostics against the dense weights, evaluate() on a tiny model."""
+"""Evaluation: position buckets, blockwise diagnostics against the dense weights, the one evaluator on a tiny
+model (its device, autocast, mode and seeding), long-document sources."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from lengthgen.attention import Attention, AttentionSpec, attend
 from lengthgen.data.tasks import make_task
+from lengthgen.data.tasks.base import Batch
+from lengthgen.eval import LongDocuments, eval_generator, evaluate
 from lengthgen.eval.buckets import bucket_edges, bucket_means, prefix_means
 from lengthgen.eval.diagnostics import attention_stats, model_diagnostics
-from lengthgen.eval.evaluate import evaluate
 from lengthgen.model import GPT, GPTConfig
 
 
@@ -23,19 +26,19 @@ def test_bucket_means_on_hand_made_losses():
     # positions 0..7 carry losses 1..8; position 2 of row 1 is undefined
     values = torch.tensor([[1., 2, 3, 4, 5, 6, 7, 8], [1., 2, math.nan, 4, 5, 6, 7, 8]])
     rows = bucket_means(values)
-    assert [(r["lo"], r["hi"]) for r in rows] == [(0, 1), (1, 2), (2, 4), (4, 8)]
-    assert [r["count"] for r in rows] == [2, 2, 3, 8]
-    assert rows[1]["mean"] == 2.0
-    assert rows[2]["mean"] == pytest.approx((3 + 4 + 4) / 3)
-    assert rows[3]["mean"] == pytest.approx(6.5)
+    assert [(r.lo, r.hi) for r in rows] == [(0, 1), (1, 2), (2, 4), (4, 8)]
+    assert [r.count for r in rows] == [2, 2, 3, 8]
+    assert rows[1].mean == 2.0
+    assert rows[2].mean == pytest.approx((3 + 4 + 4) / 3)
+    assert rows[3].mean == pytest.approx(6.5)
     prefix = prefix_means(values)
-    assert [r["length"] for r in prefix] == [1, 2, 4, 8]
-    assert prefix[2]["mean"] == pytest.approx((1 + 2 + 3 + 4 + 1 + 2 + 4) / 7)
+    assert [(r.lo, r.hi) for r in prefix] == [(0, 1), (0, 2), (0, 4), (0, 8)]
+    assert prefix[2].mean == pytest.approx((1 + 2 + 3 + 4 + 1 + 2 + 4) / 7)
 
 
 def test_empty_bucket_is_nan():
     rows = bucket_means(torch.tensor([[1.0, math.nan, math.nan]]))   # buckets [0,1), [1,2), [2,3)
-    assert math.isnan(rows[1]["mean"]) and rows[1]["count"] == 0
+    assert math.isnan(rows[1].mean) and rows[1].count == 0
 
 
 @pytest.mark.parametrize("spec", [
@@ -74,17 +77,22 @@ def test_model_diagnostics_records_every_layer_and_out_norm_rms():
 def test_evaluate_tiny_model_by_length():
     task = make_task("counting")
     model = GPT(GPTConfig(vocab_size=task.vocab_size, head="regress", dim=16, layers=1, heads=2))
-    results = evaluate(model, task, [32, 8, 16], tokens_per_length=64, seed=3)
-    assert [r["length"] for r in results] == [8, 16, 32]
+    results = evaluate(model, task, [32, 8, 16], tokens_per_length=64, seed=3).lengths
+    assert [r.length for r in results] == [8, 16, 32]
+    assert [r.batch_size for r in results] == [8, 4, 2] and results[0].batch == "8 sampled sequences"
     last = results[-1]
-    assert {"loss", "abs_error"} <= set(last["at_length"])
-    assert [b["lo"] for b in last["buckets"]["abs_error"]] == [0, 1, 2, 4, 8, 16]
-    assert "diagnostics" in last and "diagnostics" not in results[0]
-    assert len(last["diagnostics"]) == 1 and "inv_wmax" in last["diagnostics"][0]
+    assert {"loss", "abs_error"} <= set(last.at_length)
+    assert [b.lo for b in last.buckets["abs_error"]] == [0, 1, 2, 4, 8, 16]
+    assert last.diagnostics and not results[0].diagnostics
+    assert len(last.diagnostics) == 1 and "inv_wmax" in last.diagnostics[0]
     # at_length is the mean over positions [L/2, L): the last bucket
-    assert last["at_length"]["abs_error"] == pytest.approx(last["buckets"]["abs_error"][-1]["mean"], rel=1e-6)
-    again = evaluate(model, task, [32], tokens_per_length=64, seed=3, diagnostics=False)[0]
-    assert again["at_length"] == last["at_length"]
+    assert last.at_length["abs_error"] == pytest.approx(last.buckets["abs_error"][-1].mean, rel=1e-6)
+    # the seeding rule: a length's batch depends on (seed, length) only, and forward passes may be split
+    again = evaluate(model, task, [32], tokens_per_length=64, seed=3, diagnostics=False, forward_tokens=32)
+    assert again.lengths[0].at_length == pytest.approx(last.at_length, rel=1e-6)
+    assert again.eval_seed == 3 and again.provenance.device == "cpu"
+    other = evaluate(model, task, [32], tokens_per_length=64, seed=4, diagnostics=False).lengths[0]
+    assert other.at_length != last.at_length
 
 
 def test_evaluate_rejects_lengths_beyond_the_task():
@@ -92,3 +100,97 @@ def test_evaluate_rejects_lengths_beyond_the_task():
     model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2))
     with pytest.raises(ValueError, match="set_complement"):
         evaluate(model, task, [8, 64], tokens_per_length=64)
+
+
+def test_eval_batches_follow_the_seeding_rule():
+    task = make_task("counting")
+    a = task.sample(2, 16, eval_generator(5, 16)).tokens
+    assert torch.equal(a, task.sample(2, 16, eval_generator(5, 16)).tokens)
+    assert not torch.equal(a, task.sample(2, 16, eval_generator(6, 16)).tokens)
+    # the evaluation stream is not the training stream of the same seed and index
+    from lengthgen.data.config import step_generator
+
+    assert not torch.equal(a, task.sample(2, 16, step_generator(5, 16)).tokens)
+
+
+class _Stop(Exception):
+    pass
+
+
+class DeviceProbe(torch.nn.Module):
+    """A model whose parameter is on ``device``: records where its inputs are, then stops the evaluation."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, device=device))
+        self.seen: list[tuple] = []
+
+    def forward(self, tokens, doc_ids=None):
+        self.seen.append((tokens.device, doc_ids.device))
+        raise _Stop
+
+
+class PackedSource:
+    """Two documents per row, so batches carry doc_ids."""
+
+    name, vocab_size, max_length = "packed", 4, None
+
+    def sample(self, batch_size, length, generator):
+        tokens = torch.randint(4, (batch_size, length), generator=generator)
+        doc_ids = (torch.arange(length) >= length // 2).long().expand(batch_size, length)
+        return Batch(tokens, tokens, torch.ones(batch_size, length, dtype=torch.bool), doc_ids)
+
+
+def test_evaluate_runs_batches_on_the_models_device_and_restores_its_mode():
+    probe = DeviceProbe("meta")               # no batch is ever created on "meta"
+    probe.train()
+    with pytest.raises(_Stop):
+        evaluate(probe, PackedSource(), [8], tokens_per_length=16)
+    meta = torch.device("meta")
+    assert probe.seen == [(meta, meta)]
+    assert probe.training                     # eval mode during the evaluation, the caller's mode after
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_evaluate_runs_under_the_given_autocast(dtype):
+    task = make_task("mqar", vocab_size=16)
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2))
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(
+        (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), out.dtype, m.training)))
+    evaluate(model, task, [16, 32], tokens_per_length=64, autocast=dtype)
+    assert len(seen) == 3                                   # two lengths + the diagnostics pass
+    for enabled, autocast_dtype, out_dtype, training in seen:
+        assert not training and enabled == (dtype is not None)
+        assert out_dtype == (torch.bfloat16 if dtype else torch.float32)
+        if dtype:
+            assert autocast_dtype == dtype
+    assert not torch.is_autocast_enabled("cpu")
+
+
+class FakeText:
+    """A TextData stand-in: documents of the given lengths; rows are documents 0, 1, ... ."""
+
+    vocab_size, name = 8, "fake"
+
+    def __init__(self, lengths):
+        self.stream = type("Stream", (), {"doc_lengths": np.array(lengths)})()
+
+    def long_batch(self, length, count, seed):
+        tokens = torch.full((count, length), 1)
+        return Batch(tokens, tokens, torch.ones(count, length, dtype=torch.bool), torch.zeros(count, length).long())
+
+    def sample(self, batch_size, length, generator):
+        tokens = torch.full((batch_size, length), 2)
+        return Batch(tokens, tokens, torch.ones(batch_size, length, dtype=torch.bool))
+
+
+def test_long_documents_prefer_the_first_split_with_a_long_document():
+    val, train = FakeText([40, 10]), FakeText([100, 90, 80])
+    source = LongDocuments([("val split", val), ("train split", train)], train)
+    assert source.describe(4, 32) == "1 long documents (val split)"
+    assert source.sample(4, 32, torch.Generator().manual_seed(0)).tokens.shape == (1, 32)
+    assert source.describe(4, 64) == "3 long documents (train split)"
+    batch = source.sample(4, 128, torch.Generator().manual_seed(0))
+    assert source.describe(4, 128) == "4 packed rows (no document of 128 tokens)"
+    assert batch.tokens.shape == (4, 128) and int(batch.tokens[0, 0]) == 2

@@ -1,13 +1,12 @@
 """`lengthgen eval --hf DIR`: loss by position of a local Hugging Face model, offline."""
 
-import json
-
 import pytest
 
 transformers = pytest.importorskip("transformers", reason="transformers is an optional extra (lengthgen[hf])")
 tokenizers = pytest.importorskip("tokenizers", reason="tokenizers comes with transformers")
 
 from lengthgen.cli import main  # noqa: E402
+from lengthgen.eval import RunEval  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +31,13 @@ def test_eval_hf_writes_loss_by_position(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "hf.json"
     assert main(["eval", "--hf", str(tiny_llama_dir), "--lengths", "64,256", "--tokens", "512",
                  "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert [r["length"] for r in rows] == [64, 256]
-    assert rows[1]["batch_size"] == 2
-    assert [(b["lo"], b["hi"]) for b in rows[1]["buckets"]["loss"]][-1] == (128, 256)
+    rows = RunEval.load(out).lengths
+    assert [r.length for r in rows] == [64, 256]
+    assert rows[1].batch_size == 2 and rows[1].batch == "2 long documents (val split)"
+    assert [(b.lo, b.hi) for b in rows[1].buckets["loss"]][-1] == (128, 256)
     # a random model over ~97 tokens has a loss near log(97) = 4.57 at every position
-    assert 3.5 < rows[1]["at_length"]["loss"] < 6.0
-    assert "loss by position at length 256" in capsys.readouterr().out
+    assert 3.5 < rows[1].at_length["loss"] < 6.0
+    assert "loss by position (columns: eval length)" in capsys.readouterr().out
 
 
 def test_eval_hf_missing_model_is_a_clear_error(tmp_path, capsys):

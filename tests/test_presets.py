@@ -3,12 +3,12 @@ with tiny overrides (the GPU-sized ones included)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from lengthgen.train.config import load_config
+from lengthgen.eval import RunEval
 from lengthgen.train import train
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
@@ -36,6 +36,6 @@ def test_preset_loads_and_trains_tiny_on_cpu(path, tmp_path):
     cfg = load_config(path, TINY + extra)
     result = train(cfg, tmp_path / path.stem, progress=False)
     assert result.step == 2 and len(result.history) == 2
-    rows = json.loads((tmp_path / path.stem / "eval.json").read_text())
-    assert [r["length"] for r in rows] == [16, 32]
-    assert "loss" in rows[-1]["buckets"] and rows[-1]["buckets"]["loss"][-1]["hi"] == 32
+    rows = RunEval.load(tmp_path / path.stem / "eval.json").lengths
+    assert [r.length for r in rows] == [16, 32]
+    assert "loss" in rows[-1].buckets and rows[-1].buckets["loss"][-1].hi == 32

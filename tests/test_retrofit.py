@@ -12,9 +12,10 @@ from lengthgen.cli import main
 from lengthgen.config import ConfigError
 from lengthgen.train.config import RunConfig
 from lengthgen.model import GPT
-from lengthgen.retrofit import finetune_config
+from lengthgen.eval import Comparison
+from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.train import Trainer, load_run, train
-from lengthgen.train.trainer import load_initial_weights
+from lengthgen.train.weights import load_initial_weights
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +77,13 @@ def test_retrofit_out_norm_writes_the_report(checkpoint, tmp_path, capsys):
     assert code == 0
     for name in ("results.json", "report.md", "extrapolation.png", "diagnostics.png"):
         assert (out / name).is_file(), name
-    results = json.loads((out / "results.json").read_text())
-    assert list(results["variants"]) == ["before", "after"]
-    assert results["specs"]["before"]["out_norm"] == "none" and results["specs"]["after"]["out_norm"] == "head_layer"
-    assert results["retrofit"]["added_parameters"] == [f"blocks.{i}.attn.{p}" for i in range(2)
-                                                       for p in ("out_norm_weight", "out_norm_bias")]
-    assert [row["length"] for row in results["variants"]["after"][0]["evals"]] == [16, 32]
+    results = Comparison.load(out / "results.json")
+    assert list(results.variants) == ["before", "after"]
+    assert results.specs["before"]["out_norm"] == "none" and results.specs["after"]["out_norm"] == "head_layer"
+    assert results.retrofit["added_parameters"] == [f"blocks.{i}.attn.{p}" for i in range(2)
+                                                    for p in ("out_norm_weight", "out_norm_bias")]
+    assert [row.length for row in results.variants["after"][0].lengths] == [16, 32]
+    assert results.title == "lengthgen retrofit: counting"
     assert json.loads((out / "finetune" / "latest.json").read_text())["step"] == 3
     report = (out / "report.md").read_text()
     assert report.startswith("# lengthgen retrofit: counting") and "model.attention.out_norm=head_layer" in report

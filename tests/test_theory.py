@@ -1,4 +1,4 @@
-"""Seed 004's extreme-value results (lengthgen.theory) against Monte Carlo and exact quadrature."""
+"""Seed 004's extreme-value results (lengthgen.experiments.theory) against Monte Carlo and exact quadrature."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lengthgen.theory import (
+from lengthgen.experiments.theory import (
     _direct,
     expected_max_gaussian,
     inverse_wmax_limit,

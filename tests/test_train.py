@@ -10,6 +10,7 @@ import torch
 
 from lengthgen.attention import Attention
 from lengthgen.train.config import RunConfig
+from lengthgen.eval import RunEval
 from lengthgen.model import GPT
 from lengthgen.train import (BEMA, NonFiniteLossError, Trainer, attention_max_logits, build_optimizers,
                              load_run, lr_multiplier, muon_param_names, qk_clip_, train)
@@ -282,3 +283,36 @@ def test_qk_clip_with_qk_norm_scales_norm_weights():
     qk_clip_(attn, before, 2.0)
     attn(x)
     assert attention_max_logits(attn).max() <= 2.0 * (1 + 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------
+# evaluation: the one evaluator under the training context
+
+
+def _eval_autocast(monkeypatch) -> list[bool]:
+    """Records, for every eval-mode forward of a GPT, whether CPU autocast was on."""
+    seen: list[bool] = []
+    original = GPT.forward
+
+    def forward(self, tokens, doc_ids=None):
+        if not self.training:
+            seen.append(torch.is_autocast_enabled("cpu"))
+        return original(self, tokens, doc_ids)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    return seen
+
+
+def test_evaluation_runs_under_the_training_autocast_and_writes_a_run_eval(tmp_path, monkeypatch):
+    seen = _eval_autocast(monkeypatch)
+    cfg = config("train.steps=2", "train.dtype=bfloat16", "train.eval_lengths=[16, 32]", "train.bema.enabled=true")
+    result = train(cfg, tmp_path / "run", progress=False)
+    assert seen and all(seen)
+    saved = RunEval.load(tmp_path / "run" / "eval.json")
+    bema = RunEval.load(tmp_path / "run" / "eval_bema.json")
+    assert bema.bema and not saved.bema and bema.at(32).mean != saved.at(32).mean
+    assert saved == result.evaluation
+    assert saved.config == result.config.to_dict() and saved.seed == saved.eval_seed == cfg.train.seed
+    assert [r.length for r in saved.lengths] == [16, 32] and saved.final_train_loss == result.history[-1]
+    # the periodic evaluation at the last step saw the same batches with the same weights
+    assert result.metrics["eval"]["32"] == saved.at(32).mean

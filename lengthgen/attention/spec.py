@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lengthgen.config import ConfigError, check, option
+from lengthgen.config import ConfigError, check, option, to_plain
 
 QueryScaling = Literal["none", "log_n", "sqrt_log_n"]
 Granularity = Literal["none", "global", "layer", "head"]
@@ -88,7 +88,7 @@ class AttentionSpec:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "AttentionSpec":

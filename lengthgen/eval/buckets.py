@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from lengthgen.eval.results import Bucket
+
 
 def bucket_edges(length: int) -> list[tuple[int, int]]:
     """Position buckets ``[0, 1)``, then ``[2^(k-1), 2^k)`` covering 0..length-1; the last one is cut at length."""
@@ -19,35 +21,20 @@ def bucket_edges(length: int) -> list[tuple[int, int]]:
     return edges
 
 
-def nanmean_by_position(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean over the batch of (B, L) values with NaN = undefined: (means (L,), counts (L,))."""
-    valid = ~torch.isnan(values)
-    counts = valid.sum(0)
-    sums = torch.where(valid, values, torch.zeros_like(values)).sum(0)
-    return sums / counts.clamp(min=1), counts
+def _mean(values: torch.Tensor, lo: int, hi: int) -> Bucket:
+    chunk = values[:, lo:hi]
+    valid = ~torch.isnan(chunk)
+    count = int(valid.sum())
+    return Bucket(lo, hi, float(chunk[valid].mean()) if count else math.nan, count)
 
 
-def bucket_means(values: torch.Tensor) -> list[dict]:
-    """Per-bucket mean of (B, L) or (L,) values (NaN ignored). Rows: lo, hi (0-based, hi exclusive), mean, count."""
+def bucket_means(values: torch.Tensor) -> list[Bucket]:
+    """Per-bucket mean of (B, L) or (L,) values (NaN ignored; an empty bucket's mean is NaN)."""
     values = values.reshape(-1, values.shape[-1]).double()
-    rows = []
-    for lo, hi in bucket_edges(values.shape[-1]):
-        chunk = values[:, lo:hi]
-        valid = ~torch.isnan(chunk)
-        count = int(valid.sum())
-        mean = float(chunk[valid].mean()) if count else math.nan
-        rows.append({"lo": lo, "hi": hi, "mean": mean, "count": count})
-    return rows
+    return [_mean(values, lo, hi) for lo, hi in bucket_edges(values.shape[-1])]
 
 
-def prefix_means(values: torch.Tensor) -> list[dict]:
-    """Mean over the first P positions for P = 1, 2, 4, ..., and the full length. Rows: length, mean, count."""
+def prefix_means(values: torch.Tensor) -> list[Bucket]:
+    """Mean over the first P positions, ``[0, P)``, for P = 1, 2, 4, ... and the full length."""
     values = values.reshape(-1, values.shape[-1]).double()
-    ends = sorted({hi for _, hi in bucket_edges(values.shape[-1])})
-    rows = []
-    for end in ends:
-        chunk = values[:, :end]
-        valid = ~torch.isnan(chunk)
-        count = int(valid.sum())
-        rows.append({"length": end, "mean": float(chunk[valid].mean()) if count else math.nan, "count": count})
-    return rows
+    return [_mean(values, 0, hi) for _, hi in bucket_edges(values.shape[-1])]

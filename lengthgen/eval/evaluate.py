@@ -1,80 +1,147 @@
-"""Evaluate a model far beyond its training length: loss and task metrics by position and by length.
+"""The one evaluator: loss and metrics by position and by length, far beyond the training length.
 
-For each evaluated length L a fresh seeded batch is drawn (constant tokens per length), the model runs
-once (memory-linear attention backends pick themselves), and every per-position quantity is averaged in
-power-of-2 position buckets (seed 000). The value "at length L" of a per-position metric is its mean over
-positions ``[L/2, L)`` (0-based; the last bucket): how the model does at positions only that length reaches. Per-sequence
-metrics (``classify`` tasks) are averaged over the batch at each length.
+`evaluate` runs a model the way nanoGPT's ``estimate_loss`` does, under the training context: on the device of
+the model's parameters (every batch is moved there), under the training autocast dtype, in eval mode (the
+previous mode is restored), without gradients. Every caller uses it: the trainer's periodic and final
+evaluations, ``lengthgen compare``, ``lengthgen retrofit``, ``lengthgen eval`` and `lengthgen.hf.evaluate_hf`.
+
+For each length L one batch of ``tokens_per_length // L`` sequences (at least one) is drawn and every
+per-position quantity is averaged in power-of-2 position buckets (seed 000). The value "at length L" of a
+per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket): how the model does at
+positions only that length reaches. Per-sequence metrics (classify tasks) are averaged over the batch.
+
+Seeding rule (the only one for evaluation batches): the batch at length L for seed s is drawn from a
+``torch.Generator`` seeded with ``step_seed(s, L, stream=EVAL_STREAM)``, i.e. numpy's ``SeedSequence([s, 1, L])``:
+the per-(seed, index, stream) scheme of the training batches with the length as index and the evaluation
+stream, so evaluation batches never coincide with training batches and do not depend on which other lengths are
+evaluated. Callers pass the run's ``train.seed``, so a run's periodic evaluation, its ``eval.json``, compare and
+retrofit see the same batches at the same length.
+
+A model is evaluated through a ``measure(model, source, batch) -> {name: values}`` adapter: `measure_gpt` for
+lengthgen models, `lengthgen.hf.measure_hf` for Hugging Face causal LMs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable
+import time
+from typing import Any, Callable
 
 import torch
+import torch.nn as nn
 
-from lengthgen.data.tasks.base import Batch, Task
+from lengthgen.data.config import step_generator
+from lengthgen.data.tasks.base import Batch
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
+from lengthgen.eval.results import LengthEval, Provenance, RunEval
+
+#: the stream of evaluation batches in `step_seed` (training batches are stream 0)
+EVAL_STREAM = 1
+
+#: (model, source, batch on the model's device) -> name -> (B, L) per-position values (NaN where undefined)
+#: or (B,) per-sequence values
+Measure = Callable[[nn.Module, Any, Batch], dict[str, torch.Tensor]]
 
 
-def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    values = values.detach().float()
-    return values if values.dim() == 1 else torch.where(mask, values, torch.full_like(values, math.nan))
+def eval_generator(seed: int, length: int) -> torch.Generator:
+    """The generator of the evaluation batch at ``length`` (see the seeding rule above)."""
+    return step_generator(seed, length, stream=EVAL_STREAM)
 
 
-def _last_bucket_mean(values: torch.Tensor) -> float:
-    """Mean over positions [L/2, L) (NaN ignored); the whole sequence for per-sequence values."""
-    if values.dim() == 1:
-        return float(values.nanmean())
-    length = values.shape[-1]
-    chunk = values[:, length // 2:]
-    return float(chunk.nanmean())
-
-
-@torch.no_grad()
-def evaluate_length(model: torch.nn.Module, task: Task, length: int, *, batch_size: int, seed: int = 0,
-                    diagnostics: bool = False, device: str | torch.device = "cpu") -> dict:
-    """One length: per-position (bucketed) loss and metrics, their values at this length, and optionally
-    attention diagnostics (bucketed, averaged over heads, per layer) on the first sequence."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + length)
-    batch: Batch = task.sample(batch_size, length, generator).to(device)
-    model.eval()
+def measure_gpt(model: nn.Module, source: Any, batch: Batch) -> dict[str, torch.Tensor]:
+    """A lengthgen `GPT`: ``loss`` is ``model.loss``'s unreduced loss (NaN outside the loss mask), then the
+    source's own ``metrics``."""
     output = model(batch.tokens, doc_ids=batch.doc_ids)
     _, per_item = model.loss(output, batch)
-    values = {"loss": _masked(per_item, batch.loss_mask)}
-    values.update({name: v.detach().float() for name, v in task.metrics(output, batch).items()})
-    result = {
-        "length": length,
-        "batch_size": batch_size,
-        "at_length": {name: _last_bucket_mean(v) for name, v in values.items()},
-        "mean": {name: float(v.nanmean()) for name, v in values.items()},
-        "buckets": {name: bucket_means(v) for name, v in values.items() if v.dim() == 2},
-        "prefix": {name: prefix_means(v) for name, v in values.items() if v.dim() == 2},
-    }
+    values = {"loss": per_item if per_item.dim() == 1 else per_item.masked_fill(~batch.loss_mask, math.nan)}
+    if hasattr(source, "metrics"):
+        values.update(source.metrics(output.float(), batch))
+    return values
+
+
+def _at_length(values: torch.Tensor) -> float:
+    """Mean over positions [L/2, L) (NaN ignored); the whole batch for per-sequence values."""
+    return float(values.nanmean() if values.dim() == 1 else values[:, values.shape[-1] // 2:].nanmean())
+
+
+def _measure(model, source, batch: Batch, device, context, measure: Measure, forward_tokens: int | None
+             ) -> dict[str, torch.Tensor]:
+    """``measure`` on the batch in forward passes of at most ``forward_tokens`` tokens (at least one row)."""
+    rows, length = batch.tokens.shape
+    step = rows if forward_tokens is None else max(1, forward_tokens // length)
+    parts: list[dict[str, torch.Tensor]] = []
+    for lo in range(0, rows, step):
+        with context():
+            values = measure(model, source, batch.rows(lo, lo + step).to(device))
+        parts.append({name: v.detach().float().cpu() for name, v in values.items()})
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
+def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: int, seed: int,
+                     context: Callable[[], Any], measure: Measure, forward_tokens: int | None,
+                     diagnostics: bool) -> LengthEval:
+    """One length (see the module docstring): ``context()`` wraps every forward pass; diagnostics are taken
+    on the first sequence. The model must already be in eval mode."""
+    device = _device(model)
+    batch = source.sample(batch_size, length, eval_generator(seed, length))
+    values = _measure(model, source, batch, device, context, measure, forward_tokens)
+    per_position = {name: v for name, v in values.items() if v.dim() == 2}
+    describe = getattr(source, "describe", None)
+    result = LengthEval(
+        length=length, batch_size=int(batch.tokens.shape[0]),
+        batch=describe(batch_size, length) if describe else f"{batch.tokens.shape[0]} sampled sequences",
+        at_length={name: _at_length(v) for name, v in values.items()},
+        mean={name: float(v.nanmean()) for name, v in values.items()},
+        buckets={name: bucket_means(v) for name, v in per_position.items()},
+        prefix={name: prefix_means(v) for name, v in per_position.items()})
     if diagnostics:
-        one = Batch(batch.tokens[:1], batch.targets[:1], batch.loss_mask[:1],
-                    None if batch.doc_ids is None else batch.doc_ids[:1])
-        layers = model_diagnostics(model, lambda: model(one.tokens, doc_ids=one.doc_ids))
-        result["diagnostics"] = [{stat: bucket_means(layer[stat].mean(0)) for stat in STATS if stat in layer}
-                                 for layer in layers]
+        one = batch.rows(0, 1).to(device)
+        with context():
+            layers = model_diagnostics(model, lambda: measure(model, source, one))
+        result.diagnostics = [{stat: bucket_means(layer[stat].mean(0)) for stat in STATS if stat in layer}
+                              for layer in layers]
     return result
 
 
-def evaluate(model: torch.nn.Module, task: Task, lengths: list[int], *, tokens_per_length: int = 8192,
-             seed: int = 0, diagnostics: bool = True, device: str | torch.device = "cpu",
-             progress: Callable[[int], None] | None = None) -> list[dict]:
-    """Evaluate at every length (ascending); diagnostics at the longest. ``progress(length)`` is called
-    after each length."""
-    results = []
+@torch.no_grad()
+def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_length: int = 8192, seed: int = 0,
+             autocast: torch.dtype | None = None, forward_tokens: int | None = None, diagnostics: bool = True,
+             measure: Measure = measure_gpt) -> RunEval:
+    """Evaluate ``model`` on ``source`` at every length (ascending), diagnostics at the longest.
+
+    ``autocast``: the training autocast dtype (None: none). ``forward_tokens``: at most this many tokens per
+    forward pass (None: each length's batch at once). Returns a `RunEval` with the seed, timing and provenance; callers fill in the run's config and seeds.
+    """
     lengths = sorted(set(lengths))
+    limit = getattr(source, "max_length", None)
     for length in lengths:
-        if task.max_length is not None and length > task.max_length:
-            raise ValueError(f"task {task.name!r} cannot generate length {length} (max_length {task.max_length})")
-        batch_size = max(1, tokens_per_length // length)
-        results.append(evaluate_length(model, task, length, batch_size=batch_size, seed=seed, device=device,
-                                       diagnostics=diagnostics and length == lengths[-1]))
-        if progress is not None:
-            progress(length)
-    return results
+        if limit is not None and length > limit:
+            raise ValueError(f"{getattr(source, 'name', 'the source')!r} cannot generate length {length} "
+                             f"(max_length {limit})")
+    device = _device(model)
+
+    def context():
+        return contextlib.nullcontext() if autocast is None else torch.autocast(device.type, dtype=autocast)
+
+    start, was_training = time.perf_counter(), model.training
+    model.eval()
+    rows = []
+    try:
+        for length in lengths:
+            rows.append(_evaluate_length(model, source, length, batch_size=max(1, tokens_per_length // length),
+                                         seed=seed, context=context, measure=measure, forward_tokens=forward_tokens,
+                                         diagnostics=diagnostics and length == lengths[-1]))
+    finally:
+        model.train(was_training)
+    return RunEval(rows, eval_seed=seed, provenance=Provenance.capture(device),
+                   eval_seconds=round(time.perf_counter() - start, 2))
+
+
+def _device(model: nn.Module) -> torch.device:
+    parameter = next(iter(model.parameters()), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
+__all__ = ["EVAL_STREAM", "Measure", "eval_generator", "evaluate", "measure_gpt"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lengthgen.attention import PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import ConfigError, build, check, check_value, invalid, option, unknown_key
+from lengthgen.config import ConfigError, build, check, check_value, invalid, option, to_plain, unknown_key
 from lengthgen.model.norms import Norm
 
 Placement = Literal["pre", "post", "peri", "hybrid", "hybrid_star", "mix"]
@@ -154,7 +154,7 @@ class GPTConfig:
 
     # -- (de)serialization ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GPTConfig":

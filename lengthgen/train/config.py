@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lengthgen.atomic import atomic_write_text
-from lengthgen.config import ConfigError, build, check, invalid, load_toml, option, parse_assignment, set_key
+from lengthgen.config import (ConfigError, build, check, invalid, load_toml, option, parse_assignment, set_key,
+                              to_plain)
 from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
 
@@ -128,7 +129,7 @@ class RunConfig:
 
     # -- (de)serialization ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_plain(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -14,8 +14,5 @@ def split_batch(batch: Batch, parts: int) -> list[tuple[Batch, float]]:
     out = []
     for idx in torch.arange(total).tensor_split(parts):
         lo, hi = int(idx[0]), int(idx[-1]) + 1
-        cut = lambda t: None if t is None else t[lo:hi]  # noqa: E731
-        extra = {k: cut(v) if torch.is_tensor(v) and v.shape[:1] == (total,) else v for k, v in batch.extra.items()}
-        out.append((Batch(cut(batch.tokens), cut(batch.targets), cut(batch.loss_mask), cut(batch.doc_ids), extra),
-                    (hi - lo) / total))
+        out.append((batch.rows(lo, hi), (hi - lo) / total))
     return out

@@ -128,3 +128,21 @@ def qk_clip_(attn: Attention, max_logits: torch.Tensor, tau: float) -> torch.Ten
     if attn.k_proj.bias is not None:
         attn.k_proj.bias.mul_(k_scale)
     return gamma
+
+
+def record_logits(attentions: list[Attention]) -> None:
+    """Make every layer keep its q and k in the next forward, for `clip_recorded_logits`."""
+    for attn in attentions:
+        attn.record = {}
+
+
+def clip_recorded_logits(attentions: list[Attention], tau: float, reduce=lambda m: m) -> float:
+    """QK-clip every layer from the q and k it recorded (``reduce``: the per-head maxima's maximum over DDP
+    ranks), then stop recording. Returns the largest max logit before clipping."""
+    maxima = []
+    for attn in attentions:
+        m = reduce(attention_max_logits(attn))
+        attn.record = None
+        qk_clip_(attn, m, tau)
+        maxima.append(float(m.max()))
+    return max(maxima)

@@ -1,27 +1,27 @@
-"""The training loop: `train(config, out_dir)`, `Trainer`, `load_run(path)`.
+"""The training loop: `train(config, out_dir)` and `Trainer`.
 
-One step: draw the step's batch from a generator seeded with (seed, step) at the staged length
-(``batch = tokens_per_step // length``), split it into ``grad_accum`` micro-batches, forward/backward under
-bf16 autocast on CUDA (float32 on CPU), stop on a non-finite loss, clip the gradient norm, set the scheduled
-learning rate, step AdamW (and Muon), apply QK-clip, update BEMA, log, evaluate and checkpoint.
-On CPU a resumed run reproduces the losses of an uninterrupted run exactly.
+One step (`Trainer._train_step`): draw the step's batch from a generator seeded with (seed, step) at the staged
+length (``batch = tokens_per_step // length``), forward/backward it in ``grad_accum`` micro-batches under the
+run's autocast, stop on a non-finite loss, clip the gradient norm, set the scheduled learning rate, step AdamW
+(and Muon), apply QK-clip, update BEMA; `fit` then logs, evaluates and checkpoints. On CPU a resumed run
+reproduces the losses of an uninterrupted run exactly.
 
-When ``train.eval_lengths`` go beyond the training length, the end of training also evaluates loss (and
-the task's metrics) by position at every eval length (`lengthgen.train.position_eval`: long documents for
-text) and writes ``eval.json`` (and ``eval_bema.json`` with BEMA) in the run folder.
+`Trainer.evaluate` is `lengthgen.eval.evaluate` under the training device and autocast: every
+``train.eval_every`` steps and at the end it logs the mean loss and metrics at each eval length; when
+``train.eval_lengths`` go beyond the training length, the end also writes the by-position evaluation to
+``eval.json`` (``eval_bema.json`` with BEMA weights), a `lengthgen.eval.RunEval`.
 
-``train.init_from`` starts from another run's weights (fresh optimizer); parameters that the new config's
-attention adds keep their initialization (see `load_initial_weights`).
-
-Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DDP and each rank trains on its contiguous share
-of the step's global batch (`lengthgen.train.distributed`); only rank 0 logs, checkpoints and evaluates by
-position.
+Beside the loop: `setup` (config, lengths, device, dtype), `weights` (``train.init_from``, `load_run`),
+`checkpoint`, `log` (``metrics.jsonl``), `optim` (optimizers, QK-clip). Under ``torchrun`` the model is wrapped
+in DDP and each rank trains on its contiguous share of the global batch (`distributed`); only rank 0 logs,
+checkpoints and writes ``eval.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -34,14 +34,19 @@ import torch.nn as nn
 
 from lengthgen.config import ConfigError
 from lengthgen.data.config import make_source, step_generator
+from lengthgen.eval import RunEval, eval_source, evaluate
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import distributed
 from lengthgen.train.bema import BEMA
-from lengthgen.train.config import RunConfig, load_config, save_config
+from lengthgen.train.config import RunConfig, save_config
 from lengthgen.train.data import split_batch
-from lengthgen.train.optim import attention_max_logits, build_optimizers, qk_clip_, set_lr
+from lengthgen.train.log import MetricsLog, truncate_log
+from lengthgen.train.optim import build_optimizers, clip_recorded_logits, record_logits, set_lr
 from lengthgen.train.schedule import lr_multiplier
+from lengthgen.train.setup import (as_config, autocast_dtype, check_lengths, check_world, config_difference,
+                                   device_type, fill_model_from_source)
+from lengthgen.train.weights import load_initial_weights
 
 
 class NonFiniteLossError(RuntimeError):
@@ -55,133 +60,10 @@ class TrainResult:
     step: int                     # optimizer updates done
     history: list[float]          # training loss of every step from 0 (including resumed-from steps)
     config: RunConfig             # the resolved config (model filled from the data source)
-    metrics: dict[str, Any] = field(default_factory=dict)   # the last evaluation
+    metrics: dict[str, Any] = field(default_factory=dict)   # the last periodic evaluation's log entry
     checkpoint: Path | None = None
     trainer: "Trainer | None" = None
-    by_position: list[dict] | None = None   # the final evaluation by position (eval.json), when it ran
-
-
-def _as_config(config: RunConfig | dict | str | Path) -> RunConfig:
-    if isinstance(config, RunConfig):
-        return config
-    if isinstance(config, dict):
-        return RunConfig.from_dict(config)
-    return load_config(config)
-
-
-def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
-    """Set model.vocab_size / head / num_classes from the data source (errors if they contradict it)."""
-    model = cfg.model
-    head = getattr(source, "head", "lm")
-    name = getattr(source, "name", cfg.data.task)
-    if model.head is not None and model.head != head:
-        raise ConfigError(f"model.head={model.head!r} does not fit the data: {name!r} needs head {head!r}")
-    vocab = source.vocab_size
-    if model.vocab_size is not None:
-        if model.vocab_size < vocab:
-            raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the data's vocabulary "
-                              f"({vocab}); leave it unset to take it from the data")
-        vocab = model.vocab_size
-    changes: dict[str, Any] = {"head": head, "vocab_size": vocab}
-    if head == "classify":
-        classes = source.num_classes
-        if model.num_classes not in (0, classes):
-            raise ConfigError(f"model.num_classes={model.num_classes} does not fit {name!r} ({classes} classes)")
-        changes["num_classes"] = classes
-    try:
-        return RunConfig(model.replace(**changes), cfg.train, cfg.data, cfg.name)
-    except ConfigError as err:
-        raise err.under("model") from None
-
-
-def _check_lengths(cfg: RunConfig, source: Any) -> None:
-    """Every training and eval length must be one the data can generate (checked by sampling one sequence)."""
-    max_length = getattr(source, "max_length", None)
-    for key, lengths in (("data.length", [cfg.data.length]), ("train.stages", [s[1] for s in cfg.train.stages]),
-                         ("train.eval_lengths", cfg.train.eval_lengths)):
-        for length in lengths:
-            if max_length is not None and length > max_length:
-                raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}")
-            try:
-                source.sample(1, length, torch.Generator().manual_seed(0))
-            except ValueError as err:
-                raise ConfigError(f"{key}: length {length}: {err}") from None
-
-
-def _diff(a: Any, b: Any, prefix: str) -> str | None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(set(a) | set(b)):
-            d = _diff(a.get(key), b.get(key), f"{prefix}.{key}")
-            if d:
-                return d
-        return None
-    return None if a == b else f"{prefix}: checkpoint {a!r}, now {b!r}"
-
-
-def _check_world(cfg: RunConfig, world: int) -> None:
-    """Under DDP every step's global batch must split into ``world`` equal shares of >= grad_accum rows."""
-    for step in sorted({0, *(s[0] for s in cfg.train.stages)}):
-        batch = cfg.batch_size_at(step)
-        if batch % world or batch // world < cfg.train.grad_accum:
-            raise ConfigError(f"train: the batch of {batch} sequences at length {cfg.length_at(step)} does not "
-                              f"split into {world} equal shares of at least train.grad_accum="
-                              f"{cfg.train.grad_accum} sequences (WORLD_SIZE={world}); change "
-                              "train.batch_size / train.tokens_per_step or train.grad_accum")
-
-
-#: parameters an attention spec can add to a layer without changing the others (kept at their init)
-SPEC_PARAMETERS = ("gate_proj.weight", "out_norm_weight", "out_norm_bias", "q_norm_weight", "k_norm_weight",
-                   "multiplier", "v_norm_weight", "v_norm_bias")
-
-
-def _addable(name: str) -> bool:
-    return name == "scaling_multiplier" or (".attn." in name and name.rsplit(".attn.", 1)[1] in SPEC_PARAMETERS)
-
-
-def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch.device = "cpu"
-                         ) -> dict[str, Any]:
-    """Load the weights of a run folder or checkpoint into ``model`` whose attention spec may add parameters.
-
-    Parameters of attention layers that the checkpoint lacks (gates, out-norm affine, QK-norm weights,
-    learnable scaling multipliers) keep their initialization, so e.g. a 2sigmoid gate starts as the identity.
-    Anything else that differs (a missing non-attention parameter, an unexpected checkpoint tensor, a shape
-    change) raises `ConfigError` listing all of it. Returns {"checkpoint", "added"}.
-    """
-    from safetensors.torch import load_file
-
-    ckpt = ckpt_io.find_checkpoint(path)
-    stored = load_file(str(Path(ckpt) / "model.safetensors"), device=str(device))
-    own = model.state_dict()
-    # tied tensors are stored once under one of their names: map every alias to the stored copy
-    alias: dict[str, str] = {}
-    by_storage: dict[tuple[int, int], list[str]] = {}
-    for name, t in own.items():
-        by_storage.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), []).append(name)
-    groups: dict[str, list[str]] = {}
-    for names in by_storage.values():
-        hit = next((n for n in names if n in stored), None)
-        for n in names:
-            alias[n], groups[n] = (hit if hit is not None else n), names
-    problems, added, load = [], [], {}
-    for name, t in own.items():
-        src = alias[name]
-        if src in stored:
-            if tuple(stored[src].shape) != tuple(t.shape):
-                problems.append(f"{name}: checkpoint shape {tuple(stored[src].shape)}, model {tuple(t.shape)}")
-            else:
-                load[name] = stored[src]
-        elif any(_addable(n) for n in groups[name]):
-            added.append(name)
-        else:
-            problems.append(f"{name}: not in the checkpoint")
-    used = {alias[n] for n in own}
-    problems += [f"{name}: in the checkpoint, not in the model" for name in stored if name not in used]
-    if problems:
-        raise ConfigError(f"cannot initialize from {ckpt}: the new config changes more than added attention "
-                          "parameters:\n  " + "\n  ".join(problems))
-    missing, unexpected = model.load_state_dict(load, strict=False)
-    assert not unexpected and set(missing) == set(added), (missing, unexpected)
-    return {"checkpoint": str(ckpt), "added": added}
+    evaluation: RunEval | None = None   # the final evaluation by position (eval.json), when it ran
 
 
 class Trainer:
@@ -193,26 +75,21 @@ class Trainer:
 
     def __init__(self, config: RunConfig | dict | str | Path, out_dir: str | Path, *, progress: bool = True,
                  resume: bool = False) -> None:
-        cfg = _as_config(config)
+        cfg = as_config(config)
         self.source = make_source(cfg.data)
         cfg = fill_model_from_source(cfg, self.source)
-        _check_lengths(cfg, self.source)
+        check_lengths(cfg, self.source)
         self.config, tc = cfg, cfg.train
         self.run_dir = Path(out_dir)
-        device_type = ("cuda" if torch.cuda.is_available() else "cpu") if tc.device == "auto" else tc.device
-        if device_type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' but CUDA is not available")
-        self.rank, self.world, local_rank = distributed.setup(device_type)
+        kind = device_type(tc)
+        self.rank, self.world, local_rank = distributed.setup(kind)
         self.is_main = self.rank == 0
         self.progress = progress and self.is_main
-        self.device = torch.device(f"cuda:{local_rank}" if device_type == "cuda" and self.world > 1 else device_type)
+        self.device = torch.device(f"cuda:{local_rank}" if kind == "cuda" and self.world > 1 else kind)
         if self.world > 1:
-            _check_world(cfg, self.world)
-        if tc.dtype == "bfloat16" or (tc.dtype == "auto" and self.device.type == "cuda"):
-            self.autocast_dtype: torch.dtype | None = torch.bfloat16
-        else:
-            self.autocast_dtype = None
-        if self.device.type == "cuda":
+            check_world(cfg, self.world)
+        self.autocast_dtype = autocast_dtype(tc, kind)
+        if kind == "cuda":
             torch.set_float32_matmul_precision("high")
 
         torch.manual_seed(tc.seed)
@@ -234,33 +111,31 @@ class Trainer:
         b = tc.bema
         self.bema = (BEMA(self.model, kappa=b.kappa, eta=b.eta, rho=b.rho, gamma=b.gamma, tau=b.tau)
                      if b.enabled else None)
-        self.step = 0
+        self.step, self.tokens = 0, 0
         self.history: list[float] = []
-        self.tokens = 0
         self.metrics: dict[str, Any] = {}
         self.last_checkpoint: Path | None = None
         self._saved_step: int | None = None
-        self.by_position: list[dict] | None = None
+        self.evaluation: RunEval | None = None
 
         if resume and existing:
             self._resume()
-        else:
-            if existing:
-                raise FileExistsError(f"{self.run_dir} already holds a run (latest.json); resume it or use "
-                                      "another output folder")
-            if self.bema is not None:
-                self.bema.update(0)
+        elif existing:
+            raise FileExistsError(f"{self.run_dir} already holds a run (latest.json); resume it or use "
+                                  "another output folder")
+        elif self.bema is not None:
+            self.bema.update(0)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _resume(self) -> None:
         ckpt = ckpt_io.find_checkpoint(self.run_dir)
         state = ckpt_io.read_state(ckpt)
-        saved = state["config"]
         now = self.config.to_dict()
         for section in ("model", "data"):
-            d = _diff(saved[section], now[section], section)
-            if d:
-                raise ConfigError(f"cannot resume {self.run_dir}: the config differs from the checkpoint's ({d})")
+            difference = config_difference(state["config"][section], now[section], section)
+            if difference:
+                raise ConfigError(f"cannot resume {self.run_dir}: the config differs from the checkpoint's "
+                                  f"({difference})")
         ckpt_io.load_weights(self.model, ckpt, self.device)
         ckpt_io.load_optimizers(self.optimizers, ckpt, self.device)
         if self.bema is not None:
@@ -272,15 +147,8 @@ class Trainer:
         self.metrics = state.get("metrics", {})
         self.last_checkpoint, self._saved_step = ckpt, self.step
         ckpt_io.set_rng_state(state["rng"])
-        self._truncate_metrics(self.step)
-
-    def _truncate_metrics(self, step: int) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        if not self.is_main or not path.exists():
-            return
-        keep = [line for line in path.read_text().splitlines() if line.strip()
-                and json.loads(line).get("step", 0) <= step]
-        ckpt_io.atomic_write_text(path, "".join(line + "\n" for line in keep))
+        if self.is_main:
+            truncate_log(self.run_dir, self.step)
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (rank 0 only; other ranks return None)."""
@@ -321,158 +189,110 @@ class Trainer:
             yield model
 
     # -- evaluation ----------------------------------------------------------------------------------
-    def _autocast(self):
+    def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    @torch.no_grad()
-    def evaluate(self, lengths: list[int] | None = None) -> dict[str, dict[str, float]]:
-        """Mean loss and task metrics on fixed eval batches (seeded per length) at each length. Beyond the
-        training length the batches keep the tokens of ``eval_batch_size`` sequences at the training length
-        (at least one sequence)."""
-        tc = self.config.train
-        lengths = lengths or tc.eval_lengths or [self.config.data.length]
-        train_length = max(self.config.lengths())
-        was_training = self.model.training
-        self.model.eval()
-        out: dict[str, dict[str, float]] = {}
-        try:
-            for length in lengths:
-                gen = step_generator(tc.seed, length, stream=1)
-                sums: dict[str, float] = {}
-                rows = tc.eval_batch_size if length <= train_length else \
-                    max(1, tc.eval_batch_size * train_length // length)
-                for _ in range(tc.eval_batches):
-                    batch = self.source.sample(rows, length, gen).to(self.device)
-                    with self._autocast():
-                        output = self.model(batch.tokens, batch.doc_ids)
-                    loss, _ = self.model.loss(output, batch)
-                    values = {"loss": float(loss)}
-                    if hasattr(self.source, "metrics"):
-                        for name, t in self.source.metrics(output.float(), batch).items():
-                            values[name] = float(torch.nanmean(t.float()))
-                    for name, v in values.items():
-                        sums[name] = sums.get(name, 0.0) + v
-                out[str(length)] = {k: v / max(1, tc.eval_batches) for k, v in sums.items()}
-        finally:
-            self.model.train(was_training)
-        return out
+    @functools.cached_property
+    def eval_source(self) -> Any:
+        """What the run is evaluated on (`lengthgen.eval.eval_source`: long documents for text)."""
+        return eval_source(self.config.data, self.source)
 
-    def evaluate_by_position(self, lengths: list[int] | None = None, *, diagnostics: bool = False
-                             ) -> list[dict]:
-        """Loss and metrics by position at ``lengths`` (default train.eval_lengths), see
-        `lengthgen.train.position_eval`; ``eval_batches * eval_batch_size`` sequences of the training length's
-        tokens per length."""
-        from lengthgen.train.position_eval import evaluate_by_position, position_eval_source
-
+    def evaluate(self, lengths: list[int] | None = None, *, diagnostics: bool = False) -> RunEval:
+        """`lengthgen.eval.evaluate` of the model under the training device and autocast, seeded with
+        ``train.seed``, at ``lengths`` (default ``train.eval_lengths``, else ``data.length``):
+        ``eval_batches * eval_batch_size`` sequences of the training length's tokens per length, at most
+        ``eval_batch_size`` of them per forward pass."""
         cfg, tc = self.config, self.config.train
-        lengths = lengths or tc.eval_lengths or [cfg.data.length]
-        tokens = max(1, tc.eval_batches) * tc.eval_batch_size * max(cfg.lengths())
-        task = position_eval_source(cfg.data, self.source)
-        was_training = self.model.training
-        try:
-            return evaluate_by_position(self.model, task, lengths, tokens_per_length=tokens, seed=tc.seed,
-                                        device=self.device, autocast=self._autocast, diagnostics=diagnostics)
-        finally:
-            self.model.train(was_training)
+        train_tokens = tc.eval_batch_size * max(cfg.lengths())
+        result = evaluate(self.model, self.eval_source, lengths or tc.eval_lengths or [cfg.data.length],
+                          tokens_per_length=max(1, tc.eval_batches) * train_tokens, seed=tc.seed,
+                          autocast=self.autocast_dtype, forward_tokens=train_tokens, diagnostics=diagnostics)
+        return dataclasses.replace(result, config=cfg.to_dict(), seed=tc.seed, run_dir=str(self.run_dir),
+                                   final_train_loss=self.history[-1] if self.history else None)
 
-    def _final_position_eval(self) -> None:
+    def _periodic_eval(self) -> dict[str, Any]:
+        """The log entry of an evaluation: mean loss and metrics per length (``eval``; ``bema_eval``)."""
+        if self.config.train.eval_batches == 0:
+            return {}
+        means = lambda result: {str(r.length): r.mean for r in result.lengths}  # noqa: E731
+        entry: dict[str, Any] = {"eval": means(self.evaluate())}
+        if self.bema is not None and self.bema.started:
+            with self.use_bema():
+                entry["bema_eval"] = means(self.evaluate())
+        return entry
+
+    def _final_eval(self) -> None:
         """At the end of training (rank 0), when eval lengths go beyond the training length: eval.json."""
         cfg, tc = self.config, self.config.train
         if not (self.is_main and tc.eval_batches and tc.eval_lengths
                 and max(tc.eval_lengths) > max(cfg.lengths())):
             return
-        self.by_position = self.evaluate_by_position()
-        ckpt_io.atomic_write_text(self.run_dir / "eval.json", json.dumps(self.by_position, indent=1))
+        self.evaluation = self.evaluate()
+        self.evaluation.save(self.run_dir / "eval.json")
         if self.bema is not None and self.bema.started:
             with self.use_bema():
-                rows = self.evaluate_by_position()
-            ckpt_io.atomic_write_text(self.run_dir / "eval_bema.json", json.dumps(rows, indent=1))
-
-    def _evaluate_all(self) -> dict[str, Any]:
-        if self.config.train.eval_batches == 0:
-            return {}
-        metrics: dict[str, Any] = {"eval": self.evaluate()}
-        if self.bema is not None and self.bema.started:
-            with self.use_bema():
-                metrics["bema_eval"] = self.evaluate()
-        return metrics
+                dataclasses.replace(self.evaluate(), bema=True).save(self.run_dir / "eval_bema.json")
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _log(self, record: dict[str, Any], writer: Any) -> None:
-        if not self.is_main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if writer is not None:
-            for key, value in _flatten(record).items():
-                if key != "step" and isinstance(value, (int, float)):
-                    writer.add_scalar(key, value, record["step"])
-
-    def _train_step(self, step: int) -> dict[str, Any]:
-        cfg, tc = self.config, self.config.train
-        length, batch_size = cfg.length_at(step), cfg.batch_size_at(step)
-        batch = self.source.sample(batch_size, length, step_generator(tc.seed, step))
-        if self.world > 1:  # this rank's contiguous share of the global batch (equal shares, see _check_world)
-            batch = split_batch(batch, self.world)[self.rank][0]
-        batch = batch.to(self.device)
-        multiplier = lr_multiplier(step, total=tc.steps, schedule=tc.schedule, warmup=tc.warmup_steps,
-                                   cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio)
-        set_lr(self.optimizers, multiplier)
+    def _forward_backward(self, batch) -> float:
+        """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP all-reduces
+        once, in the last one's backward; QK-clip records the last one's logits). Returns the loss, averaged
+        over ranks."""
+        tc = self.config.train
         self.model.train()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         parts = split_batch(batch, tc.grad_accum)
-        attentions = self.model.attentions
         total = torch.zeros((), device=self.device)
         for i, (micro, weight) in enumerate(parts):
-            record = tc.qk_clip is not None and i == len(parts) - 1
-            if record:
-                for attn in attentions:
-                    attn.record = {}
-            # DDP: all-reduce the gradients once, in the last micro-batch's backward
-            sync = self.ddp is None or i == len(parts) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            last = i == len(parts) - 1
+            if last and tc.qk_clip is not None:
+                record_logits(self.model.attentions)
+            with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                 with self._autocast():
                     output = self.forward_model(micro.tokens, micro.doc_ids)
                 loss, _ = self.model.loss(output, micro)
                 (loss * weight).backward()
             total += loss.detach() * weight
-        loss_value = float(distributed.all_reduce_mean(total))
+        return float(distributed.all_reduce_mean(total))
+
+    def _train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer update; returns its log entry (without the step and throughput)."""
+        cfg, tc = self.config, self.config.train
+        length, batch_size = cfg.length_at(step), cfg.batch_size_at(step)
+        batch = self.source.sample(batch_size, length, step_generator(tc.seed, step))
+        if self.world > 1:  # this rank's contiguous share of the global batch (equal shares, see check_world)
+            batch = split_batch(batch, self.world)[self.rank][0]
+        batch = batch.to(self.device)
+        multiplier = lr_multiplier(step, total=tc.steps, schedule=tc.schedule, warmup=tc.warmup_steps,
+                                   cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio)
+        set_lr(self.optimizers, multiplier)
+        loss = self._forward_backward(batch)
         where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
             "; no checkpoint was written yet"
-        if not math.isfinite(loss_value):
-            raise NonFiniteLossError(f"training loss is {loss_value} at step {step}; stopping{where}")
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = None
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(f"training loss is {loss} at step {step}; stopping{where}")
+        entry: dict[str, Any] = {}
         if tc.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
-            if not math.isfinite(grad_norm):
-                raise NonFiniteLossError(f"gradient norm is {grad_norm} at step {step}; stopping{where}")
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            entry["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
+            if not math.isfinite(entry["grad_norm"]):
+                raise NonFiniteLossError(f"gradient norm is {entry['grad_norm']} at step {step}; stopping{where}")
         for opt in self.optimizers:
             opt.step()
-        record_out: dict[str, Any] = {}
         if tc.qk_clip is not None:
-            maxima = []
-            for attn in attentions:
-                m = distributed.all_reduce_max(attention_max_logits(attn))
-                attn.record = None
-                qk_clip_(attn, m, tc.qk_clip)
-                maxima.append(float(m.max()))
-            record_out["max_logit"] = max(maxima)
+            entry["max_logit"] = clip_recorded_logits(self.model.attentions, tc.qk_clip, distributed.all_reduce_max)
         self.step = step + 1
         if self.bema is not None:
             self.bema.update(self.step)
-        self.history.append(loss_value)
+        self.history.append(loss)
         self.tokens += batch_size * length
-        record_out.update(loss=loss_value, lr_mult=multiplier, length=length, batch_size=batch_size)
+        entry.update(loss=loss, lr_mult=multiplier, length=length, batch_size=batch_size)
         if self.world > 1:
-            record_out["rank_batch_size"] = int(batch.tokens.shape[0])
-        if grad_norm is not None:
-            record_out["grad_norm"] = grad_norm
-        return record_out
+            entry["rank_batch_size"] = int(batch.tokens.shape[0])
+        return entry
 
     def fit(self, stop_at: int | None = None) -> TrainResult:
         """Train until ``train.steps`` (or until ``stop_at`` steps, then checkpoint as if interrupted)."""
@@ -481,7 +301,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir)
         end = tc.steps if stop_at is None else min(tc.steps, stop_at)
-        writer = _tensorboard(self.run_dir) if self.is_main else None
+        log = MetricsLog(self.run_dir, enabled=self.is_main)
         bar = _progress(total=tc.steps, initial=self.step, disable=not self.progress,
                         desc=cfg.name or self.run_dir.name)
         start_time, start_tokens = time.perf_counter(), self.tokens
@@ -491,61 +311,37 @@ class Trainer:
         ran = self.step < end
         try:
             while self.step < end:
-                record = self._train_step(self.step)
-                step = self.step
-                elapsed = time.perf_counter() - start_time
+                entry = self._train_step(self.step)
+                step, elapsed = self.step, time.perf_counter() - start_time
                 tokens_per_s = (self.tokens - start_tokens) / max(elapsed, 1e-9)
-                record.update(step=step, tokens=self.tokens, tokens_per_s=tokens_per_s, time=elapsed)
+                entry.update(step=step, tokens=self.tokens, tokens_per_s=tokens_per_s, time=elapsed)
                 if step % tc.log_every == 0 or step == end:
-                    self._log(record, writer)
+                    log.append(entry)
                 bar.update(1)
-                bar.set_postfix(step=step, loss=f"{record['loss']:.4g}", tok_s=f"{tokens_per_s:.3g}")
+                bar.set_postfix(step=step, loss=f"{entry['loss']:.4g}", tok_s=f"{tokens_per_s:.3g}")
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                    self.metrics = self._evaluate_all()
+                    self.metrics = self._periodic_eval()
                     if self.metrics:
-                        self._log({"step": step, **self.metrics}, writer)
+                        log.append({"step": step, **self.metrics})
                 if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
                     self.save_checkpoint()
             if self._saved_step != self.step:
                 self.save_checkpoint()
             if self.step >= tc.steps and (ran or not (self.run_dir / "eval.json").exists()):
-                self._final_position_eval()
+                self._final_eval()
         finally:
             torch.set_num_threads(saved_threads)
             bar.close()
-            if writer is not None:
-                writer.close()
+            log.close()
         self.model.eval()
         return TrainResult(self.model, self.run_dir, self.step, list(self.history), cfg, self.metrics,
-                           self.last_checkpoint, self, self.by_position)
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _tensorboard(run_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except Exception:  # tensorboard is optional
-        return None
-    return SummaryWriter(str(run_dir / "tb"))
+                           self.last_checkpoint, self, self.evaluation)
 
 
 def _progress(**kwargs: Any) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(**kwargs)
-
-
-# ---------------------------------------------------------------------------------------------------
-# public API
 
 
 def train(config: RunConfig | dict | str | Path, out_dir: str | Path, *, progress: bool = True,
@@ -558,28 +354,3 @@ def train(config: RunConfig | dict | str | Path, out_dir: str | Path, *, progres
     (naming the step and the last good checkpoint) when the loss turns NaN or infinite.
     """
     return Trainer(config, out_dir, progress=progress, resume=resume).fit(stop_at=stop_at)
-
-
-def load_run(path: str | Path, *, bema: bool = False, device: str | torch.device = "cpu"
-             ) -> tuple[RunConfig, GPT]:
-    """(config, model in eval mode) from a run folder (its latest checkpoint), a checkpoint folder or a file
-    in one. ``bema=True`` loads the BEMA weights (ValueError if the run has none). FileNotFoundError names a
-    missing path."""
-    ckpt = ckpt_io.find_checkpoint(path)
-    state = ckpt_io.read_state(ckpt)
-    cfg = RunConfig.from_dict(state["config"])
-    model = GPT(cfg.model)
-    ckpt_io.load_weights(model, ckpt, device)
-    model.to(device)
-    if bema:
-        tensors = ckpt_io.load_bema_tensors(ckpt, device)
-        if tensors is None:
-            raise ValueError(f"checkpoint {ckpt} has no BEMA weights (train.bema.enabled was false)")
-        tracker = BEMA(model)
-        meta = state.get("bema", {})
-        for key in ("kappa", "eta", "rho", "gamma", "tau"):
-            if key in meta:
-                setattr(tracker, key, meta[key])
-        tracker.load(tensors, meta)
-        model.load_state_dict(tracker.state_dict_for_model())
-    return cfg, model.eval()

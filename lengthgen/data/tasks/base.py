@@ -29,6 +29,14 @@ class Batch:
         return Batch(move(self.tokens), move(self.targets), move(self.loss_mask), move(self.doc_ids),
                      {k: move(v) for k, v in self.extra.items()})
 
+    def rows(self, lo: int, hi: int) -> "Batch":
+        """Sequences ``lo:hi`` (every per-sequence tensor cut along the batch axis; other extras kept)."""
+        total = self.tokens.shape[0]
+        cut = lambda t: None if t is None else t[lo:hi]  # noqa: E731
+        return Batch(cut(self.tokens), cut(self.targets), cut(self.loss_mask), cut(self.doc_ids),
+                     {k: cut(v) if torch.is_tensor(v) and v.shape[:1] == (total,) else v
+                      for k, v in self.extra.items()})
+
 
 class Task:
     """Base class. Subclasses set ``name``, ``vocab_size``, ``head`` (``lm | regress | classify``),

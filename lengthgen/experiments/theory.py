@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from lengthgen.config import ConfigError, check_value
+from lengthgen.atomic import atomic_write_text
+from lengthgen.report.theory import plot_theory, theory_text
 
 EULER_GAMMA = 0.5772156649015329
 
@@ -39,7 +41,6 @@ __all__ = [
     "monte_carlo_inverse_wmax",
     "monte_carlo_max",
     "theory_table",
-    "plot_theory",
     "main_theory",
 ]
 
@@ -218,7 +219,7 @@ def monte_carlo_max(
 
 
 # ---------------------------------------------------------------------------------------------------
-# table, plot, entry point
+# table and entry point
 
 
 def _seed_for(seed: int, n: int) -> int:
@@ -273,57 +274,6 @@ def theory_table(
     return [by_key[(r, n)] for r in rs for n in ns]
 
 
-def plot_theory(rows: Sequence[dict], path) -> None:
-    """PNG of E[1/w_max] vs n (log x), one line per r with error bars, dashed line at each limit."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(9.5, 4.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    rs = list(dict.fromkeys(row["r"] for row in rows))
-    for i, r in enumerate(rs):
-        color = f"C{i}"
-        sel = sorted((row for row in rows if row["r"] == r), key=lambda row: row["n"])
-        ns = [row["n"] for row in sel]
-        ax.errorbar(ns, [row["monte_carlo"] for row in sel], yerr=[row["stderr"] for row in sel],
-                    color=color, marker="o", ms=4, capsize=3, label=f"r = {r:g} (direct MC)")
-        if all(row.get("conditional") is not None for row in sel):
-            ax.plot(ns, [row["conditional"] for row in sel], color=color, ls=":", lw=1.2,
-                    label=f"r = {r:g} (conditional MC)")
-        if sel and sel[0].get("limit") is not None:
-            ax.axhline(sel[0]["limit"], color=color, ls="--", lw=1, label=f"limit 1 + 1/(r-1) = {sel[0]['limit']:g}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("n (number of keys)")
-    ax.set_ylabel(r"$E[1/w_{\max}]$")
-    ax.set_title(r"softmax($r\sqrt{2\log n}\,z$), $z\sim N(0,I_n)$: top weight vs n")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=120)
-
-
-def _format_table(rows: Sequence[dict]) -> str:
-    head = ["r", "n", "trials", "direct MC", "stderr", "conditional MC", "stderr", "limit", "limit - cond"]
-    body = []
-    for row in rows:
-        lim = row["limit"]
-        body.append([
-            f"{row['r']:g}",
-            f"2^{math.log2(row['n']):g}" if row["n"] & (row["n"] - 1) == 0 else str(row["n"]),
-            str(row["trials"]),
-            f"{row['monte_carlo']:.4f}",
-            f"{row['stderr']:.4f}",
-            f"{row['conditional']:.4f}",
-            f"{row['conditional_stderr']:.4f}",
-            "inf" if lim is None else f"{lim:.4f}",
-            "inf" if lim is None else f"{lim - row['conditional']:.4f}",
-        ])
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), "  ".join("-" * w for w in widths), *map(line, body)])
-
-
 def main_theory(
     out_dir,
     rs: Sequence[float] = (1.5, 2.0, 3.0),
@@ -343,11 +293,11 @@ def main_theory(
     os.makedirs(out_dir, exist_ok=True)
     json_path = os.path.join(out_dir, "theory.json")
     png_path = os.path.join(out_dir, "theory.png")
-    with open(json_path, "w") as f:
-        json.dump({"model": "w = softmax(r sqrt(2 log n) z), z ~ N(0, I_n)", "quantity": "E[1/w_max]",
-                   "limit": "1 + 1/(r - 1) for r > 1", "seed": seed, "rows": rows}, f, indent=2)
+    atomic_write_text(json_path, json.dumps({"model": "w = softmax(r sqrt(2 log n) z), z ~ N(0, I_n)",
+                                             "quantity": "E[1/w_max]", "limit": "1 + 1/(r - 1) for r > 1",
+                                             "seed": seed, "rows": rows}, indent=2))
     plot_theory(rows, png_path)
     print("E[1/w_max] for w = softmax(r sqrt(2 log n) z), z ~ N(0, I_n); limit 1 + 1/(r-1) (seed 004)")
-    print(_format_table(rows))
+    print(theory_text(rows))
     print(f"wrote {json_path} and {png_path} in {time.perf_counter() - t0:.1f} s")
     return rows

@@ -15,6 +15,7 @@ forward only; its row says ``mode = fwd`` and the table marks it. `add_arguments
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from lengthgen.attention import AttentionSpec, attend
+from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import backends as attention_backends
+from lengthgen.eval.results import Provenance
 
 #: benchmarked variants: name -> (spec, packed documents?). Only attend() is timed (query scaling, distance
 #: terms, masks, p-softmax); QK-norm, RoPE and projections belong to the layer and are not part of it.
@@ -304,14 +307,13 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def write_json(rows: Sequence[dict], path: str | os.PathLike, device: torch.device) -> Path:
-    meta = dict(torch=torch.__version__, device=str(device), python=platform.python_version(),
+    """Write the rows atomically with their provenance (`lengthgen.eval.Provenance`) and conventions."""
+    meta = dict(dataclasses.asdict(Provenance.capture(device)), python=platform.python_version(),
                 device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                 flops="causal forward 4*b*s^2*h*d/2, backward 2.5x forward", reference=REFERENCE)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "columns": list(COLUMNS), "rows": list(rows)}, indent=1,
-                               default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x)))
-    return path
+    return atomic_write_text(path, json.dumps({"meta": meta, "columns": list(COLUMNS), "rows": list(rows)}, indent=1,
+                                              default=lambda x: None if isinstance(x, float) and math.isnan(x)
+                                              else str(x)))
 
 
 # ---------------------------------------------------------------------------------------------------

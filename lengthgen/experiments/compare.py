@@ -12,20 +12,19 @@ fails alike beyond the training length, or none learns the task in a few hundred
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
-from lengthgen.data.config import make_source
-from lengthgen.eval.evaluate import evaluate
+from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
+from lengthgen.report import write_report
 from lengthgen.train import train
+from lengthgen.data.config import make_source
 from lengthgen.train.config import RunConfig, load_config
-from lengthgen.train.position_eval import position_eval_source
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
-MULTIPLES = (1, 2, 4, 8, 16)
 
 #: The embedded default experiment (overridden by --config / --set).
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -60,12 +59,13 @@ def parse_variants(text: str | list[str] | tuple[str, ...]) -> list[str]:
     return names
 
 
-def check_metric(task, metric: str | None) -> str:
-    """The headline metric: ``metric`` if the task reports it (``loss`` always), else ValueError; None: the task's."""
+def check_metric(source, metric: str | None) -> str:
+    """The headline metric: ``metric`` if the source reports it (``loss`` always), else ValueError; None: the
+    source's own."""
     if metric is None:
-        return task.metric
-    if metric not in ("loss", task.metric):
-        raise ValueError(f"metric {metric!r} is not reported by task {task.name!r}; choose loss or {task.metric}")
+        return source.metric
+    if metric not in ("loss", source.metric):
+        raise ValueError(f"metric {metric!r} is not reported by {source.name!r}; choose loss or {source.metric}")
     return metric
 
 
@@ -79,41 +79,44 @@ def variant_spec(base: AttentionSpec, variant: str) -> AttentionSpec:
 
 def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] = list(DEFAULT_VARIANTS),
                 eval_lengths: list[int] | None = None, seeds: list[int] = (0,), eval_tokens: int = 8192,
-                metric: str | None = None, progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Train every (variant, seed) on ``cfg`` and evaluate at ``eval_lengths`` (default: the training length
-    times 1, 2, 4, 8, 16). ``metric``: the report's headline (default: the task's; ``loss`` always works).
-    Writes ``results.json`` and the report into ``out``; returns the results."""
+                metric: str | None = None, progress: bool = True, log: Callable[[str], None] = print
+                ) -> Comparison:
+    """Train every (variant, seed) on ``cfg`` into ``out/runs/<variant>-seed<seed>`` and evaluate it at
+    ``eval_lengths`` (default: the training length times `MULTIPLES`) with the one evaluator, under the run's
+    own device and autocast. ``metric``: the report's headline (default: the source's; ``loss`` always works).
+    Writes ``results.json`` and the report into ``out``; returns the `Comparison`."""
+    if not seeds:
+        raise ValueError("no seeds given; e.g. --seeds 1")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     train_length = max(cfg.lengths())
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
-    task = make_source(cfg.data)
-    metric = check_metric(task, metric)
-    eval_source = position_eval_source(cfg.data, task)      # text: single long validation documents
-    results: dict[str, Any] = {
-        "config": cfg.to_dict(), "task": getattr(task, "name", cfg.data.task), "metric": metric,
-        "higher_is_better": task.higher_is_better if metric == task.metric else False, "train_length": train_length, "eval_lengths": eval_lengths,
-        "specs": {}, "variants": {},
-    }
+    source = make_source(cfg.data)
+    metric = check_metric(source, metric)
+    evaluated_on = eval_source(cfg.data, source)      # text: single long validation documents
     base = resolve_spec(cfg.model.attention)
-    for variant in variants:
-        spec = variant_spec(base, variant)
-        results["specs"][variant] = spec.to_dict()
-        runs = []
+    specs = {variant: variant_spec(base, variant) for variant in variants}
+    runs: dict[str, list[RunEval]] = {}
+    for variant, spec in specs.items():
+        runs[variant] = []
         for seed in seeds:
             run_cfg = cfg.override(f"train.seed={seed}")
             run_cfg.model = run_cfg.model.replace(attention=spec)
             start = time.perf_counter()
             log(f"[{variant} seed {seed}] training {run_cfg.train.steps} steps at length {train_length}")
             trained = train(run_cfg, out / "runs" / f"{variant}-seed{seed}", progress=progress)
-            train_s = time.perf_counter() - start
+            train_s = round(time.perf_counter() - start, 2)
             log(f"[{variant} seed {seed}] evaluating at {', '.join(map(str, eval_lengths))}")
-            evals = evaluate(trained.model, eval_source, eval_lengths, tokens_per_length=eval_tokens, seed=1000 + seed)
-            runs.append({"seed": seed, "train_seconds": round(train_s, 2),
-                         "final_train_loss": trained.history[-1] if trained.history else None,
-                         "eval_seconds": round(time.perf_counter() - start - train_s, 2), "evals": evals})
-        results["variants"][variant] = runs
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    from lengthgen.report import write_report
+            evaluation = evaluate(trained.model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens,
+                                  seed=seed, autocast=trained.trainer.autocast_dtype)
+            runs[variant].append(dataclasses.replace(
+                evaluation, config=trained.config.to_dict(), seed=seed, run_dir=str(trained.run_dir),
+                final_train_loss=trained.history[-1] if trained.history else None, train_seconds=train_s))
+    name = getattr(source, "name", cfg.data.task)
+    results = Comparison(
+        title=f"lengthgen compare: {name}", source=name, metric=metric,
+        higher_is_better=source.higher_is_better if metric == source.metric else False, train_length=train_length,
+        eval_lengths=eval_lengths, config=cfg.to_dict(), provenance=evaluation.provenance,
+        specs={variant: spec.to_dict() for variant, spec in specs.items()}, variants=runs)
+    results.save(out / "results.json")
     write_report(results, out)
     return results

@@ -15,9 +15,7 @@ the end and checkpointed at the end.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,15 +23,15 @@ from typing import Any, Callable
 import torch
 
 from lengthgen.config import ConfigError
-from lengthgen.data.config import make_source
+from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
+from lengthgen.report import write_report
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import load_run, train
+from lengthgen.data.config import make_source
 from lengthgen.train.config import RunConfig
-from lengthgen.train.trainer import load_initial_weights
-from lengthgen.train.position_eval import evaluate_by_position, position_eval_source
-
-MULTIPLES = (1, 2, 4, 8, 16)
+from lengthgen.train.setup import autocast_dtype, device_type
+from lengthgen.train.weights import load_initial_weights
 
 
 def finetune_config(base: RunConfig, checkpoint: str | Path, steps: int, overrides: list[str] | tuple[str, ...] = ()
@@ -51,30 +49,19 @@ def finetune_config(base: RunConfig, checkpoint: str | Path, steps: int, overrid
                      f"{base.name or 'run'}-retrofit")
 
 
-def _device_and_autocast(cfg: RunConfig) -> tuple[torch.device, Callable[[], Any]]:
-    tc = cfg.train
-    cuda = tc.device == "cuda" or (tc.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if cuda else "cpu")
-    if cuda and tc.dtype in ("auto", "bfloat16"):
-        return device, lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    if tc.dtype == "bfloat16":
-        return device, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    return device, contextlib.nullcontext
-
-
 def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
                  steps: int = 100, eval_lengths: list[int] | None = None, eval_tokens: int = 8192,
-                 seed: int = 0, diagnostics: bool = True, progress: bool = True,
-                 log: Callable[[str], None] = print) -> dict[str, Any]:
+                 diagnostics: bool = True, progress: bool = True, log: Callable[[str], None] = print
+                 ) -> Comparison:
     """Retrofit ``checkpoint`` (a run folder or checkpoint) with the config ``overrides``, finetune ``steps``
-    steps, evaluate before and after at ``eval_lengths`` (default the training length x 1, 2, 4, 8, 16) and
-    write the report into ``out``. Returns the results dict (``variants``: ``before``, ``after``)."""
+    steps, evaluate before and after at ``eval_lengths`` (default the training length x `MULTIPLES`) with
+    the one evaluator (seeded with the finetuning run's ``train.seed``, under its device and autocast) and
+    write the report into ``out``. Returns the `Comparison` (variants ``before``, ``after``)."""
     out = Path(out)
     ckpt = ckpt_io.find_checkpoint(checkpoint)
     base_cfg, before_model = load_run(ckpt)
     cfg = finetune_config(base_cfg, ckpt, steps, overrides)
-    device, autocast = _device_and_autocast(cfg)
-    before_model.to(device)
+    kind = device_type(cfg.train)
     # fail before any evaluation when the new config changes more than added attention parameters
     torch.manual_seed(cfg.train.seed)
     load_initial_weights(GPT(cfg.model), ckpt)
@@ -82,57 +69,51 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
     if (out / "finetune" / ckpt_io.LATEST).exists():
         raise FileExistsError(f"{out / 'finetune'} already holds a finetuning run; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-
     source = make_source(cfg.data)
-    task = position_eval_source(cfg.data, source)
+    evaluated_on = eval_source(cfg.data, source)
 
-    def evaluate(model) -> tuple[list[dict], float]:
-        start = time.perf_counter()
-        rows = evaluate_by_position(model, task, eval_lengths, tokens_per_length=eval_tokens, seed=1000 + seed,
-                                    device=device, autocast=autocast, diagnostics=diagnostics)
-        return rows, round(time.perf_counter() - start, 2)
+    def evaluate_model(model: torch.nn.Module) -> RunEval:
+        return evaluate(model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=cfg.train.seed,
+                        autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics)
 
     log(f"[before] evaluating {ckpt} at {', '.join(map(str, eval_lengths))}")
-    before_rows, before_eval_s = evaluate(before_model)
+    history = ckpt_io.read_state(ckpt).get("history", [])
+    before = dataclasses.replace(evaluate_model(before_model.to(kind)), config=base_cfg.to_dict(),
+                                 seed=base_cfg.train.seed, run_dir=str(ckpt),
+                                 final_train_loss=history[-1] if history else None)
     log(f"[after] finetuning {steps} steps at length {train_length} with "
         f"{', '.join(overrides) if overrides else 'the same config'}")
     start = time.perf_counter()
     trained = train(cfg, out / "finetune", progress=progress)
     train_s = round(time.perf_counter() - start, 2)
-    added = (trained.trainer.initialized_from or {}).get("added", []) if trained.trainer else []
+    added = (trained.trainer.initialized_from or {}).get("added", [])
     log(f"[after] new parameters ({len(added)}): {', '.join(added) if added else 'none'}")
     log(f"[after] evaluating at {', '.join(map(str, eval_lengths))}")
-    after_rows, after_eval_s = evaluate(trained.model.to(device))
-
-    before_history = json.loads((ckpt / "state.json").read_text()).get("history", [])
-    results: dict[str, Any] = {
-        "config": cfg.to_dict(), "task": getattr(source, "name", cfg.data.task), "metric": source.metric,
-        "higher_is_better": source.higher_is_better, "train_length": train_length, "eval_lengths": eval_lengths,
-        "specs": {"before": base_cfg.model.attention.to_dict(), "after": cfg.model.attention.to_dict()},
-        "retrofit": {"checkpoint": str(ckpt), "overrides": list(overrides), "steps": steps, "added_parameters": added,
-                     "finetune_run": str(out / "finetune")},
-        "variants": {
-            "before": [{"seed": seed, "final_train_loss": before_history[-1] if before_history else None,
-                        "eval_seconds": before_eval_s, "evals": before_rows}],
-            "after": [{"seed": seed, "final_train_loss": trained.history[-1] if trained.history else None,
-                       "train_seconds": train_s, "eval_seconds": after_eval_s, "evals": after_rows}],
-        },
-    }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    from lengthgen.report import write_report
-
+    after = dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(),
+                                seed=cfg.train.seed, run_dir=str(trained.run_dir), train_seconds=train_s,
+                                final_train_loss=trained.history[-1] if trained.history else None)
+    name = getattr(source, "name", cfg.data.task)
+    results = Comparison(
+        title=f"lengthgen retrofit: {name}", source=name, metric=source.metric,
+        higher_is_better=source.higher_is_better, train_length=train_length, eval_lengths=eval_lengths,
+        config=cfg.to_dict(), provenance=after.provenance,
+        specs={"before": base_cfg.model.attention.to_dict(), "after": cfg.model.attention.to_dict()},
+        variants={"before": [before], "after": [after]},
+        description=_description(ckpt, overrides, steps, train_length, added),
+        retrofit={"checkpoint": str(ckpt), "overrides": list(overrides), "steps": steps,
+                  "added_parameters": added, "finetune_run": str(out / "finetune")})
+    results.save(out / "results.json")
     write_report(results, out)
-    report = out / "report.md"
-    title, _, rest = report.read_text().partition("\n")
-    header = [f"# lengthgen retrofit: {results['task']}", "",
-              f"Checkpoint `{ckpt}` (variant **before**), retrofitted with "
-              f"{', '.join(f'`{o}`' for o in overrides) or 'no config change'} and finetuned {steps} steps at "
-              f"length {train_length} with a fresh optimizer (variant **after**; run folder `finetune/`). "
-              f"Parameters added (kept at their initialization when loading): "
-              f"{', '.join(f'`{n}`' for n in added) or 'none'}.", ""]
-    report.write_text("\n".join(header) + rest.replace("lengthgen compare", "lengthgen retrofit"))
     return results
+
+
+def _description(ckpt: Path, overrides, steps: int, train_length: int, added: list[str]) -> str:
+    """The report's paragraph under the title: what was retrofitted and how it was finetuned."""
+    code = lambda names: ", ".join(f"`{n}`" for n in names)  # noqa: E731
+    return (f"Checkpoint `{ckpt}` (variant **before**), retrofitted with {code(overrides) or 'no config change'} "
+            f"and finetuned {steps} steps at length {train_length} with a fresh optimizer (variant **after**; run "
+            f"folder `finetune/`). Parameters added (kept at their initialization when loading): "
+            f"{code(added) or 'none'}.")
 
 
 __all__ = ["finetune_config", "run_retrofit"]

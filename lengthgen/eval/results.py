@@ -1,0 +1,207 @@
+"""The results model: typed evaluation results, saved as JSON atomically and loaded back with clear errors.
+
+* `LengthEval`: one evaluated length: per-position values in power-of-2 buckets, prefix means, the value "at
+  length" (mean over positions ``[L/2, L)``), and optionally attention diagnostics.
+* `RunEval`: one run's evaluation at several lengths, with the run's config, seeds, timings and `Provenance`
+  (lengthgen version, git commit when available, torch version, device, date). A run folder's ``eval.json``.
+* `Comparison`: runs of several variants on one source, headline metric and title (``results.json`` of
+  ``lengthgen compare``; a retrofit is a comparison of ``before`` and ``after`` with its own title).
+
+Files hold ``{"schema": SCHEMA, "kind": "run" | "comparison", ...}``; `RunEval.load` / `Comparison.load` raise
+`ResultsError` (a one-line message naming the file) for truncated, foreign or other-schema files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lengthgen.atomic import atomic_write_text
+from lengthgen.version import __version__
+
+#: version of the file format; files of another version are refused
+SCHEMA = 1
+#: evaluation lengths as multiples of the training length (compare, retrofit and ``lengthgen eval`` default)
+MULTIPLES = (1, 2, 4, 8, 16)
+
+
+class ResultsError(ValueError):
+    """A results file that cannot be read: the message names the file and what is wrong with it."""
+
+
+@dataclass
+class Bucket:
+    """Mean of a per-position value over positions ``[lo, hi)`` (0-based) and how many values it averages."""
+    lo: int
+    hi: int
+    mean: float
+    count: int
+
+
+@dataclass
+class Provenance:
+    """Where and with what a result was computed."""
+    lengthgen: str
+    torch: str
+    device: str
+    date: str                      # ISO 8601, UTC
+    git_commit: str | None = None  # of the lengthgen checkout, when it is one
+
+    @classmethod
+    def capture(cls, device: torch.device | str) -> "Provenance":
+        device = torch.device(device)
+        name = str(device)
+        if device.type == "cuda":
+            name += f" ({torch.cuda.get_device_name(device)})"
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return cls(__version__, torch.__version__, name, now, _git_commit())
+
+
+@functools.lru_cache(maxsize=1)
+def _git_commit() -> str | None:
+    """HEAD of the git checkout lengthgen is imported from (None when it is not imported from one)."""
+    package = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=package, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != package.parent:
+        return None
+    return lines[1]
+
+
+@dataclass
+class LengthEval:
+    """One evaluated length. ``batch`` says what the ``batch_size`` sequences were (sampled sequences, long
+    documents of a split). Value dicts map a name (``loss``, the source's metrics) to a number; per-sequence
+    metrics (classify tasks) have no buckets. ``diagnostics``: per layer, statistic -> buckets."""
+    length: int
+    batch_size: int
+    batch: str
+    at_length: dict[str, float]
+    mean: dict[str, float]
+    buckets: dict[str, list[Bucket]]
+    prefix: dict[str, list[Bucket]]            # means over [0, P) for P = 1, 2, 4, ..., length
+    diagnostics: list[dict[str, list[Bucket]]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LengthEval":
+        rows = lambda named: {k: [Bucket(**b) for b in v] for k, v in named.items()}  # noqa: E731
+        return cls(d["length"], d["batch_size"], d["batch"], d["at_length"], d["mean"], rows(d["buckets"]),
+                   rows(d["prefix"]), [rows(layer) for layer in d.get("diagnostics", [])])
+
+
+@dataclass
+class RunEval:
+    """One run's evaluation: a `LengthEval` per length (ascending) and what produced it."""
+    lengths: list[LengthEval]
+    eval_seed: int
+    provenance: Provenance
+    config: dict[str, Any] = field(default_factory=dict)   # the run's config (or the HF model and corpus)
+    seed: int | None = None                                # the run's training seed (None: not a lengthgen run)
+    run_dir: str | None = None
+    bema: bool = False                                     # evaluated with the run's BEMA weights
+    final_train_loss: float | None = None
+    train_seconds: float | None = None
+    eval_seconds: float | None = None
+
+    def at(self, length: int) -> LengthEval:
+        """The evaluation at ``length`` (KeyError naming the evaluated lengths if there is none)."""
+        for row in self.lengths:
+            if row.length == length:
+                return row
+        raise KeyError(f"length {length} was not evaluated (evaluated: {[r.length for r in self.lengths]})")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunEval":
+        d = dict(d)
+        lengths = [LengthEval.from_dict(row) for row in d.pop("lengths")]
+        return cls(lengths=lengths, provenance=Provenance(**d.pop("provenance")), **d)
+
+    def save(self, path: str | Path) -> Path:
+        return _save(self, "run", path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunEval":
+        return _load(cls, "run", path)
+
+
+@dataclass
+class Comparison:
+    """Variants (name -> one `RunEval` per seed) trained on one source at ``train_length`` and evaluated at
+    ``eval_lengths``. ``metric`` is the headline; ``specs`` each variant's attention spec; ``config`` the
+    shared config. ``title`` and ``description`` (markdown) head the report; ``retrofit`` holds a
+    retrofit's checkpoint, config changes, steps and added parameters."""
+    title: str
+    source: str
+    metric: str
+    higher_is_better: bool
+    train_length: int
+    eval_lengths: list[int]
+    config: dict[str, Any]
+    provenance: Provenance
+    specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    variants: dict[str, list[RunEval]] = field(default_factory=dict)
+    description: str = ""
+    retrofit: dict[str, Any] | None = None
+
+    def merge(self, other: "Comparison", name: str = "another comparison") -> None:
+        """Add ``other``'s variants (ResultsError when its lengths or metric differ)."""
+        if other.eval_lengths != self.eval_lengths or other.metric != self.metric:
+            raise ResultsError(f"{name}: its eval lengths/metric ({other.eval_lengths}, {other.metric}) differ "
+                               f"from ({self.eval_lengths}, {self.metric}); cannot merge")
+        self.variants.update(other.variants)
+        self.specs.update(other.specs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Comparison":
+        d = dict(d)
+        variants = {name: [RunEval.from_dict(run) for run in runs] for name, runs in d.pop("variants").items()}
+        return cls(variants=variants, provenance=Provenance(**d.pop("provenance")), **d)
+
+    def save(self, path: str | Path) -> Path:
+        return _save(self, "comparison", path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Comparison":
+        return _load(cls, "comparison", path)
+
+
+def _save(obj: Any, kind: str, path: str | Path) -> Path:
+    return atomic_write_text(path, json.dumps({"schema": SCHEMA, "kind": kind, **dataclasses.asdict(obj)},
+                                              indent=1))
+
+
+def _load(cls: Any, kind: str, path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no results file at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ResultsError(f"{path}: not a lengthgen results file (truncated or not JSON: {err})") from None
+    if not isinstance(data, dict) or "schema" not in data:
+        raise ResultsError(f"{path}: not a lengthgen results file (no schema version)")
+    if data["schema"] != SCHEMA:
+        raise ResultsError(f"{path}: results schema version {data['schema']!r}; this lengthgen reads "
+                           f"version {SCHEMA}")
+    if data.get("kind") != kind:
+        raise ResultsError(f"{path}: holds a {data.get('kind')!r} result, expected a {kind!r} result")
+    body = {k: v for k, v in data.items() if k not in ("schema", "kind")}
+    try:
+        return cls.from_dict(body)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ResultsError(f"{path}: malformed {kind} result ({type(err).__name__}: {err})") from None
+
+
+__all__ = ["Bucket", "Comparison", "LengthEval", "MULTIPLES", "Provenance", "ResultsError", "RunEval", "SCHEMA"]

@@ -1,0 +1,82 @@
+"""What a run is evaluated on: its own source, or for text data single long documents.
+
+Text data is trained on packed rows (documents back to back), but loss by position needs position p to have
+p tokens of context: `LongDocuments` gives rows that are each *one* document (BOS + its first L tokens), from
+the validation split first, then the training split, and packed rows only where no document is that long.
+Synthetic tasks generate any length, so they are evaluated on themselves (`eval_source`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from lengthgen.data.tasks.base import Batch
+
+
+class LongDocuments:
+    """A source whose ``sample(count, length, generator)`` returns single long documents.
+
+    ``candidates``: (label, TextData) tried in order; the first with at least one document of ``length``
+    tokens gives ``min(count, available)`` rows. ``fallback`` (a TextData, packed rows) is sampled when none
+    has one. `describe` says which.
+    """
+
+    head = "lm"
+    metric = "loss"
+    higher_is_better = False
+    max_length = None
+    min_length = 1
+
+    def __init__(self, candidates: list[tuple[str, Any]], fallback: Any) -> None:
+        self.candidates, self.fallback = candidates, fallback
+        self.vocab_size = fallback.vocab_size
+        self.name = getattr(fallback, "name", "text")
+
+    def _pick(self, count: int, length: int) -> tuple[str, Any, int] | None:
+        for label, data in self.candidates:
+            available = int(np.count_nonzero(data.stream.doc_lengths >= length))
+            if available:
+                return label, data, min(count, available)
+        return None
+
+    def describe(self, count: int, length: int) -> str:
+        """What ``sample(count, length, ...)`` returns, e.g. ``"2 long documents (val split)"``."""
+        picked = self._pick(count, length)
+        if picked is None:
+            return f"{count} packed rows (no document of {length} tokens)"
+        return f"{picked[2]} long documents ({picked[0]})"
+
+    def sample(self, count: int, length: int, generator: torch.Generator) -> Batch:
+        seed = int(torch.randint(2 ** 62, (1,), generator=generator))
+        picked = self._pick(count, length)
+        if picked is None:
+            return self.fallback.sample(count, length, torch.Generator().manual_seed(seed))
+        _, data, rows = picked
+        return data.long_batch(length, rows, seed)
+
+    def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        return self.fallback.metrics(output, batch)
+
+
+def eval_source(data_cfg: Any, source: Any) -> Any:
+    """The source to evaluate a run on: `LongDocuments` of its corpus for text data (the validation split
+    first, where the corpus has one), else ``source`` itself."""
+    if data_cfg.kind != "text" or not hasattr(source, "long_batch"):
+        return source
+    from lengthgen.data.text import CorpusError, make_text_data
+
+    candidates: list[tuple[str, Any]] = []
+    split = data_cfg.text.get("split", "train")
+    if split != "all":
+        try:
+            candidates.append(("val split", make_text_data(**{**data_cfg.text, "split": "val"})))
+        except (CorpusError, ValueError):
+            pass
+    candidates.append((f"{split} split", source))
+    return LongDocuments(candidates, source)
+
+
+__all__ = ["LongDocuments", "eval_source"]

@@ -1,0 +1,106 @@
+"""Weights from a run folder: `load_run` (a trained run's model, optionally its BEMA weights) and
+`load_initial_weights` (``train.init_from``: another run's weights in a model whose attention may add
+parameters)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lengthgen.config import ConfigError
+from lengthgen.train.config import RunConfig
+from lengthgen.model import GPT
+from lengthgen.train import checkpoint as ckpt_io
+from lengthgen.train.bema import BEMA
+
+#: parameters an attention spec can add to a layer without changing the others (kept at their init)
+SPEC_PARAMETERS = ("gate_proj.weight", "out_norm_weight", "out_norm_bias", "q_norm_weight", "k_norm_weight",
+                   "multiplier", "v_norm_weight", "v_norm_bias")
+
+
+def _addable(name: str) -> bool:
+    return name == "scaling_multiplier" or (".attn." in name and name.rsplit(".attn.", 1)[1] in SPEC_PARAMETERS)
+
+
+def _aliases(own: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]
+             ) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Tied tensors are stored once under one of their names: every name -> the stored name of its tensor (or
+    itself), and every name -> all names of its tensor."""
+    by_storage: dict[tuple[int, int], list[str]] = {}
+    for name, t in own.items():
+        by_storage.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), []).append(name)
+    alias: dict[str, str] = {}
+    groups: dict[str, list[str]] = {}
+    for names in by_storage.values():
+        hit = next((n for n in names if n in stored), None)
+        for n in names:
+            alias[n], groups[n] = (hit if hit is not None else n), names
+    return alias, groups
+
+
+def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch.device = "cpu"
+                         ) -> dict[str, Any]:
+    """Load the weights of a run folder or checkpoint into ``model`` whose attention spec may add parameters.
+
+    Parameters of attention layers that the checkpoint lacks (gates, out-norm affine, QK-norm weights,
+    learnable scaling multipliers) keep their initialization, so e.g. a 2sigmoid gate starts as the identity.
+    Anything else that differs (a missing non-attention parameter, an unexpected checkpoint tensor, a shape
+    change) raises `ConfigError` listing all of it. Returns {"checkpoint", "added"}.
+    """
+    from safetensors.torch import load_file
+
+    ckpt = ckpt_io.find_checkpoint(path)
+    stored = load_file(str(Path(ckpt) / "model.safetensors"), device=str(device))
+    own = model.state_dict()
+    alias, groups = _aliases(own, stored)
+    problems, added, load = [], [], {}
+    for name, t in own.items():
+        src = alias[name]
+        if src in stored:
+            if tuple(stored[src].shape) != tuple(t.shape):
+                problems.append(f"{name}: checkpoint shape {tuple(stored[src].shape)}, model {tuple(t.shape)}")
+            else:
+                load[name] = stored[src]
+        elif any(_addable(n) for n in groups[name]):
+            added.append(name)
+        else:
+            problems.append(f"{name}: not in the checkpoint")
+    used = {alias[n] for n in own}
+    problems += [f"{name}: in the checkpoint, not in the model" for name in stored if name not in used]
+    if problems:
+        raise ConfigError(f"cannot initialize from {ckpt}: the new config changes more than added attention "
+                          "parameters:\n  " + "\n  ".join(problems))
+    missing, unexpected = model.load_state_dict(load, strict=False)
+    assert not unexpected and set(missing) == set(added), (missing, unexpected)
+    return {"checkpoint": str(ckpt), "added": added}
+
+
+def load_run(path: str | Path, *, bema: bool = False, device: str | torch.device = "cpu"
+             ) -> tuple[RunConfig, GPT]:
+    """(config, model in eval mode) from a run folder (its latest checkpoint), a checkpoint folder or a file
+    in one. ``bema=True`` loads the BEMA weights (ValueError if the run has none). FileNotFoundError names a
+    missing path."""
+    ckpt = ckpt_io.find_checkpoint(path)
+    state = ckpt_io.read_state(ckpt)
+    cfg = RunConfig.from_dict(state["config"])
+    model = GPT(cfg.model)
+    ckpt_io.load_weights(model, ckpt, device)
+    model.to(device)
+    if bema:
+        tensors = ckpt_io.load_bema_tensors(ckpt, device)
+        if tensors is None:
+            raise ValueError(f"checkpoint {ckpt} has no BEMA weights (train.bema.enabled was false)")
+        tracker = BEMA(model)
+        meta = state.get("bema", {})
+        for key in ("kappa", "eta", "rho", "gamma", "tau"):
+            if key in meta:
+                setattr(tracker, key, meta[key])
+        tracker.load(tensors, meta)
+        model.load_state_dict(tracker.state_dict_for_model())
+    return cfg, model.eval()
+
+
+__all__ = ["SPEC_PARAMETERS", "load_initial_weights", "load_run"]

@@ -1,0 +1,83 @@
+"""The results model: typed results survive a save/load round trip; bad files fail with one line naming them."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lengthgen.eval import SCHEMA, Bucket, Comparison, LengthEval, Provenance, ResultsError, RunEval
+
+
+def _run(seed: int = 0) -> RunEval:
+    row = LengthEval(length=8, batch_size=2, batch="2 sampled sequences", at_length={"loss": 1.5},
+                     mean={"loss": 1.25}, buckets={"loss": [Bucket(0, 1, 1.0, 2), Bucket(4, 8, math.inf, 8)]},
+                     prefix={"loss": [Bucket(0, 8, 1.25, 16)]},
+                     diagnostics=[{"inv_wmax": [Bucket(0, 1, 1.0, 1)]}])
+    return RunEval([row], eval_seed=seed, provenance=Provenance.capture("cpu"), config={"train": {"seed": seed}},
+                   seed=seed, run_dir="runs/x", final_train_loss=0.5, train_seconds=1.0, eval_seconds=0.5)
+
+
+def _comparison() -> Comparison:
+    return Comparison(title="lengthgen compare: counting", source="counting", metric="loss",
+                      higher_is_better=False, train_length=8, eval_lengths=[8], config={"name": "x"},
+                      provenance=Provenance.capture("cpu"), specs={"baseline": {"softmax_p": 1.0}},
+                      variants={"baseline": [_run(0), _run(1)]})
+
+
+def test_run_and_comparison_round_trip(tmp_path):
+    run = _run()
+    assert RunEval.load(run.save(tmp_path / "eval.json")) == run
+    comparison = _comparison()
+    comparison.save(tmp_path / "results.json")
+    assert Comparison.load(tmp_path / "results.json") == comparison
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["schema"] == SCHEMA and data["kind"] == "comparison"
+    assert set(data["provenance"]) == {"lengthgen", "torch", "device", "date", "git_commit"}
+    assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "plain.txt").write_text("x")   # saved like any new file, not private to its owner
+    assert (tmp_path / "results.json").stat().st_mode == (tmp_path / "plain.txt").stat().st_mode
+
+
+def test_provenance_names_versions_and_device():
+    p = Provenance.capture("cpu")
+    import torch
+
+    import lengthgen
+
+    assert (p.lengthgen, p.torch, p.device) == (lengthgen.__version__, torch.__version__, "cpu")
+    assert p.git_commit is None or len(p.git_commit) == 40
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "truncated or not JSON"),
+    ('{"schema": 1, "kind": "comparison", "title": "x"', "truncated or not JSON"),
+    (b"\xff\xfe\x00 garbage", "truncated or not JSON"),
+    ("[1, 2]", "no schema version"),
+    ('{"kind": "comparison"}', "no schema version"),
+    ('{"schema": 99, "kind": "comparison"}', "schema version 99; this lengthgen reads version 1"),
+    ('{"schema": 1, "kind": "run"}', "holds a 'run' result, expected a 'comparison' result"),
+    ('{"schema": 1, "kind": "comparison", "title": "x"}', "malformed comparison result"),
+])
+def test_bad_files_are_one_line_errors_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "results.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ResultsError, match=message) as err:
+        Comparison.load(path)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_file_names_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no results file at .*nothing.json"):
+        RunEval.load(tmp_path / "nothing.json")
+
+
+def test_merge_refuses_other_lengths():
+    a, b = _comparison(), _comparison()
+    b.variants = {"l2": b.variants.pop("baseline")}
+    a.merge(b)
+    assert list(a.variants) == ["baseline", "l2"]
+    b.eval_lengths = [8, 16]
+    with pytest.raises(ResultsError, match="cannot merge"):
+        a.merge(b)
