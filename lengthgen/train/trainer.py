@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lengthgen.attention.module import is_spec_parameter
 from lengthgen.config import ConfigError, RunConfig, load_config, save_config
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
@@ -127,13 +128,9 @@ def _check_world(cfg: RunConfig, world: int) -> None:
                               "train.batch_size / train.tokens_per_step or train.grad_accum")
 
 
-#: parameters an attention spec can add to a layer without changing the others (kept at their init)
-SPEC_PARAMETERS = ("gate_proj.weight", "out_norm_weight", "out_norm_bias", "q_norm_weight", "k_norm_weight",
-                   "multiplier", "v_norm_weight", "v_norm_bias")
-
-
 def _addable(name: str) -> bool:
-    return name == "scaling_multiplier" or (".attn." in name and name.rsplit(".attn.", 1)[1] in SPEC_PARAMETERS)
+    """A parameter an attention spec can add without changing the others (kept at its init)."""
+    return name == "scaling_multiplier" or (".attn." in name and is_spec_parameter(name.rsplit(".attn.", 1)[1]))
 
 
 def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch.device = "cpu"
@@ -429,7 +426,7 @@ class Trainer:
             record = tc.qk_clip is not None and i == len(parts) - 1
             if record:
                 for attn in attentions:
-                    attn.record = {}
+                    attn.capture = {}
             # DDP: all-reduce the gradients once, in the last micro-batch's backward
             sync = self.ddp is None or i == len(parts) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
@@ -456,7 +453,7 @@ class Trainer:
             maxima = []
             for attn in attentions:
                 m = distributed.all_reduce_max(attention_max_logits(attn))
-                attn.record = None
+                attn.capture = None
                 qk_clip_(attn, m, tc.qk_clip)
                 maxima.append(float(m.max()))
             record_out["max_logit"] = max(maxima)
