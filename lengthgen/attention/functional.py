@@ -53,8 +53,10 @@ def query_gain(n: torch.Tensor, spec: AttentionSpec, multiplier: torch.Tensor | 
 def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
                   multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """q' = q * g_i * base_scale: the part of the logit that depends on the query only (n_i from
-    `mods.visible_counts`, with the explicit ``mask`` if given)."""
+    `mods.visible_counts`, with the explicit ``mask`` if given). In float32 for half-precision q: rounding q' to
+    bfloat16 would change logits of size 1e4 by about 20."""
     base = spec.base_scale if spec.base_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    q = q.to(compute_dtype(q.dtype))
     if spec.query_scaling == "none":
         return q * base
     n = mods.visible_counts(spec, q.shape[-2], lk, doc_ids, mask, device=q.device)
@@ -105,8 +107,16 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Backends accumulate half-precision inputs in float32."""
+    """Half-precision inputs are computed in float32."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def kernel_inputs(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q', k, v) in one dtype for a fused kernel (sdpa, flex): on CUDA the keys' dtype (q' rounded to it; the
+    kernels accumulate in float32), elsewhere the compute dtype (k, v upcast)."""
+    if qs.is_cuda:
+        return qs.to(k.dtype), k, v
+    return qs, k.to(qs.dtype), v.to(qs.dtype)
 
 
 def dense_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
@@ -114,10 +124,11 @@ def dense_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
                     return_lse: bool = False, return_weights: bool = False):
     """The oracle: materializes the (Lq, Lk) logits of queries ``qs`` already scaled by `scale_queries`.
 
-    Half-precision inputs are computed in float32. Returns ``out`` (B, H, Lq, Dv); with ``return_lse``
-    ``(out, LSE_1, LSE_p)`` (see `lengthgen.attention.backends`); with ``return_weights`` ``(out, weights)``.
+    Half-precision inputs are computed in float32; ``out`` has v's dtype. Returns ``out`` (B, H, Lq, Dv); with
+    ``return_lse`` ``(out, LSE_1, LSE_p)`` (see `lengthgen.attention.backends`); with ``return_weights``
+    ``(out, weights)``.
     """
-    dtype, compute = qs.dtype, compute_dtype(qs.dtype)
+    dtype, compute = v.dtype, compute_dtype(v.dtype)
     groups = qs.shape[1] // k.shape[1]
     qs, k, v = qs.to(compute), repeat_kv(k, groups).to(compute), repeat_kv(v, groups).to(compute)
     lq, lk = qs.shape[-2], k.shape[-2]

@@ -10,6 +10,7 @@
   runs with a 16-wide zero value tensor). FlexAttention's returned LSE is in natural log in torch 2.13
   (the kernels work in base 2 and ``flex_attention`` converts back), and gradients flow through both LSEs.
 
+Inputs: `functional.kernel_inputs` (float32 for half-precision inputs on CPU, the input dtype on CUDA).
 On CUDA ``torch.compile(flex_attention)`` runs the fused Triton kernels (forward and backward). On CPU the
 compiled path supports neither the LSE nor backward in torch 2.13, so the eager path (an unfused reference
 that materializes scores) runs, inference only: `unsupported` refuses CPU training so `auto` never picks it.
@@ -24,6 +25,7 @@ from collections import OrderedDict
 
 import torch
 
+from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
@@ -196,6 +198,7 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
         raise ValueError("backend 'flex' needs torch.nn.attention.flex_attention")
     if mask is not None:
         raise ValueError(f"backend 'flex' cannot take {unsupported(spec, qs, False, True)}")
+    dtype, (qs, k, v) = v.dtype, fn.kernel_inputs(qs, k, v)
     b, h, lq, _ = qs.shape
     hkv, lk = k.shape[1], k.shape[2]
     p = float(spec.softmax_p)
@@ -216,7 +219,8 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
         v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
         lse_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)[1].lse
         factor = torch.exp(lse_1.float() - lse_p.float() / p).unsqueeze(-1)
-        out = (out.float() * factor).to(qs.dtype)
+        out = out.float() * factor
+    out = out.to(dtype)
     return (out, lse_1.detach(), lse_p.detach()) if return_lse else out
 
 

@@ -1,6 +1,7 @@
 """`sdpa`: ``F.scaled_dot_product_attention`` for p = 1 and no distance terms.
 
-Query-length scaling and ``base_scale`` are already folded into the queries, so SDPA runs with scale 1.
+Query-length scaling and ``base_scale`` are already folded into the queries, so SDPA runs with scale 1
+(in float32 for half-precision inputs on CPU, in the input dtype on CUDA: `functional.kernel_inputs`).
 Causal attention without window, documents or explicit mask uses ``is_causal`` (flash / efficient kernels);
 otherwise the mask mods are evaluated into a boolean mask (memory quadratic in length: `auto` prefers
 `tiled` for long masked CPU inputs). A row that sees nothing outputs 0.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
@@ -30,10 +32,11 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     reason = unsupported(spec)
     if reason:
         raise ValueError(f"backend 'sdpa' cannot run this spec: {reason}")
+    dtype, (qs, k, v) = v.dtype, fn.kernel_inputs(qs, k, v)
     lq, lk = qs.shape[-2], k.shape[-2]
     gqa = qs.shape[1] != k.shape[1]
     starts = mods.document_starts(spec, doc_ids)
     if lq == lk and spec.window is None and starts is None and mask is None:
-        return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=1.0, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=1.0, enable_gqa=gqa).to(dtype)
     visible = mods.dense_mask(mods.mask_mod_for(spec, lq, lk, starts, mask), qs.shape[0], lq, lk, qs.device)
-    return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=1.0, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=1.0, enable_gqa=gqa).to(dtype)

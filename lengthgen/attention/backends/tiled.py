@@ -7,8 +7,9 @@ with an online running max ``m`` and running sums ``S_1 = sum exp(l - m)`` and `
 
     out   = (sum_j exp(l_j - m) v_j) * S_p^(-1/p)       LSE_1 = m + log S_1       LSE_p = p m + log S_p
 
-The backward recomputes each block's logits from LSE_p (no (L, L) tensor is stored). With
-``w = exp(l - LSE_p/p)`` and ``pi = exp(p l - LSE_p)`` (= softmax(p l)), the logit gradient is
+The backward recomputes each block's logits (no (L, L) tensor is stored) and keeps m and log S_p apart, so
+that no large logit is multiplied by p. With ``w = exp((l - m) - log S_p / p)`` and
+``pi = exp(p (l - m) - log S_p)`` (= softmax(p l)), the logit gradient is
 ``dl_ij = w_ij (dO_i . v_j) - pi_ij (dO_i . out_i)``; derived by differentiating
 ``w_j = exp(l_j) (sum_k exp(p l_k))^(-1/p)``: ``dw_j/dl_k = delta_jk w_j - w_j pi_k``. The gradient through
 the block's logits to q' and k (``a_t`` of the score mod included) is autograd's, on the same mods.
@@ -67,6 +68,7 @@ class _TiledPSoftmax(torch.autograd.Function):
         out = qs.new_empty(b, h, lq, v.shape[-1])
         lse_1 = qs.new_empty(b, h, lq, 1)
         lse_p = qs.new_empty(b, h, lq, 1)
+        row_max, log_sp = torch.empty_like(lse_p), torch.empty_like(lse_p)
         for qsl, key_slices in blocks:
             q_blk, rows = qs[:, :, qsl], _index(qsl, qs.device)
             m = qs.new_full((b, h, q_blk.shape[2], 1), float("-inf"))
@@ -81,36 +83,40 @@ class _TiledPSoftmax(torch.autograd.Function):
                 e = torch.exp(logit - m_safe)
                 acc = acc * corr + e @ v[:, :, ksl]
                 s1 = s1 * corr + e.sum(-1, keepdim=True)
-                if p != 1:                                           # S_p = S_1 for softmax
-                    sp = sp * corr.pow(p) + e.pow(p).sum(-1, keepdim=True)
+                if p != 1:     # S_p = S_1 for softmax; exp(p x), not exp(x)^p, which underflows first for p < 1
+                    sp = sp * torch.exp(p * (m - m_safe)) + torch.exp(p * (logit - m_safe)).sum(-1, keepdim=True)
                 m = m_new
             if p == 1:
                 sp = s1
             out[:, :, qsl] = acc * torch.where(sp > 0, sp, torch.ones_like(sp)).pow(-1.0 / p)  # 0 if nothing seen
             lse_1[:, :, qsl] = m + torch.log(s1)
             lse_p[:, :, qsl] = p * m + torch.log(sp)
-        safe_lse_p = torch.where(torch.isfinite(lse_p), lse_p, torch.zeros_like(lse_p))
-        ctx.save_for_backward(qs, k, v, out, safe_lse_p)
+            row_max[:, :, qsl], log_sp[:, :, qsl] = m, torch.log(sp)
+        finite = torch.isfinite(row_max)                           # rows that see nothing: w = 0 in the backward
+        row_max = torch.where(finite, row_max, torch.zeros_like(row_max))
+        log_sp = torch.where(finite, log_sp, torch.zeros_like(log_sp))
+        ctx.save_for_backward(qs, k, v, out, row_max, log_sp)
         ctx.p, ctx.mods, ctx.blocks = p, (score_mod, mask_mod), blocks
         ctx.mark_non_differentiable(lse_1, lse_p)
         return out, lse_1, lse_p
 
     @staticmethod
     def backward(ctx, d_out, _d_lse1, _d_lsep):
-        qs, k, v, out, lse_p = ctx.saved_tensors
+        qs, k, v, out, row_max, log_sp = ctx.saved_tensors
         p, (score_mod, mask_mod) = ctx.p, ctx.mods
         dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(k), torch.zeros_like(v)
         delta = (d_out * out).sum(-1, keepdim=True)                 # dO_i . out_i
         for qsl, key_slices in ctx.blocks:
             rows, do = _index(qsl, qs.device), d_out[:, :, qsl]
-            lp, dl_blk = lse_p[:, :, qsl], delta[:, :, qsl]
+            m, lsp, dl_blk = row_max[:, :, qsl], log_sp[:, :, qsl], delta[:, :, qsl]
             for ksl in key_slices:
                 q_blk = qs[:, :, qsl].detach().requires_grad_()
                 k_blk = k[:, :, ksl].detach().requires_grad_()
                 with torch.enable_grad():
                     logit = fn.logits(q_blk, k_blk, score_mod, mask_mod, rows, _index(ksl, qs.device))
-                w = torch.exp(logit.detach() - lp / p)
-                pi = w if p == 1 else torch.exp(p * logit.detach() - lp)
+                y = logit.detach() - m                  # <= 0: p y and exp never see a large logit
+                w = torch.exp(y - lsp / p)
+                pi = w if p == 1 else torch.exp(p * y - lsp)
                 dlogit = w * (do @ v[:, :, ksl].transpose(-1, -2)) - pi * dl_blk
                 dq_blk, dk_blk = torch.autograd.grad(logit, (q_blk, k_blk), dlogit)
                 dq[:, :, qsl] += dq_blk
@@ -130,11 +136,11 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
 
     ``mask``: an explicit (B, 1, Lq, Lk) visibility (a row that sees nothing outputs 0). ``q_block`` /
     ``k_block``: block sizes, default `default_blocks` (B * H). Half-precision inputs are computed in
-    float32. Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
+    float32; ``out`` has v's dtype. Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
     auto_q, auto_k = default_blocks(qs.shape[0] * qs.shape[1])
     q_block, k_block = q_block or auto_q, k_block or auto_k
-    compute = fn.compute_dtype(qs.dtype)
+    dtype, compute = v.dtype, fn.compute_dtype(v.dtype)
     groups = qs.shape[1] // k.shape[1]
     k, v = fn.repeat_kv(k, groups).to(compute), fn.repeat_kv(v, groups).to(compute)
     lq, lk = qs.shape[-2], k.shape[-2]
@@ -144,5 +150,5 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     blocks = _blocks(mods.first_visible(spec, lq, lk, starts, qs.device), lq, lk, q_block, k_block)
     out, lse_1, lse_p = _TiledPSoftmax.apply(qs.to(compute), k, v, float(spec.softmax_p), score_mod, mask_mod,
                                              blocks)
-    out = out.to(qs.dtype)
+    out = out.to(dtype)
     return (out, lse_1.squeeze(-1), lse_p.squeeze(-1)) if return_lse else out

@@ -9,8 +9,10 @@ same document, ``i - j < W``::
         acc   <- acc exp(m_old - m)     + sum_j exp(l_j - m) v_j
         S_1   <- S_1 exp(m_old - m)     + sum_j exp(l_j - m)            (p != 1; S_1 = S_p for p = 1)
         out    = acc S_p^(-1/p)            LSE_p = p m + log S_p      LSE_1 = m + log S_1
+        (m and log S_p are saved apart for the backward: no large logit is ever multiplied by p)
 
-    backward (w_j = exp(l_j - LSE_p / p), pi_j = exp(p l_j - LSE_p) = softmax(p l)_j, delta_i = dO_i . out_i)
+    backward (w_j = exp((l_j - m) - log S_p / p), pi_j = exp(p (l_j - m) - log S_p) = softmax(p l)_j,
+              delta_i = dO_i . out_i)
         w_j = exp(l_j) Z_p^(-1/p)  =>  dw_j/dl_k = delta_jk w_j - w_j pi_k
         dl_ij = w_ij (dO_i . v_j) - pi_ij delta_i          dS_ij = a_t dl_ij
         dq = dS k      dk = dS^T q'      dv = w^T dO
@@ -24,7 +26,7 @@ distance term (scale_invariant, ALiBi with the slopes of `mods.alibi_slopes` pas
 inline (Triton cannot call the Python mods of `lengthgen.attention.mods`; the tests hold the kernel to them
 through the dense oracle). Explicit masks are not taken. Backward: one kernel for dK/dV per key block
 (looping over the query heads of its KV group, so GQA needs no atomics) and one for dQ per query block;
-both recompute the logits from LSE_p.
+both recompute the logits and use the saved m and log S_p.
 
 On CPU the kernels run only under ``TRITON_INTERPRET=1`` (set before this module is imported), for tests.
 """
@@ -126,7 +128,7 @@ if triton is not None:
         return ok, t
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, O, LSE, LSE1, STARTS, SLOPES,
+    def _fwd_kernel(Q, K, V, O, M, LSP, LSE1, STARTS, SLOPES,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
                     H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                     D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -186,18 +188,19 @@ if triton is not None:
             m_i = m_new
         log2_sp = tl.log2(tl.where(row_ok, s_p, 1.0))    # padding rows: no log(0)
         out = acc * tl.exp2(-inv_p * log2_sp)[:, None]
-        lse = p * m_i + log2_sp * LN2
+        log_sp = log2_sp * LN2
         if P_ONE:
-            lse_1 = lse
+            lse_1 = m_i + log_sp
         else:
             lse_1 = m_i + tl.log2(tl.where(row_ok, s_1, 1.0)) * LN2
         o_ptr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
         tl.store(o_ptr + offs_m[:, None] * sol + offs_dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
+        tl.store(M + bh.to(tl.int64) * LQ + offs_m, m_i, mask=row_ok)
+        tl.store(LSP + bh.to(tl.int64) * LQ + offs_m, log_sp, mask=row_ok)
         tl.store(LSE1 + bh.to(tl.int64) * LQ + offs_m, lse_1, mask=row_ok)
 
     @triton.jit
-    def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, STARTS, SLOPES,
+    def _bwd_dq_kernel(Q, K, V, DO, DQ, M, LSP, DELTA, STARTS, SLOPES,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                        H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                        D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -220,7 +223,8 @@ if triton is not None:
                     mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdl + offs_dv[None, :],
                      mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+        m_i = tl.load(M + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+        lsp = tl.load(LSP + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
         slope = _slope(SLOPES, h, DIST)
 
@@ -245,12 +249,12 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
             ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
             logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
-            logit = tl.where(ok, logit, float("-inf"))
-            w = tl.exp2((logit - (lse * inv_p)[:, None]) * LOG2E)
+            y = tl.where(ok, logit - m_i[:, None], float("-inf"))
+            w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
             if P_ONE:
                 pi = w
             else:
-                pi = tl.exp2((p * logit - lse[:, None]) * LOG2E)
+                pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
             dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = w * dpv - pi * delta[:, None]
             if DIST == 1:
@@ -260,7 +264,7 @@ if triton is not None:
                  dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, STARTS, ENDS, SLOPES,
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M, LSP, DELTA, STARTS, ENDS, SLOPES,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                          H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                          D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -306,7 +310,8 @@ if triton is not None:
                 pos_q = offs_m + OFF
                 q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
                 do = tl.load(do_ptr + offs_m[:, None] * sdl + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
-                lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+                m_i = tl.load(M + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+                lsp = tl.load(LSP + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
                 start_q = offs_m
                 if HAS_DOCS:
@@ -315,12 +320,12 @@ if triton is not None:
                 ok = ok & row_ok[:, None]
                 s = tl.dot(q, tl.trans(k), input_precision=PREC)            # (M, N)
                 logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
-                logit = tl.where(ok, logit, float("-inf"))
-                w = tl.exp2((logit - (lse * inv_p)[:, None]) * LOG2E)
+                y = tl.where(ok, logit - m_i[:, None], float("-inf"))
+                w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
                 if P_ONE:
                     pi = w
                 else:
-                    pi = tl.exp2((p * logit - lse[:, None]) * LOG2E)
+                    pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
                 dv += tl.dot(tl.trans(w.to(do.dtype)), do, input_precision=PREC)
                 dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
                 ds = w * dpv - pi * delta[:, None]
@@ -382,22 +387,22 @@ def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Tensor, has_docs: bool):
-    """Run the forward kernel on padded inputs. Returns (out (B, H, Lq, Dv) contiguous, LSE_1, LSE_p), each LSE
-    (B, H, Lq) float32."""
+    """Run the forward kernel on padded inputs. Returns (out (B, H, Lq, Dv) contiguous, LSE_1, row max m, log S_p),
+    the last three (B, H, Lq) float32."""
     b, h, lq, _ = q.shape
     out = torch.empty((b, h, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-    lse_1 = torch.empty_like(lse)
+    row_max = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    log_sp, lse_1 = torch.empty_like(row_max), torch.empty_like(row_max)
     cfg = _configs("fwd", max(q.shape[-1], v.shape[-1]))
     grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
-    _fwd_kernel[grid](q, k, v, out, lse, lse_1, starts, slopes, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                      *out.stride()[:3], starts.stride(0) if has_docs else 0,
+    _fwd_kernel[grid](q, k, v, out, row_max, log_sp, lse_1, starts, slopes, *q.stride()[:3], *k.stride()[:3],
+                      *v.stride()[:3], *out.stride()[:3], starts.stride(0) if has_docs else 0,
                       **_scalars(spec, q, k, v, has_docs), **cfg)
-    return out, lse_1, lse
+    return out, lse_1, row_max, log_sp
 
 
-def backward(q, k, v, out, d_out, lse, spec: AttentionSpec, starts, ends, slopes, has_docs: bool):
-    """dq, dk, dv (contiguous) from the saved forward tensors and LSE_p."""
+def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, ends, slopes, has_docs: bool):
+    """dq, dk, dv (contiguous) from the saved forward tensors (row max m and log S_p)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
@@ -410,26 +415,27 @@ def backward(q, k, v, out, d_out, lse, spec: AttentionSpec, starts, ends, slopes
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts)
     cfg = _configs("dq", max(d, v.shape[-1]))
     _bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, d_out, dq, lse, delta, starts, slopes, *strides, **sc, **cfg)
+        q, k, v, d_out, dq, row_max, log_sp, delta, starts, slopes, *strides, **sc, **cfg)
     cfg = _configs("dkdv", max(d, v.shape[-1]))
     _bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, d_out, dk, dv, lse, delta, starts, ends, slopes, *strides, HKV=hkv, **sc, **cfg)
+        q, k, v, d_out, dk, dv, row_max, log_sp, delta, starts, ends, slopes, *strides, HKV=hkv, **sc, **cfg)
     return dq, dk, dv
 
 
 class _TritonPSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec, starts, ends, slopes, has_docs):
-        out, lse_1, lse_p = forward(q, k, v, spec, starts, slopes, has_docs)
-        ctx.save_for_backward(q, k, v, out, lse_p, starts, ends, slopes)
+        out, lse_1, row_max, log_sp = forward(q, k, v, spec, starts, slopes, has_docs)
+        ctx.save_for_backward(q, k, v, out, row_max, log_sp, starts, ends, slopes)
         ctx.spec, ctx.has_docs = spec, has_docs
+        lse_p = spec.softmax_p * row_max + log_sp
         ctx.mark_non_differentiable(lse_1, lse_p)
         return out, lse_1, lse_p
 
     @staticmethod
     def backward(ctx, d_out, _d_lse1, _d_lsep):
-        q, k, v, out, lse, starts, ends, slopes = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, d_out, lse, ctx.spec, starts, ends, slopes, ctx.has_docs)
+        q, k, v, out, row_max, log_sp, starts, ends, slopes = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, out, d_out, row_max, log_sp, ctx.spec, starts, ends, slopes, ctx.has_docs)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -439,14 +445,14 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
 
     Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
-    reason = unsupported(spec, qs, False, mask is not None)
+    reason = unsupported(spec, k, False, mask is not None)          # k: the kernel runs in the keys' dtype
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this: {reason}")
     if v.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"backend 'triton' takes value head_dim <= {MAX_HEAD_DIM}, got {v.shape[-1]}")
-    dtype, dv = qs.dtype, v.shape[-1]
+    dtype, dv = k.dtype, v.shape[-1]
     d_pad, dv_pad = _padded_dim(qs.shape[-1]), _padded_dim(dv)
-    qs, k, v = _pad_last(qs, d_pad), _pad_last(k.to(dtype), d_pad), _pad_last(v.to(dtype), dv_pad)
+    qs, k, v = _pad_last(qs.to(dtype), d_pad), _pad_last(k, d_pad), _pad_last(v.to(dtype), dv_pad)
     docs = doc_ids if spec.doc_masking else None
     starts, ends = _documents(docs, qs.device)
     slopes = _slopes(spec, qs.shape[1], qs.device)
