@@ -12,6 +12,8 @@ from lengthgen.attention import FIELDS, PRESETS, Attention, AttentionSpec, atten
 from lengthgen.attention import backends
 from lengthgen.attention import functional as fn
 from lengthgen.attention import spec as spec_mod
+from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
+from lengthgen.attention.module import SPEC_PARAMETERS, is_spec_parameter
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 DIM, HEADS = 32, 4
@@ -368,3 +370,39 @@ def test_choose_tiled_for_long_masked_or_p_softmax():
     assert backends.choose(AttentionSpec(softmax_p=2.0), _q(256), 256, True) == "dense"
     # decoding: few queries against many keys counts pairs, not length
     assert backends.choose(AttentionSpec(softmax_p=2.0), _q(1), 100_000, False) == "dense"
+
+
+# ---------------------------------------------------------------------------------------------------
+# extras: the modules Attention and the HF adapter share
+
+
+def test_spec_parameters_are_exactly_what_specs_add():
+    everything = AttentionSpec(qk_norm="rms", query_scaling="log_n", learnable_scaling="head", out_norm="head_layer",
+                               out_norm_affine=True, gate="head")
+    added = {n for n, _ in Attention(DIM, HEADS, everything).named_parameters()} - \
+        {n for n, _ in Attention(DIM, HEADS).named_parameters()}
+    assert added == set(SPEC_PARAMETERS)
+    assert all(is_spec_parameter(n) for n in added) and not is_spec_parameter("q_proj.weight")
+
+
+def test_out_norm_affine_and_gate_act_per_merged_channel():
+    """OutNorm's affine and an elementwise gate act on channel h * D + d of the merged (B, L, H*D) output."""
+    b, length, d = 2, 5, DIM // HEADS
+    spec = AttentionSpec(out_norm="global_layer", out_norm_affine=True, gate="elementwise", gate_act="2sigmoid")
+    norm, gate = OutNorm(spec, HEADS, d).double(), OutputGate(spec, DIM, HEADS, d).double()
+    with torch.no_grad():
+        for p in (norm.weight, norm.bias, gate.weight):
+            p.normal_()
+    y, x = torch.randn(b, HEADS, length, d, dtype=torch.float64), torch.randn(b, length, DIM, dtype=torch.float64)
+    merged = lambda t: t.transpose(1, 2).reshape(b, length, HEADS * d)               # noqa: E731
+    flat = torch.nn.functional.layer_norm(merged(y), (HEADS * d,), eps=spec.out_norm_eps)
+    want = (flat * norm.weight + norm.bias) * 2 * torch.sigmoid(x @ gate.weight.T)
+    torch.testing.assert_close(merged(gate(norm(y), x)), want, **F64)
+
+
+def test_extras_are_identities_when_off():
+    spec = AttentionSpec()
+    y, x = torch.randn(1, HEADS, 3, 8), torch.randn(1, 3, DIM)
+    norm, gate, scaling = OutNorm(spec, HEADS, 8), OutputGate(spec, DIM, HEADS, 8), QueryScaling(spec, HEADS)
+    assert norm(y) is y and gate(y, x) is y and scaling.multiplier is None
+    assert not list(norm.parameters()) + list(gate.parameters()) + list(scaling.parameters())

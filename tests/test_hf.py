@@ -201,7 +201,7 @@ def test_padding_packing_and_kv_cache_are_invisible(kind):
     assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
-def test_arbitrary_masks_use_the_dense_fallback_and_noncausal_masks_raise():
+def test_arbitrary_masks_run_as_explicit_masks_and_noncausal_masks_raise():
     model = tiny("llama")
     ids, _ = batch(length=12)
     allowed = torch.ones(12, 12).tril().bool()

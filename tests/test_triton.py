@@ -89,7 +89,8 @@ def make_docs(b: int, length: int, seed: int = 0, max_len: int = 12) -> torch.Te
 
 
 def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int = 0) -> dict[str, float]:
-    """Relative max errors of the triton backend's out, dq, dk, dv against the float64 dense oracle."""
+    """Relative max errors of the triton backend's out, dq, dk, dv and returned LSE_1, LSE_p against the float64
+    dense oracle."""
     from lengthgen.attention import AttentionSpec
     from lengthgen.attention import functional as fn
     from lengthgen.attention.backends import triton_psoftmax as tp
@@ -116,10 +117,10 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
     docs = make_docs(b, lk, seed=lk) if case.get("docs") else None
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
     assert tp.unsupported(spec, q, True) is None, tp.unsupported(spec, q, True)
-    out = tp.attention(q, k, v, spec, None if docs is None else docs.to(device))
+    out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), grad.to(device=device, dtype=dtype))
     ref_in = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    ref = fn.dense_attention(*ref_in, spec, docs)
+    ref, ref_lse_1, ref_lse_p = fn.dense_attention(*ref_in, spec, docs, return_lse=True)
     ref_grads = torch.autograd.grad(ref, ref_in, grad.double())
     scales = [1.0] * 4
     if "logits" in case:                              # |dO| |v| |k| a_t for dq, |dO| |v| |q| a_t for dk, |dO| for dv
@@ -129,6 +130,9 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
     for name, got, want, scale in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), scales):
         assert got.shape == want.shape, (name, got.shape, want.shape)
         errors[name] = ((got.detach().cpu().double() - want).abs().max() / want.abs().max().clamp(min=scale)).item()
+    for name, got, want in (("lse_1", lse_1, ref_lse_1), ("lse_p", lse_p, ref_lse_p)):
+        assert got.shape == want.shape and got.dtype == torch.float32 and not got.requires_grad, name
+        errors[name] = ((got.cpu().double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
     return errors
 
 

@@ -60,7 +60,8 @@ def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.
     if spec.query_scaling == "none":
         return q * base
     n = mods.visible_counts(spec, q.shape[-2], lk, doc_ids, mask, device=q.device)
-    return q * (query_gain(n.to(q.dtype), spec, multiplier) * base)
+    n = n.clamp(min=1).to(q.dtype)                   # a row that sees nothing (explicit mask) outputs 0 anyway
+    return q * (query_gain(n, spec, multiplier) * base)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ def dense_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     out = (w @ v).to(dtype)
     if return_weights:
         return out, w
-    return (out, lse_1.squeeze(-1), lse_p.squeeze(-1)) if return_lse else out
+    return (out, lse_1.squeeze(-1).detach(), lse_p.squeeze(-1).detach()) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------------
