@@ -91,13 +91,15 @@ def p_softmax(x: torch.Tensor, p: float = 1.0, dim: int = -1) -> torch.Tensor:
     return _p_softmax(x, p, dim)[0]
 
 
-def _p_softmax(x: torch.Tensor, p: float, dim: int = -1):
-    """(weights, LSE_1, LSE_p) of `p_softmax`; the LSEs are the natural-log logsumexps of x and p x."""
+def _p_softmax(x: torch.Tensor, p: float, dim: int = -1, lse: bool = False):
+    """`p_softmax`'s weights and, with ``lse``, the natural-log logsumexps LSE_1 of x and LSE_p of p x."""
     m = x.detach().amax(dim, keepdim=True)                      # a stabilizer: w does not depend on it
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # rows that see nothing
     y = x - m
     lse_p = torch.logsumexp(p * y, dim, keepdim=True)
     w = torch.exp(y - torch.where(torch.isfinite(lse_p), lse_p, torch.zeros_like(lse_p)) / p)
+    if not lse:
+        return w, None, None
     lse_1 = lse_p if p == 1 else torch.logsumexp(y, dim, keepdim=True)
     return w, m + lse_1, p * m + lse_p
 
@@ -136,7 +138,7 @@ def dense_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
     score = mods.score_mod_for(spec, qs.shape[1], lq, lk, qs.device, compute)
     visible = mods.mask_mod_for(spec, lq, lk, mods.document_starts(spec, doc_ids), mask)
     x = logits(qs, k, score, visible, torch.arange(lq, device=qs.device), torch.arange(lk, device=qs.device))
-    w, lse_1, lse_p = _p_softmax(x, spec.softmax_p)
+    w, lse_1, lse_p = _p_softmax(x, spec.softmax_p, lse=return_lse)
     out = (w @ v).to(dtype)
     if return_weights:
         return out, w
