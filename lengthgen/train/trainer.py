@@ -423,8 +423,8 @@ class Trainer:
         attentions = self.model.attentions
         total = torch.zeros((), device=self.device)
         for i, (micro, weight) in enumerate(parts):
-            record = tc.qk_clip is not None and i == len(parts) - 1
-            if record:
+            capture = tc.qk_clip is not None and i == len(parts) - 1
+            if capture:
                 for attn in attentions:
                     attn.capture = {}
             # DDP: all-reduce the gradients once, in the last micro-batch's backward
