@@ -56,13 +56,12 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
         "fp16_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 2, 32, 32, 16, 16),
                              docs=True, dtype="float16"),
         "strided_layout_p1": dict(spec=dict(), shape=(1, 2, 2, 32, 32, 32, 32), strided=True),
-    },
-    # logits up to 1e4 (see test_numerics.py): each p once, float32 and float16, both regimes
-    "numerics": {
-        f"{regime}_1e4_p{p}_{dtype}": dict(spec=dict(softmax_p=p, distance=distance_for(p, regime)),
-                                          shape=(1, 2, 1, 32, 32, 16, 16), logits=(regime, 1e4), dtype=dtype)
-        for p, regime, dtype in ((0.1, "spread", "float32"), (0.5, "offset", "float16"), (1.0, "spread", "float16"),
-                                 (2.0, "offset", "float32"), (8.0, "spread", "float32"), (100.0, "offset", "float16"))
+        # logits up to 1e4 (see test_numerics.py): each p once, float32 and float16, both regimes
+        **{f"{regime}_1e4_p{p}_{dtype}": dict(spec=dict(softmax_p=p, distance=distance_for(p, regime)),
+                                             shape=(1, 2, 1, 32, 32, 16, 16), logits=(regime, 1e4), dtype=dtype)
+           for p, regime, dtype in ((0.1, "spread", "float32"), (0.5, "offset", "float16"),
+                                    (1.0, "spread", "float16"), (2.0, "offset", "float32"),
+                                    (8.0, "spread", "float32"), (100.0, "offset", "float16"))},
     },
 }
 TOL = {"float32": 1e-4, "float16": 2e-2}
