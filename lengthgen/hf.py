@@ -24,8 +24,9 @@ mask HF builds (padding, packed sequences from ``position_ids``). `retrofit` war
 
 Masks: the ``"lengthgen"`` mask is HF's boolean SDPA mask. A mask that is "causal (+ sliding window) within
 contiguous runs" on the real query rows (left or right padding, packed sequences, KV-cache decoding) becomes
-``doc_ids`` for `lengthgen.attend` (any backend). Any other causal mask runs on a dense fallback with that exact
-mask (n_i = the number of keys the row sees); masks that let a query see later keys raise ValueError.
+``doc_ids`` for `lengthgen.attend` (any backend). Any other causal mask is passed to `attend` as an explicit
+mask (dense, tiled or sdpa; n_i = the number of keys the row sees); masks that let a query see later keys
+raise ValueError.
 
 Limits: causal decoder self-attention only (no encoder / cross attention, softcapping, attention sinks,
 attention dropout, per-head masks, ``output_attentions`` weights); a plain ``AutoModelForCausalLM.from_pretrained``
@@ -49,7 +50,9 @@ import torch
 import torch.nn as nn
 
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 from lengthgen.attention.core import attend
+from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.spec import BASE, AttentionSpec, resolve_spec
 from lengthgen.eval import LongDocuments, RunEval, evaluate
 
@@ -94,7 +97,7 @@ def _bool_mask(mask: Any) -> torch.Tensor | None:
 
 
 class _Plan:
-    """How to run one (mask, sizes, window): keys kept, and doc_ids for `attend` or a dense boolean mask."""
+    """How to run one (mask, sizes, window): keys kept, and doc_ids or an explicit boolean mask for `attend`."""
 
     __slots__ = ("lk", "doc_ids", "dense")
 
@@ -104,14 +107,12 @@ class _Plan:
 
 def _expected(lq: int, lk: int, doc_ids: torch.Tensor | None, window: int | None, device) -> torch.Tensor:
     spec = BASE.replace(window=window, doc_masking=doc_ids is not None)
-    q_pos, k_pos = fn.positions(lq, lk, device)
-    q_run, k_run = fn.runs(doc_ids, spec, lq)
-    mask = fn.visibility(q_pos, k_pos, spec, q_run, k_run)
-    return mask if mask.dim() == 4 else mask[None, None]
+    visible = mods.mask_mod_for(spec, lq, lk, mods.document_starts(spec, doc_ids))
+    return mods.dense_mask(visible, 1 if doc_ids is None else doc_ids.shape[0], lq, lk, device)
 
 
 def plan_mask(allowed: torch.Tensor, lq: int, lk: int, window: int | None) -> _Plan:
-    """Turn a boolean (B, 1, Lq, Lk) mask into documents for `attend`, or a dense fallback.
+    """Turn a boolean (B, 1, Lq, Lk) mask into documents for `attend`, or keep it as an explicit mask.
 
     Queries are the last Lq of the kept keys. Trailing key columns that no query sees (an unfilled static
     cache) are dropped. A query row is *real* if it sees its own key; padding rows (which see nothing, or
@@ -165,97 +166,45 @@ def _plan_for(mask: torch.Tensor, allowed: torch.Tensor, lq: int, lk: int, windo
     return plan
 
 
-def _dense_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, allowed: torch.Tensor,
-                  multipliers: torch.Tensor | float | None) -> torch.Tensor:
-    """The dense oracle with an explicit boolean mask (and ``spec.window`` on top): n_i = keys row i sees; rows
-    that see nothing give 0."""
-    q_pos, k_pos = fn.positions(q.shape[-2], k.shape[-2], q.device)
-    if spec.window is not None:
-        allowed = allowed & (q_pos[:, None] - k_pos[None, :] < spec.window)
-    n = allowed[:, 0].sum(-1).clamp(min=1).to(q.dtype)            # (B, Lq)
-    g = fn.query_gain(n, spec, multipliers)
-    qs = q * spec.base_scale if g is None else q * (g * spec.base_scale)
-    groups = q.shape[1] // k.shape[1]
-    k, v = fn.repeat_kv(k, groups), fn.repeat_kv(v, groups)
-    s = fn.logits(qs, k, q_pos, k_pos, spec.replace(window=None, doc_masking=False))
-    s = s.masked_fill(~allowed, float("-inf"))
-    w = fn.p_softmax(s, spec.softmax_p)
-    w = torch.where(allowed.any(-1, keepdim=True), w, torch.zeros((), dtype=w.dtype, device=w.device))
-    return w @ v
-
-
 # ---------------------------------------------------------------------------------------------------
 # per-module state: the parameters a spec adds (out-norm affine, gate, learnable query scaling)
 
 
 class LengthgenState(nn.Module):
-    """What `retrofit` adds to one HF attention module (as ``module.lengthgen``), used by the attention function.
+    """What `retrofit` adds to one HF attention module (as ``module.lengthgen``): the spec's extras ``scaling``
+    (`QueryScaling`), ``out_norm`` (`OutNorm`) and ``gate`` (`OutputGate`), as in lengthgen's `Attention`.
 
-    Parameters: ``out_norm_weight`` / ``out_norm_bias`` (H*D), ``gate_proj`` (hidden -> H*D or H, no bias) and
-    ``multiplier`` (the query-scaling s or r: () or (H,)). A ``learnable_scaling="global"`` multiplier is owned
-    by the first attention module and shared (by reference) with the others. ``x`` holds the attention input
-    during a forward (captured by a pre-hook) for the gate.
+    A ``learnable_scaling="global"`` multiplier is owned by the first attention module and held by reference
+    (not registered, so it is saved once) by the others. ``x`` holds the attention input during a forward
+    (captured by a pre-hook) for the gate.
     """
 
     def __init__(self, spec: AttentionSpec, hidden_size: int, heads: int, head_dim: int, *,
                  shared_multiplier: nn.Parameter | None = None, device=None, dtype=None) -> None:
         super().__init__()
-        self.spec, self.heads, self.head_dim = spec, heads, head_dim
         f = dict(device=device, dtype=dtype)
-        inner = heads * head_dim
-        if spec.out_norm != "none" and spec.out_norm_affine:
-            self.out_norm_weight = nn.Parameter(torch.ones(inner, **f))
-            self.out_norm_bias = nn.Parameter(torch.zeros(inner, **f)) if spec.out_norm.endswith("layer") else None
-        else:
-            self.out_norm_weight = self.out_norm_bias = None
-        gate_out = {"none": 0, "head": heads, "elementwise": inner}[spec.gate]
-        self.gate_proj = nn.Linear(hidden_size, gate_out, bias=False, **f) if gate_out else None
-        if self.gate_proj is not None:
-            if spec.gate_act == "2sigmoid":
-                nn.init.zeros_(self.gate_proj.weight)
-            else:
-                nn.init.normal_(self.gate_proj.weight, std=0.02)
-        self._shared = None
-        if spec.learnable_scaling == "global" and shared_multiplier is not None:
-            self.multiplier = None
-            self._shared = [shared_multiplier]         # a plain list: not registered here, saved once by its owner
-        elif spec.learnable_scaling != "none":
-            shape = (heads,) if spec.learnable_scaling == "head" else ()
-            self.multiplier = nn.Parameter(torch.full(shape, float(spec.scaling_init), **f))
-        else:
-            self.multiplier = None
+        shared = spec.learnable_scaling == "global" and shared_multiplier is not None
+        self._shared = [shared_multiplier] if shared else []       # a plain list: not registered here
+        self.scaling = None if shared else QueryScaling(spec, heads, **f)
+        self.out_norm = OutNorm(spec, heads, head_dim, **f)
+        self.gate = OutputGate(spec, hidden_size, heads, head_dim, **f)
         self.x: torch.Tensor | None = None
 
-    def scaling_multiplier(self) -> torch.Tensor | None:
-        if self.multiplier is not None:
-            return self.multiplier
-        return self._shared[0] if self._shared else None
+    @property
+    def multiplier(self) -> torch.Tensor | None:
+        """The query-scaling multiplier this module runs with (its own or the shared global one)."""
+        return self._shared[0] if self._shared else self.scaling.multiplier
 
     def post(self, y: torch.Tensor) -> torch.Tensor:
-        """Out-norm affine and gate on the per-head output y: (B, Lq, H, D) -> (B, Lq, H, D)."""
-        if self.out_norm_weight is None and self.gate_proj is None:
+        """Out-norm (+ affine) and gate on the per-head output y: (B, H, Lq, D) -> (B, H, Lq, D)."""
+        y = self.out_norm(y)
+        if self.gate.weight is None:
             return y
-        b, length, h, d = y.shape
-        y = y.reshape(b, length, h * d)
-        if self.out_norm_weight is not None:
-            y = y * self.out_norm_weight
-            if self.out_norm_bias is not None:
-                y = y + self.out_norm_bias
-        if self.gate_proj is not None:
-            x = self.x
-            if x is None or tuple(x.shape[:2]) != (b, length):
-                raise RuntimeError("lengthgen gate: the attention input was not captured for this forward "
-                                   "(call lengthgen.hf.retrofit(model, spec) to install the hook)")
-            gate = torch.sigmoid(self.gate_proj(x))
-            if self.spec.gate_act == "2sigmoid":
-                gate = 2 * gate
-            if self.spec.gate == "head":
-                gate = gate.repeat_interleave(d, dim=-1)
-            y = y * gate
-        return y.view(b, length, h, d)
-
-    def extra_repr(self) -> str:
-        return f"heads={self.heads}, head_dim={self.head_dim}"
+        x = self.x
+        if x is None or tuple(x.shape[:2]) != (y.shape[0], y.shape[2]):
+            raise RuntimeError("lengthgen gate: the attention input was not captured for this forward "
+                               "(call lengthgen.hf.retrofit(model, spec) to install the hook)")
+        return self.gate(y, x)
 
 
 def _capture_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -311,7 +260,7 @@ def lengthgen_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     base = spec.base_scale if spec.base_scale is not None else (scaling or 1.0 / math.sqrt(query.shape[-1]))
     windows = [w for w in (spec.window, sliding_window) if w]
     window = min(windows) if windows else None
-    multipliers = state.scaling_multiplier() if state is not None else None
+    multipliers = state.multiplier if state is not None else None
     if multipliers is not None:
         multipliers = multipliers.to(query.dtype)
     lq, lk = query.shape[-2], key.shape[-2]
@@ -326,13 +275,10 @@ def lengthgen_attention_forward(module: nn.Module, query: torch.Tensor, key: tor
     key, value = key[..., :lk, :], value[..., :lk, :]
     run = spec.replace(base_scale=float(base), window=window, doc_masking=doc_ids is not None)
     if dense is not None:
-        y = _dense_masked(query, key, value, run, dense, multipliers)
-    else:
-        y = attend(query, key, value, run, doc_ids=doc_ids, multipliers=multipliers,
-                   backend=getattr(module, "lengthgen_backend", "auto"))
-    out = fn.out_norm(y, spec.out_norm, spec.out_norm_eps).transpose(1, 2)
-    if state is not None:
-        out = state.post(out)
+        dense = dense.expand(query.shape[0], -1, -1, -1)
+    y = attend(query, key, value, run, doc_ids=doc_ids, mask=dense, multipliers=multipliers,
+               backend=getattr(module, "lengthgen_backend", "auto"))
+    out = (state.post(y) if state is not None else fn.out_norm(y, spec.out_norm, spec.out_norm_eps)).transpose(1, 2)
     record = getattr(module, "lengthgen_record", None)
     if record is not None:
         record.update(q=query, k=key, v=value, doc_ids=doc_ids, dense_mask=dense, spec=run, multipliers=multipliers,
@@ -406,8 +352,9 @@ def retrofit(model: nn.Module, spec: AttentionSpec | str | dict | None = "baseli
              warn: bool = True) -> nn.Module:
     """Make an HF causal LM run lengthgen attention with ``spec``, adding the parameters it needs; returns ``model``.
 
-    Adds ``module.lengthgen`` (`LengthgenState`: out-norm affine ones/zeros, gate (2sigmoid: zeros = identity;
-    sigmoid: N(0, 0.02)), learnable multipliers at ``scaling_init``) to every attention module, a pre-hook that
+    Adds ``module.lengthgen`` (`LengthgenState`: the spec's `QueryScaling`, `OutNorm`, `OutputGate` at their
+    init: affine ones/zeros, 2sigmoid gate zeros = identity, multipliers at ``scaling_init``) to every attention
+    module, a pre-hook that
     captures the attention input for the gate, sets ``module.lengthgen_spec``, ``config.lengthgen_spec`` (saved by
     ``save_pretrained``) and ``attn_implementation="lengthgen"``. Outputs are unchanged at init when the spec
     allows it (baseline, 2sigmoid gates); otherwise, and for spec fields the HF path ignores, it warns

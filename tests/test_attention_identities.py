@@ -1,4 +1,4 @@
-"""Identities of the attention math (DESIGN.md section 2), each checked numerically."""
+"""Identities of the attention math, each checked numerically."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from lengthgen.attention import Attention, AttentionSpec, attend
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 from lengthgen.attention.backends import tiled
 
 F64 = dict(rtol=1e-10, atol=1e-10)
@@ -57,17 +58,20 @@ def test_out_norm_matches_torch_norms(kind):
 
 def test_scale_invariant_leaves_distance_zero_unchanged():
     spec = AttentionSpec(distance="scale_invariant", tau=4.0)
-    t = torch.tensor([0.0, 4.0, 12.0], dtype=torch.float64)
-    a, bias = fn.distance_scale(t, spec), fn.distance_bias(t, spec, heads=1)[0]
+    mod = mods.scale_invariant(4.0)
+    i, j = torch.tensor([12, 12, 12]), torch.tensor([12, 8, 0])                      # t = 0, 4, 12
+    zero, one = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    bias = mod(zero, 0, 0, i, j)
+    a = mod(one, 0, 0, i, j) - bias                                                  # the score mod is a_t s + bias_t
     torch.testing.assert_close(a, torch.tensor([1.0, math.sqrt(1 + 2 * math.log(2)), math.sqrt(1 + 2 * math.log(4))],
                                                dtype=torch.float64), **F64)
     torch.testing.assert_close(bias, torch.tensor([0.0, -2 * math.log(2), -2 * math.log(4)], dtype=torch.float64),
                                **F64)
     # in the logits: the diagonal (t = 0) equals the plain scores, off-diagonal entries do not
     qs, k = randn(1, 2, 6, 4, seed=6), randn(1, 2, 6, 4, seed=7)
-    pos = torch.arange(6)
-    with_si = fn.logits(qs, k, pos, pos, spec)
-    plain = fn.logits(qs, k, pos, pos, AttentionSpec())
+    pos, visible = torch.arange(6), mods.mask_mod_for(spec, 6, 6)
+    with_si = fn.logits(qs, k, mods.score_mod_for(spec, 2, 6, 6, dtype=torch.float64), visible, pos, pos)
+    plain = fn.logits(qs, k, None, visible, pos, pos)
     torch.testing.assert_close(with_si.diagonal(dim1=-2, dim2=-1), plain.diagonal(dim1=-2, dim2=-1), **F64)
     below = torch.tril(torch.ones(6, 6, dtype=torch.bool), -1)
     assert ((with_si - plain)[..., below].abs() > 1e-6).all()
@@ -122,12 +126,13 @@ def test_fast_backend_lse_identity(p):
     qs = fn.scale_queries(q, spec, 15, docs)
     out_p, lse_1, lse_p = tiled.attention(qs, k, v, spec, docs, q_block=4, k_block=3, return_lse=True)
     out_1 = tiled.attention(qs, k, v, spec.replace(softmax_p=1.0), docs, q_block=4, k_block=3)
-    torch.testing.assert_close(out_p, out_1 * torch.exp(lse_1 - lse_p / p), **F64)
+    assert lse_1.shape == lse_p.shape == (2, 2, 15)
+    torch.testing.assert_close(out_p, out_1 * torch.exp(lse_1 - lse_p / p).unsqueeze(-1), **F64)
     pos = torch.arange(15)
-    q_run, k_run = fn.runs(docs, spec, 15)
-    logit = fn.logits(qs, k, pos, pos, spec, q_run, k_run)
-    torch.testing.assert_close(lse_1, torch.logsumexp(logit, -1, keepdim=True), **F64)
-    torch.testing.assert_close(lse_p, torch.logsumexp(p * logit, -1, keepdim=True), **F64)
+    visible = mods.mask_mod_for(spec, 15, 15, mods.document_starts(spec, docs))
+    logit = fn.logits(qs, k, mods.score_mod_for(spec, 2, 15, 15, dtype=torch.float64), visible, pos, pos)
+    torch.testing.assert_close(lse_1, torch.logsumexp(logit, -1), **F64)
+    torch.testing.assert_close(lse_p, torch.logsumexp(p * logit, -1), **F64)
     assert (out_p - out_1).abs().max() > 1e-3
     _, lse_1_of_p1, lse_p_of_p1 = tiled.attention(qs, k, v, spec.replace(softmax_p=1.0), docs, q_block=4, k_block=3,
                                                   return_lse=True)
@@ -138,10 +143,10 @@ def test_fast_backend_lse_identity(p):
 def test_visible_counts():
     spec = AttentionSpec(doc_masking=True)
     docs = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0]])
-    assert fn.visible_counts(8, 8, spec, docs).tolist() == [[1, 2, 3, 1, 2, 1, 2, 3]]
-    assert fn.visible_counts(3, 8, spec, docs).tolist() == [[1, 2, 3]]
-    assert fn.visible_counts(8, 8, AttentionSpec(window=2), docs).tolist() == [[1, 2, 2, 2, 2, 2, 2, 2]]
-    assert fn.visible_counts(8, 8, spec.replace(window=2), docs).tolist() == [[1, 2, 2, 1, 2, 1, 2, 2]]
+    assert mods.visible_counts(spec, 8, 8, docs).tolist() == [[1, 2, 3, 1, 2, 1, 2, 3]]
+    assert mods.visible_counts(spec, 3, 8, docs).tolist() == [[1, 2, 3]]
+    assert mods.visible_counts(AttentionSpec(window=2), 8, 8, docs).tolist() == [[1, 2, 2, 2, 2, 2, 2, 2]]
+    assert mods.visible_counts(spec.replace(window=2), 8, 8, docs).tolist() == [[1, 2, 2, 1, 2, 1, 2, 2]]
 
 
 @pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])
@@ -169,10 +174,19 @@ def test_query_gains_equal_their_formulas(scaling):
 
 
 def test_alibi_slopes():
-    torch.testing.assert_close(fn.alibi_slopes(8, dtype=torch.float64),
+    torch.testing.assert_close(mods.alibi_slopes(8, dtype=torch.float64),
                                torch.tensor([2.0 ** -(i + 1) for i in range(8)], dtype=torch.float64), **F64)
-    torch.testing.assert_close(fn.alibi_slopes(4, dtype=torch.float64),
+    torch.testing.assert_close(mods.alibi_slopes(4, dtype=torch.float64),
                                torch.tensor([2.0 ** (-2 * (i + 1)) for i in range(4)], dtype=torch.float64), **F64)
+    # not a power of two (Press et al.'s get_slopes): the slopes for 4 heads, then every other one of 8 heads'
+    want6 = [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]
+    torch.testing.assert_close(mods.alibi_slopes(6, dtype=torch.float64), torch.tensor(want6, dtype=torch.float64),
+                               **F64)
+    # 12 heads: the 8-head slopes 2^-1 .. 2^-8, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 from the 16-head ones
+    want12 = [2 ** -(i + 1) for i in range(8)] + [2 ** -0.5, 2 ** -1.5, 2 ** -2.5, 2 ** -3.5]
+    torch.testing.assert_close(mods.alibi_slopes(12, dtype=torch.float64),
+                               torch.tensor(want12, dtype=torch.float64), **F64)
+    assert mods.alibi_slopes(1).tolist() == [2 ** -8]
 
 
 def test_rope_frequencies_and_fraction():

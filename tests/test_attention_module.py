@@ -12,6 +12,9 @@ import torch.nn as nn
 from lengthgen.attention import FIELDS, PRESETS, Attention, AttentionSpec, attend, resolve_spec
 from lengthgen.attention import backends
 from lengthgen.attention import functional as fn
+from lengthgen.attention import spec as spec_mod
+from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
+from lengthgen.attention.module import SPEC_PARAMETERS, is_spec_parameter
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 DIM, HEADS = 32, 4
@@ -104,7 +107,7 @@ def test_2sigmoid_gate_is_identity_at_init():
         gated = layer(dict(gate=gate, gate_act="2sigmoid"))
         plain = layer({})
         copy_shared_weights(gated, plain)
-        assert (gated.gate_proj.weight == 0).all()
+        assert (gated.gate.weight == 0).all()
         torch.testing.assert_close(gated(x, docs), plain(x, docs), **F64)
         # sigmoid gates start near 1/2 instead
         sig = layer(dict(gate=gate, gate_act="sigmoid"))
@@ -116,13 +119,13 @@ def test_2sigmoid_gate_is_identity_at_init():
 def test_head_gate_scales_whole_heads():
     x, _ = x_and_docs()
     gated = layer(dict(gate="head", gate_act="2sigmoid"))
-    assert gated.gate_proj.weight.shape == (HEADS, DIM)
+    assert gated.gate.weight.shape == (HEADS, DIM)
     with torch.no_grad():
-        gated.gate_proj.weight.normal_()
-    gated.record = {}
+        gated.gate.weight.normal_()
+    gated.capture = {}
     out = gated(x)
-    y = gated.record["y_norm"].transpose(1, 2)                   # (b, l, h, d)
-    gate = 2 * torch.sigmoid(x @ gated.gate_proj.weight.T)      # (b, l, h): one gate per head and token
+    y = gated.capture["y_norm"].transpose(1, 2)                  # (b, l, h, d)
+    gate = 2 * torch.sigmoid(x @ gated.gate.weight.T)           # (b, l, h): one gate per head and token
     torch.testing.assert_close(out, gated.o_proj((y * gate[..., None]).reshape(2, 11, DIM)), **F64)
 
 
@@ -133,10 +136,10 @@ def test_gqa_parameter_shapes(kv_heads):
     assert m.k_proj.weight.shape == (kv_heads * 16, DIM)
     assert m.v_proj.weight.shape == (kv_heads * 16, DIM)
     assert m.o_proj.weight.shape == (DIM, HEADS * 16)
-    m.record = {}
+    m.capture = {}
     out = m(torch.randn(2, 5, DIM))
     assert out.shape == (2, 5, DIM)
-    assert m.record["k"].shape == (2, kv_heads, 5, 16) and m.record["q"].shape == (2, HEADS, 5, 16)
+    assert m.capture["k"].shape == (2, kv_heads, 5, 16) and m.capture["q"].shape == (2, HEADS, 5, 16)
 
 
 def test_bad_module_arguments():
@@ -149,15 +152,15 @@ def test_bad_module_arguments():
         Attention(DIM, HEADS, backend="fast")(torch.randn(1, 3, DIM))
 
 
-def test_record_captures_internals():
+def test_capture_holds_internals():
     x, docs = x_and_docs()
     m = layer(dict(out_norm="head_layer", kv_heads=2, qk_norm="rms", doc_masking=True))
-    assert m.record is None
+    assert m.capture is None
     out = m(x, docs)
-    assert m.record is None                      # nothing recorded unless asked
-    m.record = {}
+    assert m.capture is None                     # nothing captured unless asked
+    m.capture = {}
     torch.testing.assert_close(m(x, docs), out, **F64)
-    rec = m.record
+    rec = m.capture
     assert set(rec) == {"q", "k", "v", "y", "y_norm", "doc_ids"}
     assert rec["q"].shape == (2, HEADS, 11, DIM // HEADS) and rec["v"].shape == (2, 2, 11, DIM // HEADS)
     assert rec["doc_ids"] is docs
@@ -177,11 +180,11 @@ def test_record_captures_internals():
 @pytest.mark.parametrize("granularity,shape", [("global", ()), ("layer", ()), ("head", (HEADS,))])
 def test_learnable_scaling_shapes(granularity, shape):
     m = Attention(DIM, HEADS, AttentionSpec(query_scaling="log_n", learnable_scaling=granularity, scaling_init=0.7))
-    assert isinstance(m.multiplier, nn.Parameter) and m.multiplier.shape == shape
-    assert torch.all(m.multiplier == 0.7)
-    assert any(p is m.multiplier for p in m.parameters())
+    assert isinstance(m.scaling.multiplier, nn.Parameter) and m.scaling.multiplier.shape == shape
+    assert torch.all(m.scaling.multiplier == 0.7)
+    assert any(p is m.scaling.multiplier for p in m.parameters())
     fixed = Attention(DIM, HEADS, AttentionSpec(query_scaling="log_n"))
-    assert fixed.multiplier is None
+    assert fixed.scaling.multiplier is None
 
 
 def test_multiplier_is_used():
@@ -189,17 +192,17 @@ def test_multiplier_is_used():
     m = layer(dict(query_scaling="sqrt_log_n", learnable_scaling="head"))
     before = m(x)
     with torch.no_grad():
-        m.multiplier[2] += 0.5
+        m.scaling.multiplier[2] += 0.5
     after = m(x)
     assert (after - before).abs().max() > 1e-6
     # a per-head multiplier changes only its head: compare the attention outputs per head
-    m.record = {}
+    m.capture = {}
     m(x)
-    y_after = m.record["y"]
+    y_after = m.capture["y"]
     with torch.no_grad():
-        m.multiplier[2] -= 0.5
+        m.scaling.multiplier[2] -= 0.5
     m(x)
-    y_before = m.record["y"]
+    y_before = m.capture["y"]
     changed = (y_after - y_before).abs().amax(dim=(0, 2, 3))
     assert changed[2] > 1e-6 and changed[[0, 1, 3]].max() == 0
 
@@ -208,22 +211,22 @@ def test_shared_global_multiplier():
     shared = nn.Parameter(torch.tensor(1.2, dtype=torch.float64))
     spec = dict(query_scaling="log_n", learnable_scaling="global")
     a, b = layer(spec, multiplier=shared), layer(spec, seed=2, multiplier=shared)
-    assert a.multiplier is shared and b.multiplier is shared
+    assert a.scaling.multiplier is shared and b.scaling.multiplier is shared
     model = nn.Sequential(a, b)
     assert sum(p is shared for p in model.parameters()) == 1
     # the same two layers with their own multipliers (same value): the shared gradient is the sum of theirs
     a_own, b_own = layer(spec), layer(spec, seed=2)
     a_own.load_state_dict(a.state_dict())
     b_own.load_state_dict(b.state_dict())
-    assert a_own.multiplier is not b_own.multiplier
+    assert a_own.scaling.multiplier is not b_own.scaling.multiplier
     x, _ = x_and_docs()
     model(x).square().sum().backward()
     b_own(a_own(x)).square().sum().backward()
-    assert a_own.multiplier.grad.abs() > 0 and b_own.multiplier.grad.abs() > 0
-    torch.testing.assert_close(shared.grad, a_own.multiplier.grad + b_own.multiplier.grad, **F64)
+    assert a_own.scaling.multiplier.grad.abs() > 0 and b_own.scaling.multiplier.grad.abs() > 0
+    torch.testing.assert_close(shared.grad, a_own.scaling.multiplier.grad + b_own.scaling.multiplier.grad, **F64)
     # a per-layer multiplier is owned by each layer even if a shared one is offered
     c = layer(dict(query_scaling="log_n", learnable_scaling="layer"), multiplier=shared)
-    assert c.multiplier is not shared and c.multiplier.shape == ()
+    assert c.scaling.multiplier is not shared and c.scaling.multiplier.shape == ()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -369,3 +372,39 @@ def test_choose_tiled_for_long_masked_or_p_softmax():
     assert backends.choose(AttentionSpec(softmax_p=2.0), _q(256), 256, True) == "dense"
     # decoding: few queries against many keys counts pairs, not length
     assert backends.choose(AttentionSpec(softmax_p=2.0), _q(1), 100_000, False) == "dense"
+
+
+# ---------------------------------------------------------------------------------------------------
+# extras: the modules Attention and the HF adapter share
+
+
+def test_spec_parameters_are_exactly_what_specs_add():
+    everything = AttentionSpec(qk_norm="rms", query_scaling="log_n", learnable_scaling="head", out_norm="head_layer",
+                               out_norm_affine=True, gate="head")
+    added = {n for n, _ in Attention(DIM, HEADS, everything).named_parameters()} - \
+        {n for n, _ in Attention(DIM, HEADS).named_parameters()}
+    assert added == set(SPEC_PARAMETERS)
+    assert all(is_spec_parameter(n) for n in added) and not is_spec_parameter("q_proj.weight")
+
+
+def test_out_norm_affine_and_gate_act_per_merged_channel():
+    """OutNorm's affine and an elementwise gate act on channel h * D + d of the merged (B, L, H*D) output."""
+    b, length, d = 2, 5, DIM // HEADS
+    spec = AttentionSpec(out_norm="global_layer", out_norm_affine=True, gate="elementwise", gate_act="2sigmoid")
+    norm, gate = OutNorm(spec, HEADS, d).double(), OutputGate(spec, DIM, HEADS, d).double()
+    with torch.no_grad():
+        for p in (norm.weight, norm.bias, gate.weight):
+            p.normal_()
+    y, x = torch.randn(b, HEADS, length, d, dtype=torch.float64), torch.randn(b, length, DIM, dtype=torch.float64)
+    merged = lambda t: t.transpose(1, 2).reshape(b, length, HEADS * d)               # noqa: E731
+    flat = torch.nn.functional.layer_norm(merged(y), (HEADS * d,), eps=spec.out_norm_eps)
+    want = (flat * norm.weight + norm.bias) * 2 * torch.sigmoid(x @ gate.weight.T)
+    torch.testing.assert_close(merged(gate(norm(y), x)), want, **F64)
+
+
+def test_extras_are_identities_when_off():
+    spec = AttentionSpec()
+    y, x = torch.randn(1, HEADS, 3, 8), torch.randn(1, 3, DIM)
+    norm, gate, scaling = OutNorm(spec, HEADS, 8), OutputGate(spec, DIM, HEADS, 8), QueryScaling(spec, HEADS)
+    assert norm(y) is y and gate(y, x) is y and scaling.multiplier is None
+    assert not list(norm.parameters()) + list(gate.parameters()) + list(scaling.parameters())

@@ -71,7 +71,7 @@ def test_model_diagnostics_records_every_layer_and_out_norm_rms():
     # per-head LayerNorm output has RMS 1 (up to eps), whatever the raw RMS was
     torch.testing.assert_close(stats[0]["rms_post"], torch.ones(2, 40), atol=1e-3, rtol=0)
     assert (stats[0]["rms_pre"] < 0.99).all()
-    assert all(layer.record is None for layer in layers)
+    assert all(layer.capture is None for layer in layers)
 
 
 def test_evaluate_tiny_model_by_length():

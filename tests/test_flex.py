@@ -13,6 +13,7 @@ import torch
 
 from lengthgen.attention import AttentionSpec, attend, backends
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 from lengthgen.attention.backends import flex
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -80,9 +81,8 @@ def test_cpu_attend_with_query_scaling_and_lse():
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         qs = fn.scale_queries(q, spec, 25, docs)
         _, lse_1, lse_p = flex.attention(qs, k, v, spec, docs, return_lse=True)
-        q_pos, k_pos = fn.positions(25, 25, q.device)
-        q_run, k_run = fn.runs(docs, spec, 25)
-        logit = fn.logits(qs, fn.repeat_kv(k, 2), q_pos, k_pos, spec, q_run, k_run)
+        pos, visible = torch.arange(25), mods.mask_mod_for(spec, 25, 25, mods.document_starts(spec, docs))
+        logit = fn.logits(qs, fn.repeat_kv(k, 2), mods.score_mod_for(spec, 4, 25, 25), visible, pos, pos)
     torch.testing.assert_close(lse_1, torch.logsumexp(logit, -1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_p, torch.logsumexp(2.0 * logit, -1), rtol=1e-5, atol=1e-5)
 
@@ -136,10 +136,11 @@ def test_block_mask_matches_create_block_mask(lq, lk, window, docs):
     from torch.nn.attention.flex_attention import create_block_mask
 
     doc_ids = make_docs(2, lk, seed=lk, max_len=40)
-    starts = fn.segments(doc_ids)[1] if docs else None
+    spec = AttentionSpec(window=window, doc_masking=docs)
+    starts = mods.document_starts(spec, doc_ids)
     for block in (16, 128):
-        mine = flex.build_block_mask(lq, lk, window, starts, "cpu", block)
-        ref = create_block_mask(flex._mask_mod(lk - lq, window, starts), 2 if docs else None, None, lq, lk,
+        mine = flex.build_block_mask(spec, lq, lk, starts, "cpu", block)
+        ref = create_block_mask(mods.mask_mod_for(spec, lq, lk, starts), 2 if docs else None, None, lq, lk,
                                 device="cpu", BLOCK_SIZE=block)
         for num_name, idx_name in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
             num, ref_num = getattr(mine, num_name), getattr(ref, num_name)
@@ -156,10 +157,9 @@ def test_block_mask_never_drops_a_visible_pair():
     lq, lk, block = 50, 70, 16
     spec = AttentionSpec(window=23, doc_masking=True)
     docs = make_docs(2, lk, seed=1, max_len=30)
-    mask = flex.build_block_mask(lq, lk, spec.window, fn.segments(docs)[1], "cpu", block)
-    q_pos, k_pos = fn.positions(lq, lk, "cpu")
-    q_run, k_run = fn.runs(docs, spec, lq)
-    visible = fn.visibility(q_pos, k_pos, spec, q_run, k_run)[:, 0]          # (B, Lq, Lk)
+    starts = mods.document_starts(spec, docs)
+    mask = flex.build_block_mask(spec, lq, lk, starts, "cpu", block)
+    visible = mods.dense_mask(mods.mask_mod_for(spec, lq, lk, starts), 2, lq, lk)[:, 0]     # (B, Lq, Lk)
     listed = mask.to_dense()[:, 0].bool()                                     # partial | full, (B, nQ, nK)
     cover = listed.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :lq, :lk]
     assert not (visible & ~cover).any()

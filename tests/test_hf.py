@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers", reason="lengthgen.hf needs tr
 import lengthgen.hf as lhf  # noqa: E402
 from lengthgen.attention import Attention, AttentionSpec, attend  # noqa: E402
 from lengthgen.attention import functional as fn  # noqa: E402
+from lengthgen.attention import mods  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 MODELS = ["llama", "qwen3"]
@@ -61,7 +62,7 @@ def randomize_retrofit(model, seed=1):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in lhf.lengthgen_parameters(model).items():
-            scale = 0.3 if "gate_proj" in name else 0.2
+            scale = 0.3 if name.endswith("gate.weight") else 0.2
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
@@ -120,16 +121,16 @@ def test_baseline_generate_with_kv_cache_matches_eager(kind):
 def reference(attn, spec, q, k, v, x, doc_ids):
     """attend(dense) + out_norm + affine + gate on the tensors HF handed to the attention function."""
     state = getattr(attn, "lengthgen", None)
-    mult = state.scaling_multiplier() if state is not None else None
+    mult = state.multiplier if state is not None else None
     run = spec.replace(base_scale=attn.scaling, doc_masking=True)
     y = attend(q, k, v, run, doc_ids=doc_ids, multipliers=mult, backend="dense")
     y = fn.out_norm(y, spec.out_norm, spec.out_norm_eps)
     b, h, length, d = y.shape
     y = y.transpose(1, 2).reshape(b, length, h * d)
-    if state is not None and state.out_norm_weight is not None:
-        y = y * state.out_norm_weight + (state.out_norm_bias if state.out_norm_bias is not None else 0)
-    if state is not None and state.gate_proj is not None:
-        gate = torch.sigmoid(state.gate_proj(x)) * (2 if spec.gate_act == "2sigmoid" else 1)
+    if state is not None and state.out_norm.weight is not None:
+        y = y * state.out_norm.weight + (state.out_norm.bias if state.out_norm.bias is not None else 0)
+    if state is not None and state.gate.weight is not None:
+        gate = torch.sigmoid(x @ state.gate.weight.T) * (2 if spec.gate_act == "2sigmoid" else 1)
         y = y * (gate.repeat_interleave(d, -1) if spec.gate == "head" else gate)
     return y.view(b, length, h, d)
 
@@ -148,7 +149,7 @@ def test_variant_equals_attend_on_the_models_qkv(kind, variant):
     logits(model, ids, mask)
     assert record["q"].shape == (2, 4, 16, 16) and record["k"].shape == (2, 2, 16, 16)   # GQA, after RoPE
     assert record["dense_mask"] is None                                                   # padding -> documents
-    assert torch.equal(fn.segments(record["doc_ids"])[0], fn.segments(mask)[0])
+    assert torch.equal(mods.document_bounds(record["doc_ids"])[0], mods.document_bounds(mask)[0])
     want = reference(attn, spec, record["q"], record["k"], record["v"], seen["x"], doc_ids=mask)
     torch.testing.assert_close(record["out"], want, **TOL)
 
@@ -172,13 +173,10 @@ def test_llama_attention_equals_lengthgen_attention_layer(variant):
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(own, name).weight.copy_(getattr(attn, name).weight)
         if state is not None:
-            for name in ("out_norm_weight", "out_norm_bias"):
-                if getattr(state, name) is not None:
-                    getattr(own, name).copy_(getattr(state, name))
-            if state.gate_proj is not None:
-                own.gate_proj.weight.copy_(state.gate_proj.weight)
-            if own.multiplier is not None:
-                own.multiplier.copy_(state.scaling_multiplier())
+            own.out_norm.load_state_dict(state.out_norm.state_dict())
+            own.gate.load_state_dict(state.gate.state_dict())
+            if own.scaling.multiplier is not None:
+                own.scaling.multiplier.copy_(state.multiplier)
         torch.testing.assert_close(own(io["x"]), io["out"], **TOL)
 
 
@@ -203,7 +201,7 @@ def test_padding_packing_and_kv_cache_are_invisible(kind):
     assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
-def test_arbitrary_masks_use_the_dense_fallback_and_noncausal_masks_raise():
+def test_arbitrary_masks_run_as_explicit_masks_and_noncausal_masks_raise():
     model = tiny("llama")
     ids, _ = batch(length=12)
     allowed = torch.ones(12, 12).tril().bool()
@@ -214,21 +212,6 @@ def test_arbitrary_masks_use_the_dense_fallback_and_noncausal_masks_raise():
     torch.testing.assert_close(logits(model, ids, allowed), want, **TOL)
     with pytest.raises(ValueError, match="later keys"):
         logits(model, ids, torch.ones(2, 1, 12, 12, dtype=torch.bool))
-
-
-def test_dense_fallback_equals_attend_with_documents():
-    """The explicit-mask path computes the same math as `attend` with doc_ids on the rows that see themselves."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 9, 8, generator=g)
-    k, v = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
-    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 2, 2]])
-    run, _ = fn.segments(doc_ids)
-    allowed = (torch.ones(9, 9).tril().bool() & (run[:, :, None] == run[:, None, :]))[:, None]
-    mult = torch.tensor(0.7)
-    for spec in (FULL, FULL.replace(window=2)):
-        spec = spec.replace(base_scale=0.3, doc_masking=True)
-        want = attend(q, k, v, spec, doc_ids=doc_ids, multipliers=mult, backend="dense")
-        torch.testing.assert_close(lhf._dense_masked(q, k, v, spec, allowed, mult), want, **TOL)
 
 
 def test_sliding_window_model_matches_eager():
@@ -270,7 +253,7 @@ def test_retrofit_2sigmoid_gate_is_identity_and_finetunes(kind):
         lhf.retrofit(model, "gated")
     torch.testing.assert_close(logits(model, ids, mask)[mask.bool()], want[mask.bool()], **TOL)
     params = lhf.lengthgen_parameters(model)
-    assert len(params) == 2 and all(n.endswith("lengthgen.gate_proj.weight") for n in params)
+    assert len(params) == 2 and all(n.endswith("lengthgen.gate.weight") for n in params)
     # a tiny repetitive corpus: 20 AdamW steps lower the loss and move the gates
     corpus = torch.arange(8).repeat(2, 3) + 10
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -308,7 +291,7 @@ def test_save_and_reload_keep_the_retrofit(kind, tmp_path):
     assert again.config._attn_implementation == "lengthgen"
     assert lhf.module_spec(lhf.attention_modules(again)[1][1]) == FULL
     a, b = (lhf.attention_modules(again)[i][1].lengthgen for i in (0, 1))
-    assert b.scaling_multiplier() is a.multiplier                        # the global multiplier stays shared
+    assert b.multiplier is a.scaling.multiplier                          # the global multiplier stays shared
     torch.testing.assert_close(logits(again.eval(), ids, mask), want, **TOL)
     local = lhf.load_local_model(tmp_path)
     assert not local.training

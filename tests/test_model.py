@@ -137,29 +137,29 @@ def test_global_learnable_scaling_is_one_shared_parameter():
     model = GPT(tiny(layers=3, attention=spec, layer_attention=[{"layers": [1], "spec": "baseline"}]))
     shared = model.scaling_multiplier
     assert isinstance(shared, torch.nn.Parameter) and shared.shape == ()
-    assert model.blocks[0].attn.multiplier is shared and model.blocks[2].attn.multiplier is shared
-    assert model.blocks[1].attn.multiplier is None
+    assert model.blocks[0].attn.scaling.multiplier is shared and model.blocks[2].attn.scaling.multiplier is shared
+    assert model.blocks[1].attn.scaling.multiplier is None
     assert sum(p is shared for p in model.parameters()) == 1
     out = model(torch.randint(13, (2, 6)))
     out.sum().backward()
     assert shared.grad is not None and shared.grad != 0
     per_head = GPT(tiny(layers=2, attention="ssmax"))
     assert per_head.scaling_multiplier is None
-    assert per_head.blocks[0].attn.multiplier is not per_head.blocks[1].attn.multiplier
+    assert per_head.blocks[0].attn.scaling.multiplier is not per_head.blocks[1].attn.scaling.multiplier
 
 
 def test_init_std_and_gates_keep_their_init():
     torch.manual_seed(0)
     model = GPT(tiny(dim=64, heads=4, layers=2, attention="gated"))
     for block in model.blocks:
-        assert torch.count_nonzero(block.attn.gate_proj.weight) == 0          # 2sigmoid gate: identity at init
+        assert torch.count_nonzero(block.attn.gate.weight) == 0          # 2sigmoid gate: identity at init
         assert abs(block.attn.q_proj.weight.std().item() - 0.02) < 0.003
     assert abs(model.embed.weight.std().item() - 0.02) < 0.003
     assert model.head.weight is model.embed.weight                          # tied by default
     untied = GPT(tiny(tie_embeddings=False))
     assert untied.head.weight is not untied.embed.weight
     sig = GPT(tiny(attention={"gate": "head", "gate_act": "sigmoid"}))
-    assert torch.count_nonzero(sig.blocks[0].attn.gate_proj.weight) > 0
+    assert torch.count_nonzero(sig.blocks[0].attn.gate.weight) > 0
 
 
 def test_lm_loss_honors_mask_z_loss_and_cap():

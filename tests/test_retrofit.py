@@ -42,12 +42,12 @@ def test_gated_2sigmoid_gate_keeps_outputs_identical_before_finetuning(checkpoin
                                                                 "model.attention.gate_act=2sigmoid"])
     trainer = Trainer(cfg, tmp_path / "ft", progress=False)   # train.init_from loads the checkpoint
     added = trainer.initialized_from["added"]
-    assert added == [f"blocks.{i}.attn.gate_proj.weight" for i in range(2)]
-    assert all(float(trainer.model.blocks[i].attn.gate_proj.weight.detach().abs().max()) == 0 for i in range(2))
+    assert added == [f"blocks.{i}.attn.gate.weight" for i in range(2)]
+    assert all(float(trainer.model.blocks[i].attn.gate.weight.detach().abs().max()) == 0 for i in range(2))
     torch.testing.assert_close(_outputs(trainer.model), _outputs(before), rtol=0, atol=0)
     # the finetuning then moves the new gate
     result = trainer.fit()
-    assert result.step == 2 and float(result.model.blocks[0].attn.gate_proj.weight.detach().abs().max()) > 0
+    assert result.step == 2 and float(result.model.blocks[0].attn.gate.weight.detach().abs().max()) > 0
 
 
 def test_changes_beyond_added_attention_parameters_are_listed(checkpoint):
@@ -81,7 +81,7 @@ def test_retrofit_out_norm_writes_the_report(checkpoint, tmp_path, capsys):
     assert list(results.variants) == ["before", "after"]
     assert results.specs["before"]["out_norm"] == "none" and results.specs["after"]["out_norm"] == "head_layer"
     assert results.retrofit["added_parameters"] == [f"blocks.{i}.attn.{p}" for i in range(2)
-                                                    for p in ("out_norm_weight", "out_norm_bias")]
+                                                    for p in ("out_norm.weight", "out_norm.bias")]
     assert [row.length for row in results.variants["after"][0].lengths] == [16, 32]
     assert results.title == "lengthgen retrofit: counting"
     assert json.loads((out / "finetune" / "latest.json").read_text())["step"] == 3

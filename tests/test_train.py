@@ -230,7 +230,7 @@ def test_muon_gets_hidden_matrices_adamw_the_rest():
     assert in_muon | in_adamw == set(names.values()) and not in_muon & in_adamw
     for n in in_muon:
         assert n.startswith("blocks.") and model.get_parameter(n).ndim == 2
-    assert {"blocks.0.attn.q_proj.weight", "blocks.1.mlp.fc.weight", "blocks.0.attn.gate_proj.weight"} <= in_muon
+    assert {"blocks.0.attn.q_proj.weight", "blocks.1.mlp.fc.weight", "blocks.0.attn.gate.weight"} <= in_muon
     assert {"embed.weight", "head.weight", "scaling_multiplier", "final_norm.weight",
             "blocks.0.norm1.weight", "blocks.0.attn.q_norm_weight"} <= in_adamw
     decay = [g for g in adamw.param_groups if g["weight_decay"] > 0 or g["params"][0].ndim >= 2][0]
@@ -247,14 +247,14 @@ def test_qk_clip_brings_max_logit_to_tau(kv_heads):
     x = torch.randn(2, 12, 16)
 
     def maxima():
-        attn.record = {}
+        attn.capture = {}
         attn(x)
         m = attention_max_logits(attn)
-        q, k = attn.record["q"], attn.record["k"].repeat_interleave(4 // attn.kv_heads, dim=1)
+        q, k = attn.capture["q"], attn.capture["k"].repeat_interleave(4 // attn.kv_heads, dim=1)
         s = (q @ k.transpose(-1, -2)) / math.sqrt(8)
         s = s.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), float("-inf"))
         torch.testing.assert_close(m, s.amax(dim=(0, 2, 3)))     # the recorded maxima are the logits' maxima
-        attn.record = None
+        attn.capture = None
         return m
 
     before = maxima()
@@ -277,7 +277,7 @@ def test_qk_clip_with_qk_norm_scales_norm_weights():
         attn.q_norm_weight.fill_(6.0)
         attn.k_norm_weight.fill_(6.0)
     x = torch.randn(1, 10, 16)
-    attn.record = {}
+    attn.capture = {}
     attn(x)
     before = attention_max_logits(attn)
     qk_clip_(attn, before, 2.0)

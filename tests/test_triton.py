@@ -9,6 +9,7 @@ backward in float32 and bfloat16 at head dims 64 and 128.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -20,8 +21,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# name -> case: spec fields, shapes (b, h, hkv, lq, lk, d, dv), dtype, documents?
-# tolerances are on max |error| / max(|reference|, 1) for out, dq, dk, dv
+
+
+def distance_for(p: float, regime: str) -> str:
+    """As test_numerics.spec_for: none for p = 1, scale_invariant on spread logits, ALiBi on offset ones."""
+    return "none" if p == 1 else ("scale_invariant" if regime == "spread" else "alibi")
+
+
+# name -> case: spec fields, shapes (b, h, hkv, lq, lk, d, dv), dtype, documents?, logits (regime, size)?
+# tolerances are on max |error| / max(|reference|, 1) for out, dq, dk, dv (with large logits, the gradients'
+# errors are over the size of the terms they sum, as in test_numerics.py)
 INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
     "p_values": {
         f"{kind}_p{p}": dict(spec=dict(softmax_p=p, doc_masking=docs), shape=shape, docs=docs)
@@ -37,6 +46,7 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
                                                     doc_masking=True, window=20), shape=(2, 2, 2, 40, 40, 16, 16),
                                           docs=True),
         "window_p1": dict(spec=dict(window=5), shape=(1, 2, 2, 37, 37, 16, 16)),
+        "alibi_6_heads_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 6, 3, 24, 24, 16, 16)),
     },
     "shapes": {
         "fewer_queries_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 1, 24, 50, 16, 16),
@@ -46,9 +56,23 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
         "fp16_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 2, 32, 32, 16, 16),
                              docs=True, dtype="float16"),
         "strided_layout_p1": dict(spec=dict(), shape=(1, 2, 2, 32, 32, 32, 32), strided=True),
+        # logits up to 1e4 (see test_numerics.py): each p once, float32 and float16, both regimes
+        **{f"{regime}_1e4_p{p}_{dtype}": dict(spec=dict(softmax_p=p, distance=distance_for(p, regime)),
+                                             shape=(1, 2, 1, 32, 32, 16, 16), logits=(regime, 1e4), dtype=dtype)
+           for p, regime, dtype in ((0.1, "spread", "float32"), (0.5, "offset", "float16"),
+                                    (1.0, "spread", "float16"), (2.0, "offset", "float32"),
+                                    (8.0, "spread", "float32"), (100.0, "offset", "float16"))},
     },
 }
 TOL = {"float32": 1e-4, "float16": 2e-2}
+
+
+def tolerance(case: dict) -> float:
+    """TOL, or for large logits the dtype's epsilon plus float32's times the logit size (test_numerics.py)."""
+    dtype = case.get("dtype", "float32")
+    if "logits" not in case:
+        return TOL[dtype]
+    return torch.finfo(getattr(torch, dtype)).eps + 4 * torch.finfo(torch.float32).eps * case["logits"][1]
 
 
 def make_docs(b: int, length: int, seed: int = 0, max_len: int = 12) -> torch.Tensor:
@@ -64,7 +88,8 @@ def make_docs(b: int, length: int, seed: int = 0, max_len: int = 12) -> torch.Te
 
 
 def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int = 0) -> dict[str, float]:
-    """Relative max errors of the triton backend's out, dq, dk, dv against the float64 dense oracle."""
+    """Relative max errors of the triton backend's out, dq, dk, dv and returned LSE_1, LSE_p against the float64
+    dense oracle."""
     from lengthgen.attention import AttentionSpec
     from lengthgen.attention import functional as fn
     from lengthgen.attention.backends import triton_psoftmax as tp
@@ -81,19 +106,32 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
         q = torch.randn(b, h, lq, d, generator=gen) * 0.7
         k = torch.randn(b, hkv, lk, d, generator=gen)
         v = torch.randn(b, hkv, lk, dv, generator=gen)
+    if "logits" in case:                               # logits q.k up to about the given size (test_numerics.py)
+        regime, size = case["logits"]
+        if regime == "spread":
+            q, k = q / 0.7 * math.sqrt(size / (3 * math.sqrt(d))), k * math.sqrt(size / (3 * math.sqrt(d)))
+        else:
+            q[..., 0] = k[..., 0] = math.sqrt(size)
     grad = torch.randn(b, h, lq, dv, generator=gen)
     docs = make_docs(b, lk, seed=lk) if case.get("docs") else None
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
     assert tp.unsupported(spec, q, True) is None, tp.unsupported(spec, q, True)
-    out = tp.attention(q, k, v, spec, None if docs is None else docs.to(device))
+    out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), grad.to(device=device, dtype=dtype))
     ref_in = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    ref = fn.dense_attention(*ref_in, spec, docs)
+    ref, ref_lse_1, ref_lse_p = fn.dense_attention(*ref_in, spec, docs, return_lse=True)
     ref_grads = torch.autograd.grad(ref, ref_in, grad.double())
+    scales = [1.0] * 4
+    if "logits" in case:                              # |dO| |v| |k| a_t for dq, |dO| |v| |q| a_t for dk, |dO| for dv
+        term = float(grad.abs().max() * v.detach().abs().max()) * (2.0 if spec.distance == "scale_invariant" else 1.0)
+        scales[1:] = term * float(k.detach().abs().max()), term * float(q.detach().abs().max()), float(grad.abs().max())
     errors = {}
-    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+    for name, got, want, scale in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), scales):
         assert got.shape == want.shape, (name, got.shape, want.shape)
-        errors[name] = ((got.detach().cpu().double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+        errors[name] = ((got.detach().cpu().double() - want).abs().max() / want.abs().max().clamp(min=scale)).item()
+    for name, got, want in (("lse_1", lse_1, ref_lse_1), ("lse_p", lse_p, ref_lse_p)):
+        assert got.shape == want.shape and got.dtype == torch.float32 and not got.requires_grad, name
+        errors[name] = ((got.cpu().double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
     return errors
 
 
@@ -112,7 +150,7 @@ def test_interpreter_matches_dense(group):
     results = _run_group(group)
     failures = []
     for name, case in INTERPRETER_GROUPS[group].items():
-        tol = TOL[case.get("dtype", "float32")]
+        tol = tolerance(case)
         errors = results[name]
         if "error" in errors:
             failures.append(f"{name}: {errors['error']}")

@@ -1,6 +1,7 @@
 """The attention core: `AttentionSpec` (every knob), `attend` (the math), `Attention` (the layer).
 
-Read `spec.py` and `functional.py` for the whole math of one layer (DESIGN.md section 2).
+Read `spec.py`, `functional.py` and `mods.py` for the whole math of one layer; `extras.py` holds the
+parameterized pieces around `attend` (query-scaling multiplier, out-norm, output gate).
 """
 
 from lengthgen.attention.core import attend

@@ -11,7 +11,8 @@ from lengthgen.attention.functional import dense_attention, scale_queries
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
+                  mask: torch.Tensor | None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attend expects (batch, heads, length, head_dim) tensors, got q{tuple(q.shape)}, "
                          f"k{tuple(k.shape)}, v{tuple(v.shape)}")
@@ -24,27 +25,34 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: to
     if doc_ids is not None and tuple(doc_ids.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"attend: doc_ids must be (batch, key length) = {(k.shape[0], k.shape[2])}, "
                          f"got {tuple(doc_ids.shape)}")
+    want = (q.shape[0], 1, q.shape[2], k.shape[2])
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != want):
+        raise ValueError(f"attend: mask must be a boolean (batch, 1, queries, keys) = {want} tensor, got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | str | dict[str, Any] | None = None,
-           *, doc_ids: torch.Tensor | None = None, multipliers: torch.Tensor | float | None = None,
-           backend: str = "auto", return_weights: bool = False):
-    """Causal p-softmax attention with every `AttentionSpec` mechanism (DESIGN.md section 2).
+           *, doc_ids: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+           multipliers: torch.Tensor | float | None = None, backend: str = "auto", return_weights: bool = False):
+    """Causal p-softmax attention with every `AttentionSpec` mechanism (see `lengthgen.attention.functional`).
 
     q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv and Lq <= Lk (queries are the last Lq
-    positions). ``doc_ids`` (B, Lk): document ids, used when ``spec.doc_masking``. ``multipliers``: the
-    query-scaling multiplier (s for log_n, r for sqrt_log_n), scalar or (H,); default ``spec.scaling_init``.
-    ``backend``: auto | dense | tiled | sdpa | flex | triton. ``return_weights`` uses the dense oracle and
-    returns ``(out, weights)``. Returns (B, H, Lq, Dv).
+    positions). ``doc_ids`` (B, Lk): document ids, used when ``spec.doc_masking``. ``mask``: an explicit
+    boolean (B, 1, Lq, Lk) visibility (True = visible), combined with the causal mask, the spec's window
+    and documents; n_i is then each row's visible count, and a row that sees nothing outputs 0.
+    ``multipliers``: the query-scaling multiplier (s for log_n, r for sqrt_log_n), scalar or (H,); default
+    ``spec.scaling_init``. ``backend``: auto | dense | tiled | sdpa | flex | triton. ``return_weights`` uses the
+    dense oracle and returns ``(out, weights)``. Returns (B, H, Lq, Dv).
     """
     spec = resolve_spec(spec)
-    _check_shapes(q, k, v, doc_ids)
-    qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers)
+    _check_shapes(q, k, v, doc_ids, mask)
+    qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask)
     if return_weights:
-        return dense_attention(qs, k, v, spec, doc_ids, return_weights=True)
+        return dense_attention(qs, k, v, spec, doc_ids, mask=mask, return_weights=True)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, k, v))
-    name = backends.choose(spec, q, k.shape[-2], training) if backend == "auto" else backend
-    reason = backends.unsupported(name, spec, q, training)
+    masked = mask is not None
+    name = backends.choose(spec, q, k.shape[-2], training, masked) if backend == "auto" else backend
+    reason = backends.unsupported(name, spec, q, training, masked)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run this spec here: {reason}")
-    return backends.module(name).attention(qs, k, v, spec, doc_ids)
+    return backends.module(name).attention(qs, k, v, spec, doc_ids, mask=mask)

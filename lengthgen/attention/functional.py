@@ -1,4 +1,4 @@
-"""The whole math of one attention layer, as small pure functions (DESIGN.md section 2).
+"""The whole math of one attention layer, as small pure functions.
 
 For query position i, visible keys j, distance t = i - j and n_i = number of keys visible to query i::
 
@@ -8,11 +8,12 @@ For query position i, visible keys j, distance t = i - j and n_i = number of key
     out_i    = sum_j w_ij v_j
 
 ``g_i`` depends on n_i only, so it is folded into the queries (`scale_queries`) before any backend runs;
-backends then see ``logit_ij = a_t * (q'_i . k_j) + bias_t`` with the masks, and the p-softmax.
+backends then see ``logit_ij = a_t * (q'_i . k_j) + bias_t``. The distance terms (a_t, bias_t) and the
+visibility rules (causal, sliding window, documents) are the score and mask mods of
+`lengthgen.attention.mods`.
 
 Queries are the *last* ``Lq`` positions of the ``Lk`` keys (``Lq == Lk`` in training; ``Lq < Lk`` when
-decoding with a cache). Documents are contiguous runs of equal ``doc_ids``: packing produces them, and a
-left-padded batch is two documents (padding, then text).
+decoding with a cache).
 """
 
 from __future__ import annotations
@@ -22,49 +23,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
-
-# ---------------------------------------------------------------------------------------------------
-# positions, documents, masks
-
-
-def segments(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run index and run start of each position for (B, L) ``doc_ids``: documents are contiguous runs."""
-    length = doc_ids.shape[-1]
-    change = torch.ones_like(doc_ids, dtype=torch.bool)
-    change[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    run = change.long().cumsum(-1) - 1
-    index = torch.arange(length, device=doc_ids.device).expand_as(doc_ids)
-    start = torch.where(change, index, torch.zeros_like(index)).cummax(-1).values
-    return run, start
-
-
-def visible_counts(lq: int, lk: int, spec: AttentionSpec, doc_ids: torch.Tensor | None = None,
-                   device: torch.device | None = None) -> torch.Tensor:
-    """n_i, the number of keys query i sees (causal, same document, inside the window): (B or 1, Lq) float."""
-    pos = torch.arange(lk - lq, lk, device=device)
-    if spec.doc_masking and doc_ids is not None:
-        _, start = segments(doc_ids)
-        n = pos - start[:, lk - lq:] + 1
-    else:
-        n = (pos + 1).unsqueeze(0)
-    if spec.window is not None:
-        n = n.clamp(max=spec.window)
-    return n.float()
-
-
-def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: AttentionSpec,
-               q_run: torch.Tensor | None = None, k_run: torch.Tensor | None = None) -> torch.Tensor:
-    """Boolean mask (..., Lq, Lk): causal, inside the window, same document (runs given as (B, L))."""
-    t = q_pos[:, None] - k_pos[None, :]
-    mask = t >= 0
-    if spec.window is not None:
-        mask = mask & (t < spec.window)
-    if q_run is not None and k_run is not None:
-        mask = mask & (q_run[:, :, None] == k_run[:, None, :])
-        return mask[:, None]                      # (B, 1, Lq, Lk)
-    return mask                                   # (Lq, Lk)
-
 
 # ---------------------------------------------------------------------------------------------------
 # query-length scaling g_i
@@ -91,77 +51,57 @@ def query_gain(n: torch.Tensor, spec: AttentionSpec, multiplier: torch.Tensor | 
 
 
 def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
-                  multiplier: torch.Tensor | float | None = None) -> torch.Tensor:
-    """q' = q * g_i * base_scale: the part of the logit that depends on the query only."""
+                  multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q' = q * g_i * base_scale: the part of the logit that depends on the query only (n_i from
+    `mods.visible_counts`, with the explicit ``mask`` if given). In float32 for half-precision q: rounding q' to
+    bfloat16 would change logits of size 1e4 by about 20."""
     base = spec.base_scale if spec.base_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    n = visible_counts(q.shape[-2], lk, spec, doc_ids, device=q.device)
-    g = query_gain(n.to(q.dtype), spec, multiplier)
-    return q * base if g is None else q * (g * base)
+    q = q.to(compute_dtype(q.dtype))
+    if spec.query_scaling == "none":
+        return q * base
+    n = mods.visible_counts(spec, q.shape[-2], lk, doc_ids, mask, device=q.device)
+    n = n.clamp(min=1).to(q.dtype)                   # a row that sees nothing (explicit mask) outputs 0 anyway
+    return q * (query_gain(n, spec, multiplier) * base)
 
 
 # ---------------------------------------------------------------------------------------------------
-# distance terms a_t, bias_t
+# logits, p-softmax, the dense oracle
 
 
-def alibi_slopes(heads: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """ALiBi slopes m_h = 2^(-8(h+1)/H) (Press, Smith, Lewis 2022)."""
-    h = torch.arange(1, heads + 1, device=device, dtype=dtype)
-    return torch.pow(2.0, -8.0 * h / heads)
+def logits(qs: torch.Tensor, k: torch.Tensor, score_mod: mods.ScoreMod | None, mask_mod: mods.MaskMod,
+           q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """Masked logits ``score_mod(q'_i . k_j)`` (-inf where ``mask_mod`` hides the key) of query rows ``q_idx``
+    against keys ``kv_idx`` (1-D, row convention), the mods evaluated on broadcast `mods.grids`.
 
-
-def distance_scale(t: torch.Tensor, spec: AttentionSpec) -> torch.Tensor | None:
-    """a_t, or None when it is 1. ``scale_invariant``: ``sqrt(1 + 2 log(1 + t/tau))`` (Anson, Wang, Aitchison
-    2025, "Scale-invariant attention"). ``t`` must be >= 0 (clamp masked entries first)."""
-    if spec.distance != "scale_invariant":
-        return None
-    return torch.sqrt(1 + 2 * torch.log1p(t / spec.tau))
-
-
-def distance_bias(t: torch.Tensor, spec: AttentionSpec, heads: int) -> torch.Tensor | None:
-    """bias_t with a leading head axis (H|1, *t.shape), or None when it is 0.
-
-    * ``scale_invariant``: ``-2 log(1 + t/tau)`` (Anson et al. 2025)
-    * ``alibi``: ``-m_h t`` (Press et al. 2022)
-    * ``log_bias``: ``-lambda log(1 + t/tau)`` (seed 004)
-    """
-    if spec.distance == "scale_invariant":
-        return (-2 * torch.log1p(t / spec.tau)).unsqueeze(0)
-    if spec.distance == "log_bias":
-        return (-spec.log_bias_lambda * torch.log1p(t / spec.tau)).unsqueeze(0)
-    if spec.distance == "alibi":
-        slopes = alibi_slopes(heads, device=t.device, dtype=t.dtype)
-        return -slopes.view(-1, *([1] * t.dim())) * t.unsqueeze(0)
-    return None
-
-
-def logits(qs: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, spec: AttentionSpec,
-           q_run: torch.Tensor | None = None, k_run: torch.Tensor | None = None) -> torch.Tensor:
-    """Masked logits ``a_t (q'_i . k_j) + bias_t`` (-inf where not visible) for scaled queries q'.
-
-    qs: (B, H, Lq, D); k: (B, H, Lk, D) (already expanded for GQA). Returns (B, H, Lq, Lk).
+    qs: (B, H, lq, D) scaled queries; k: (B, H, lk, D) (expanded for GQA). Returns (B, H, lq, lk).
     """
     s = qs @ k.transpose(-1, -2)
-    t = (q_pos[:, None] - k_pos[None, :]).clamp(min=0).to(s.dtype)
-    a = distance_scale(t, spec)
-    if a is not None:
-        s = s * a
-    bias = distance_bias(t, spec, qs.shape[1])
-    if bias is not None:
-        s = s + bias
-    mask = visibility(q_pos, k_pos, spec, q_run, k_run)
-    return s.masked_fill(~mask, float("-inf"))
-
-
-# ---------------------------------------------------------------------------------------------------
-# p-softmax
+    b, h, q_grid, kv_grid = mods.grids(s.shape[0], s.shape[1], q_idx, kv_idx)
+    if score_mod is not None:
+        s = score_mod(s, b, h, q_grid, kv_grid)
+    return s.masked_fill(~mask_mod(b, h, q_grid, kv_grid), float("-inf"))
 
 
 def p_softmax(x: torch.Tensor, p: float = 1.0, dim: int = -1) -> torch.Tensor:
-    """``exp(x) / ||exp(x)||_p`` computed stably as ``exp(x - LSE(p x) / p)`` (seed 001). p=1 is softmax.
+    """``exp(x) / ||exp(x)||_p`` (seed 001; p=1 is softmax), in log space: ``w = exp(y - LSE(p y) / p)`` with
+    ``y = x - max x``, so that no large logit is ever multiplied by p or exponentiated.
 
-    -inf entries get weight 0. Weights sum to 1 for p=1; their squares sum to 1 for p=2.
-    """
-    return torch.exp(x - torch.logsumexp(p * x, dim=dim, keepdim=True) / p)
+    -inf entries get weight 0, and a row of only -inf gets all zeros. Weights sum to 1 for p=1; their squares
+    sum to 1 for p=2."""
+    return _p_softmax(x, p, dim)[0]
+
+
+def _p_softmax(x: torch.Tensor, p: float, dim: int = -1, lse: bool = False):
+    """`p_softmax`'s weights and, with ``lse``, the natural-log logsumexps LSE_1 of x and LSE_p of p x."""
+    m = x.detach().amax(dim, keepdim=True)                      # a stabilizer: w does not depend on it
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # rows that see nothing
+    y = x - m
+    lse_p = torch.logsumexp(p * y, dim, keepdim=True)
+    w = torch.exp(y - torch.where(torch.isfinite(lse_p), lse_p, torch.zeros_like(lse_p)) / p)
+    if not lse:
+        return w, None, None
+    lse_1 = lse_p if p == 1 else torch.logsumexp(y, dim, keepdim=True)
+    return w, m + lse_1, p * m + lse_p
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -169,29 +109,40 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def positions(lq: int, lk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absolute query positions (the last Lq of Lk) and key positions."""
-    return torch.arange(lk - lq, lk, device=device), torch.arange(lk, device=device)
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision inputs are computed in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def runs(doc_ids: torch.Tensor | None, spec: AttentionSpec, lq: int) -> tuple[torch.Tensor | None, ...]:
-    """(query runs, key runs) for document masking, or (None, None)."""
-    if not spec.doc_masking or doc_ids is None:
-        return None, None
-    run, _ = segments(doc_ids)
-    return run[:, run.shape[1] - lq:], run
+def kernel_inputs(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q', k, v) in one dtype for a fused kernel (sdpa, flex): on CUDA the keys' dtype (q' rounded to it; the
+    kernels accumulate in float32), elsewhere the compute dtype (k, v upcast)."""
+    if qs.is_cuda:
+        return qs.to(k.dtype), k, v
+    return qs, k.to(qs.dtype), v.to(qs.dtype)
 
 
 def dense_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                    doc_ids: torch.Tensor | None = None, return_weights: bool = False):
-    """The oracle: materializes the (Lq, Lk) weights. ``qs`` are queries already scaled by `scale_queries`."""
+                    doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+                    return_lse: bool = False, return_weights: bool = False):
+    """The oracle: materializes the (Lq, Lk) logits of queries ``qs`` already scaled by `scale_queries`.
+
+    Half-precision inputs are computed in float32; ``out`` has v's dtype. Returns ``out`` (B, H, Lq, Dv); with
+    ``return_lse`` ``(out, LSE_1, LSE_p)`` (see `lengthgen.attention.backends`); with ``return_weights``
+    ``(out, weights)``.
+    """
+    dtype, compute = v.dtype, compute_dtype(v.dtype)
     groups = qs.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    q_pos, k_pos = positions(qs.shape[-2], k.shape[-2], qs.device)
-    q_run, k_run = runs(doc_ids, spec, qs.shape[-2])
-    w = p_softmax(logits(qs, k, q_pos, k_pos, spec, q_run, k_run), spec.softmax_p)
-    out = w @ v
-    return (out, w) if return_weights else out
+    qs, k, v = qs.to(compute), repeat_kv(k, groups).to(compute), repeat_kv(v, groups).to(compute)
+    lq, lk = qs.shape[-2], k.shape[-2]
+    score = mods.score_mod_for(spec, qs.shape[1], lq, lk, qs.device, compute)
+    visible = mods.mask_mod_for(spec, lq, lk, mods.document_starts(spec, doc_ids), mask)
+    x = logits(qs, k, score, visible, torch.arange(lq, device=qs.device), torch.arange(lk, device=qs.device))
+    w, lse_1, lse_p = _p_softmax(x, spec.softmax_p, lse=return_lse)
+    out = (w @ v).to(dtype)
+    if return_weights:
+        return out, w
+    return (out, lse_1.squeeze(-1).detach(), lse_p.squeeze(-1).detach()) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 
 from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 
 STATS = ("inv_wmax", "entropy", "participation", "rms_pre", "rms_post")
 
@@ -29,22 +30,21 @@ def _query_block(batch: int, heads: int, length: int, budget: int = 1 << 24) -> 
 @torch.no_grad()
 def attention_stats(q, k, v, spec, *, multiplier=None, doc_ids=None, y=None, y_norm=None) -> dict[str, torch.Tensor]:
     """Per-head, per-position diagnostics (each (H, Lq), averaged over the batch) for one layer's q, k, v
-    (after QK-norm and RoPE, before query scaling: what `Attention.record` stores)."""
+    (after QK-norm and RoPE, before query scaling: what `Attention.capture` stores)."""
     b, h, lq, _ = q.shape
     lk = k.shape[-2]
     qs = fn.scale_queries(q.double(), spec, lk, doc_ids, None if multiplier is None else multiplier.double())
     k = fn.repeat_kv(k, h // k.shape[1]).double()
-    q_pos_all, k_pos_all = fn.positions(lq, lk, q.device)
-    q_run, k_run = fn.runs(doc_ids, spec, lq)
+    score = mods.score_mod_for(spec, h, lq, lk, q.device, torch.float64)
+    visible = mods.mask_mod_for(spec, lq, lk, mods.document_starts(spec, doc_ids))
+    rows, keys = torch.arange(lq, device=q.device), torch.arange(lk, device=q.device)
     out = {name: torch.empty(h, lq, dtype=torch.float64) for name in ("inv_wmax", "entropy", "participation")}
     step = _query_block(b, h, lk)
     for qa in range(0, lq, step):
         qb = min(qa + step, lq)
         hi = lk - lq + qb
         lo = 0 if spec.window is None else max(0, lk - lq + qa - spec.window + 1)
-        qr = None if q_run is None else q_run[:, qa:qb]
-        kr = None if k_run is None else k_run[:, lo:hi]
-        logit = fn.logits(qs[:, :, qa:qb], k[:, :, lo:hi], q_pos_all[qa:qb], k_pos_all[lo:hi], spec, qr, kr)
+        logit = fn.logits(qs[:, :, qa:qb], k[:, :, lo:hi], score, visible, rows[qa:qb], keys[lo:hi])
         w = torch.softmax(logit, dim=-1)
         out["inv_wmax"][:, qa:qb] = (1.0 / w.amax(-1)).mean(0)
         out["entropy"][:, qa:qb] = torch.special.entr(w).sum(-1).mean(0)
@@ -62,12 +62,12 @@ def model_diagnostics(model: torch.nn.Module, run_forward) -> list[dict[str, tor
     Returns one dict per layer (in module order) of (H, L) tensors, see `STATS`."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for layer in layers:
-        layer.record = {}
+        layer.capture = {}
     try:
         run_forward()
-        return [attention_stats(r["q"], r["k"], r["v"], layer.spec, multiplier=layer.multiplier,
+        return [attention_stats(r["q"], r["k"], r["v"], layer.spec, multiplier=layer.scaling.multiplier,
                                 doc_ids=r["doc_ids"], y=r["y"], y_norm=r["y_norm"])
-                for layer, r in ((layer, layer.record) for layer in layers)]
+                for layer, r in ((layer, layer.capture) for layer in layers)]
     finally:
         for layer in layers:
-            layer.record = None
+            layer.capture = None

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lengthgen.attention import Attention, AttentionSpec
-from lengthgen.attention.module import scaling_multiplier
+from lengthgen.attention.extras import QueryScaling
 from lengthgen.model.config import FINAL_NORM_PLACEMENTS, GPTConfig
 from lengthgen.model.norms import HeadNormLinear, make_norm
 
@@ -95,7 +95,7 @@ class GPT(nn.Module):
         specs = cfg.layer_specs()
         # learnable_scaling="global": ONE multiplier shared by every layer that asks for a global one
         first_global = next((s for s in specs if s.learnable_scaling == "global"), None)
-        self.scaling_multiplier = (scaling_multiplier(first_global, cfg.heads)
+        self.scaling_multiplier = (QueryScaling.new_parameter(first_global, cfg.heads)
                                    if first_global is not None else None)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
@@ -118,15 +118,13 @@ class GPT(nn.Module):
     # -- init ----------------------------------------------------------------------------------------
     def reset_parameters(self) -> None:
         """normal(0, init_std) for linear and embedding weights, zero biases, norms at identity; attention
-        gates keep their own init (`Attention.reset_gate`: 2sigmoid gates start at zero weight)."""
+        gates (`OutputGate`, not linear layers) keep their own init: 2sigmoid gates start at zero weight."""
         std = self.config.init_std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-        for block in self.blocks:
-            block.attn.reset_gate()
 
     @property
     def attentions(self) -> list[Attention]:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 
 
 def muon_param_names(model: nn.Module) -> list[str]:
@@ -68,29 +69,28 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:
 
 @torch.no_grad()
 def attention_max_logits(attn: Attention, chunk: int = 256) -> torch.Tensor:
-    """(H,) largest pre-softmax logit of each head in the forward recorded in ``attn.record``.
+    """(H,) largest pre-softmax logit of each head in the forward captured in ``attn.capture``.
 
     The logit is ``g_i (q_i . k_j) * base_scale`` over visible pairs (causal, window, documents), i.e. with
-    query-length scaling but without the distance terms. Needs ``attn.record`` filled by a forward.
+    query-length scaling but without the distance terms. Needs ``attn.capture`` filled by a forward.
     """
-    rec = attn.record
-    if not rec or "q" not in rec:
-        raise ValueError("attention_max_logits needs attn.record filled: set attn.record = {} and run a forward")
+    cap = attn.capture
+    if not cap or "q" not in cap:
+        raise ValueError("attention_max_logits needs attn.capture filled: set attn.capture = {} and run a forward")
     spec = attn.spec
-    q, k, doc_ids = rec["q"].detach().float(), rec["k"].detach().float(), rec.get("doc_ids")
-    multiplier = attn.multiplier.detach().float() if attn.multiplier is not None else None
+    q, k, doc_ids = cap["q"].detach().float(), cap["k"].detach().float(), cap.get("doc_ids")
+    multiplier = attn.scaling.multiplier
+    multiplier = multiplier.detach().float() if multiplier is not None else None
     qs = fn.scale_queries(q, spec, k.shape[-2], doc_ids, multiplier)
     k = fn.repeat_kv(k, qs.shape[1] // k.shape[1])
     lq, lk = qs.shape[-2], k.shape[-2]
-    q_pos_all, k_pos = fn.positions(lq, lk, qs.device)
-    q_run_all, k_run = fn.runs(doc_ids, spec, lq)
+    visible = mods.mask_mod_for(spec, lq, lk, mods.document_starts(spec, doc_ids))
+    keys = torch.arange(lk, device=qs.device)
     best = torch.full((qs.shape[1],), float("-inf"), device=qs.device)
     for start in range(0, lq, chunk):
         stop = min(lq, start + chunk)
-        s = qs[:, :, start:stop] @ k.transpose(-1, -2)                     # (B, H, c, Lk)
-        q_run = q_run_all[:, start:stop] if q_run_all is not None else None
-        mask = fn.visibility(q_pos_all[start:stop], k_pos, spec, q_run, k_run)
-        s = s.masked_fill(~mask, float("-inf"))
+        rows = torch.arange(start, stop, device=qs.device)
+        s = fn.logits(qs[:, :, start:stop], k, None, visible, rows, keys)        # (B, H, c, Lk)
         best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
     return best
 
@@ -130,19 +130,19 @@ def qk_clip_(attn: Attention, max_logits: torch.Tensor, tau: float) -> torch.Ten
     return gamma
 
 
-def record_logits(attentions: list[Attention]) -> None:
-    """Make every layer keep its q and k in the next forward, for `clip_recorded_logits`."""
+def capture_logits(attentions: list[Attention]) -> None:
+    """Make every layer keep its q and k in the next forward, for `clip_captured_logits`."""
     for attn in attentions:
-        attn.record = {}
+        attn.capture = {}
 
 
-def clip_recorded_logits(attentions: list[Attention], tau: float, reduce=lambda m: m) -> float:
-    """QK-clip every layer from the q and k it recorded (``reduce``: the per-head maxima's maximum over DDP
-    ranks), then stop recording. Returns the largest max logit before clipping."""
+def clip_captured_logits(attentions: list[Attention], tau: float, reduce=lambda m: m) -> float:
+    """QK-clip every layer from the q and k it captured (``reduce``: the per-head maxima's maximum over DDP
+    ranks), then stop capturing. Returns the largest max logit before clipping."""
     maxima = []
     for attn in attentions:
         m = reduce(attention_max_logits(attn))
-        attn.record = None
+        attn.capture = None
         qk_clip_(attn, m, tau)
         maxima.append(float(m.max()))
     return max(maxima)

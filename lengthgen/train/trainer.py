@@ -42,7 +42,7 @@ from lengthgen.train.bema import BEMA
 from lengthgen.train.config import RunConfig, save_config
 from lengthgen.train.data import split_batch
 from lengthgen.train.log import MetricsLog, truncate_log
-from lengthgen.train.optim import build_optimizers, clip_recorded_logits, record_logits, set_lr
+from lengthgen.train.optim import build_optimizers, capture_logits, clip_captured_logits, set_lr
 from lengthgen.train.schedule import lr_multiplier
 from lengthgen.train.setup import (as_config, autocast_dtype, check_lengths, check_world, config_difference,
                                    device_type, fill_model_from_source)
@@ -238,7 +238,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------
     def _forward_backward(self, batch) -> float:
         """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP all-reduces
-        once, in the last one's backward; QK-clip records the last one's logits). Returns the loss, averaged
+        once, in the last one's backward; QK-clip captures the last one's logits). Returns the loss, averaged
         over ranks."""
         tc = self.config.train
         self.model.train()
@@ -249,7 +249,7 @@ class Trainer:
         for i, (micro, weight) in enumerate(parts):
             last = i == len(parts) - 1
             if last and tc.qk_clip is not None:
-                record_logits(self.model.attentions)
+                capture_logits(self.model.attentions)
             with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                 with self._autocast():
                     output = self.forward_model(micro.tokens, micro.doc_ids)
@@ -283,7 +283,7 @@ class Trainer:
         for opt in self.optimizers:
             opt.step()
         if tc.qk_clip is not None:
-            entry["max_logit"] = clip_recorded_logits(self.model.attentions, tc.qk_clip, distributed.all_reduce_max)
+            entry["max_logit"] = clip_captured_logits(self.model.attentions, tc.qk_clip, distributed.all_reduce_max)
         self.step = step + 1
         if self.bema is not None:
             self.bema.update(self.step)

@@ -12,17 +12,14 @@ import torch.nn as nn
 
 from lengthgen.config import ConfigError
 from lengthgen.train.config import RunConfig
+from lengthgen.attention.module import is_spec_parameter
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train.bema import BEMA
 
-#: parameters an attention spec can add to a layer without changing the others (kept at their init)
-SPEC_PARAMETERS = ("gate_proj.weight", "out_norm_weight", "out_norm_bias", "q_norm_weight", "k_norm_weight",
-                   "multiplier", "v_norm_weight", "v_norm_bias")
-
-
 def _addable(name: str) -> bool:
-    return name == "scaling_multiplier" or (".attn." in name and name.rsplit(".attn.", 1)[1] in SPEC_PARAMETERS)
+    """A parameter an attention spec can add without changing the others (kept at its init)."""
+    return name == "scaling_multiplier" or (".attn." in name and is_spec_parameter(name.rsplit(".attn.", 1)[1]))
 
 
 def _aliases(own: dict[str, torch.Tensor], stored: dict[str, torch.Tensor]
@@ -103,4 +100,4 @@ def load_run(path: str | Path, *, bema: bool = False, device: str | torch.device
     return cfg, model.eval()
 
 
-__all__ = ["SPEC_PARAMETERS", "load_initial_weights", "load_run"]
+__all__ = ["load_initial_weights", "load_run"]

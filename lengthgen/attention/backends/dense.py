@@ -1,4 +1,4 @@
-"""`dense`: materializes the (Lq, Lk) weights. The oracle every other backend is tested against."""
+"""`dense`: materializes the (Lq, Lk) logits. The oracle every other backend is tested against."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from lengthgen.attention.functional import dense_attention
 from lengthgen.attention.spec import AttentionSpec
 
 
-def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | None:
+def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:
     return None
 
 

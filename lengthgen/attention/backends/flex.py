@@ -1,16 +1,16 @@
 """`flex`: FlexAttention (``torch.nn.attention.flex_attention``) for every `AttentionSpec` option.
 
-* Distance terms are a ``score_mod``: ``a_t * s + bias_t`` with ``t = i - j`` (scale_invariant, per-head ALiBi
-  slopes, log_bias), exactly `functional.distance_scale` / `functional.distance_bias`.
-* Causal, sliding-window and document masks are a ``block_mask``. It is built at block granularity from each
-  query's visible key interval ``[max(start_i, i - W + 1), i]`` (documents are contiguous runs, so a query
-  sees keys from its run start on) -- never an (Lq, Lk) tensor -- and cached in a small LRU keyed on the
-  lengths, device, block size, the spec's mask fields and the document layout (see `_BlockMaskCache`).
+* Distance terms: the spec's score mod (`mods.score_mod_for`) is FlexAttention's ``score_mod``.
+* Causal, sliding-window and document masks: the spec's mask mod (`mods.mask_mod_for`) in a ``block_mask``
+  whose block table comes from each query's visible key interval ``[first_i, i]`` (`mods.first_visible`) --
+  never an (Lq, Lk) tensor -- cached in a small LRU keyed on the lengths, device, block size, the spec's mask
+  fields and the document layout (see `_BlockMaskCache`). Explicit masks are not taken (use dense, tiled, sdpa).
 * ``p != 1`` uses ``out_p = out_1 * exp(LSE_1 - LSE_p / p)`` with ``LSE_p = logsumexp_j(p * logit_ij)``: a
   second FlexAttention call with the logits multiplied by p returns LSE_p (its output is discarded, so it
   runs with a 16-wide zero value tensor). FlexAttention's returned LSE is in natural log in torch 2.13
   (the kernels work in base 2 and ``flex_attention`` converts back), and gradients flow through both LSEs.
 
+Inputs: `functional.kernel_inputs` (float32 for half-precision inputs on CPU, the input dtype on CUDA).
 On CUDA ``torch.compile(flex_attention)`` runs the fused Triton kernels (forward and backward). On CPU the
 compiled path supports neither the LSE nor backward in torch 2.13, so the eager path (an unfused reference
 that materializes scores) runs, inference only: `unsupported` refuses CPU training so `auto` never picks it.
@@ -26,6 +26,7 @@ from collections import OrderedDict
 import torch
 
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
 try:
@@ -39,10 +40,12 @@ CACHE_SIZE = 16           # block masks kept (one per shape x document layout x 
 RECOMPILE_LIMIT = 64      # every (shape, score_mod) pair is a compiled variant of flex_attention
 
 
-def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | None:
+def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:
     """Why FlexAttention cannot run ``spec`` on ``q``, or None."""
     if flex_attention is None:
         return "torch.nn.attention.flex_attention is not available in this torch"
+    if masked:
+        return "an explicit mask (the flex backend builds its block mask from causal, window and documents)"
     device = q.device.type
     if device == "cpu":
         if training:
@@ -78,69 +81,20 @@ def _flex(device: torch.device):
 
 
 # ---------------------------------------------------------------------------------------------------
-# score_mod: distance terms (and the factor p of the LSE_p pass)
+# the LSE_p pass: p times the logits
 
 
 @functools.lru_cache(maxsize=64)
-def _score_mod(distance: str, tau: float, lam: float, p: float, heads: int, offset: int, device: torch.device):
-    """``p * (a_t * score + bias_t)``, t = (q_idx + offset) - kv_idx, or None when that is the identity.
-
-    Cached so that repeated calls reuse one function object (torch.compile guards on it).
-    """
-    if distance == "none":
-        if p == 1:
-            return None
-
-        def scale_only(score, b, h, q_idx, kv_idx):
-            return score * p
-        return scale_only
-    slopes = fn.alibi_slopes(heads, device=device) if distance == "alibi" else None
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        # masked entries have t < 0; clamp so that no NaN reaches the (masked) gradient
-        t = torch.clamp(q_idx + offset - kv_idx, min=0).to(torch.float32)
-        if distance == "alibi":
-            x = score - slopes[h] * t
-        else:
-            log_t = torch.log1p(t / tau)
-            if distance == "scale_invariant":
-                x = score * torch.sqrt(1 + 2 * log_t) - 2 * log_t
-            else:  # log_bias
-                x = score - lam * log_t
-        return x if p == 1 else x * p
-    return score_mod
-
-
-def score_mod_for(spec: AttentionSpec, heads: int, offset: int, device: torch.device, p: float = 1.0):
-    return _score_mod(spec.distance, float(spec.tau), float(spec.log_bias_lambda), float(p), heads, offset,
-                      torch.device(device))
+def _times(score_mod, p: float):
+    """``p * score_mod(score)`` (``p * score`` without a score mod). Cached: one function object per
+    (mod, p), which torch.compile guards on."""
+    def times_p(score, b, h, q_idx, kv_idx):
+        return p * (score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx))
+    return times_p
 
 
 # ---------------------------------------------------------------------------------------------------
 # block mask: causal / window / documents, built at block granularity
-
-
-def doc_bounds(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(run start, run end) of each position's document for (B, L) ``doc_ids``; end is exclusive."""
-    length = doc_ids.shape[-1]
-    _, start = fn.segments(doc_ids)
-    last = torch.ones_like(doc_ids, dtype=torch.bool)
-    last[..., :-1] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    index = torch.arange(1, length + 1, device=doc_ids.device).expand_as(doc_ids)
-    end = torch.where(last, index, torch.full_like(index, length)).flip(-1).cummin(-1).values.flip(-1)
-    return start, end
-
-
-def _mask_mod(offset: int, window: int | None, starts: torch.Tensor | None):
-    def mask_mod(b, h, q_idx, kv_idx):
-        i = q_idx + offset
-        visible = kv_idx <= i
-        if window is not None:
-            visible = visible & (i - kv_idx < window)
-        if starts is not None:
-            visible = visible & (kv_idx >= starts[b, i])
-        return visible
-    return mask_mod
 
 
 def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,28 +104,22 @@ def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, indices
 
 
-def build_block_mask(lq: int, lk: int, window: int | None, starts: torch.Tensor | None, device,
+def build_block_mask(spec: AttentionSpec, lq: int, lk: int, starts: torch.Tensor | None, device,
                      block_size: int = BLOCK_SIZE) -> "BlockMask":
-    """The BlockMask of causal (+ window, + same-document) attention for the last ``lq`` of ``lk`` positions.
+    """The BlockMask of ``mods.mask_mod_for(spec, lq, lk, starts)`` for the last ``lq`` of ``lk`` positions.
 
-    Query i (absolute position) sees keys ``[lo_i, i]`` with ``lo_i = max(start_i, i - W + 1, 0)``. A block is
-    listed when some valid query in it sees some valid key in it, and listed as *full* (no mask_mod needed)
-    when every query row and key column is valid and every query sees the whole key range -- the same
-    classification as ``create_block_mask`` (padding counts as masked), without an (Lq, Lk) tensor.
+    Query i (absolute position) sees keys ``[first_i, i]`` (`mods.first_visible`). A block is listed when
+    some valid query in it sees some valid key in it, and listed as *full* (no mask_mod needed) when every
+    query row and key column is valid and every query sees the whole key range -- the same classification
+    as ``create_block_mask`` (padding counts as masked), without an (Lq, Lk) tensor.
     """
     offset = lk - lq
     nq, nk = -(-lq // block_size), -(-lk // block_size)
-    pos = torch.arange(offset, offset + nq * block_size, device=device)
-    valid = pos < lk
-    lo = torch.zeros_like(pos).unsqueeze(0)
-    if window is not None:
-        lo = torch.clamp(pos - window + 1, min=0).unsqueeze(0)
-    if starts is not None:
-        padded = torch.nn.functional.pad(starts[:, offset:], (0, nq * block_size - lq), value=lk)
-        lo = torch.maximum(lo, padded)
-    hi = pos.unsqueeze(0).expand_as(lo)
-    lo = torch.where(valid, lo, torch.full_like(lo, lk + 1))      # padding rows see nothing
-    lo = lo.view(lo.shape[0], nq, block_size, 1)
+    pad = nq * block_size - lq
+    lo = mods.first_visible(spec, lq, lk, starts, device)
+    lo = torch.nn.functional.pad(lo, (0, pad), value=lk + 1)               # padding rows see nothing
+    hi = torch.arange(offset, offset + nq * block_size, device=device).expand_as(lo)
+    lo = lo.reshape(lo.shape[0], nq, block_size, 1)
     hi = hi.reshape(hi.shape[0], nq, block_size, 1)
     k0 = torch.arange(nk, device=device) * block_size
     k_last = torch.clamp(k0 + block_size, max=lk) - 1
@@ -187,7 +135,7 @@ def build_block_mask(lq: int, lk: int, window: int | None, starts: torch.Tensor 
         # compiled kernels may evaluate mask_mod on padded query rows (q_idx up to nq * block_size - 1)
         starts = torch.nn.functional.pad(starts, (0, block_size), value=lk)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
-                                    mask_mod=_mask_mod(offset, window, starts), seq_lengths=(lq, lk))
+                                    mask_mod=mods.mask_mod_for(spec, lq, lk, starts), seq_lengths=(lq, lk))
 
 
 class _BlockMaskCache:
@@ -211,7 +159,7 @@ class _BlockMaskCache:
             if docs:
                 if ref() is not doc_ids or version != doc_ids._version:
                     if starts is None:
-                        starts = fn.segments(doc_ids)[1].to(device)
+                        starts = mods.document_bounds(doc_ids)[0].to(device)
                     if cached_starts.shape != starts.shape or not torch.equal(cached_starts, starts):
                         continue
             self.entries.move_to_end(k)
@@ -219,8 +167,8 @@ class _BlockMaskCache:
             return mask
         self.misses += 1
         if docs and starts is None:
-            starts = fn.segments(doc_ids)[1].to(device)
-        mask = build_block_mask(lq, lk, spec.window, starts, device, block_size)
+            starts = mods.document_bounds(doc_ids)[0].to(device)
+        mask = build_block_mask(spec, lq, lk, starts, device, block_size)
         ref = weakref.ref(doc_ids) if docs else (lambda: None)
         version = doc_ids._version if docs else 0
         self.entries[(key, self.misses)] = (ref, version, starts, mask)
@@ -241,13 +189,16 @@ BLOCK_MASKS = _BlockMaskCache()
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-              doc_ids: torch.Tensor | None = None, *, return_lse: bool = False):
+              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False):
     """FlexAttention p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D).
 
-    Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (each (B, H, Lq), natural log).
+    Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
     if flex_attention is None:
         raise ValueError("backend 'flex' needs torch.nn.attention.flex_attention")
+    if mask is not None:
+        raise ValueError(f"backend 'flex' cannot take {unsupported(spec, qs, False, True)}")
+    dtype, (qs, k, v) = v.dtype, fn.kernel_inputs(qs, k, v)
     b, h, lq, _ = qs.shape
     hkv, lk = k.shape[1], k.shape[2]
     p = float(spec.softmax_p)
@@ -258,21 +209,19 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
                              "run under torch.no_grad() or use tiled / dense")
         # FlexAttention refuses CPU inputs that require grad even under no_grad
         qs, k, v = qs.detach(), k.detach(), v.detach()
-    block_mask = BLOCK_MASKS.get(lq, lk, spec, doc_ids, device)
     flex = _flex(device)
-    kw = dict(block_mask=block_mask, scale=1.0, enable_gqa=hkv != h)
-    out, aux = flex(qs, k, v, score_mod=score_mod_for(spec, h, lk - lq, device), return_aux=AuxRequest(lse=True),
-                    **kw)
-    lse_1 = aux.lse
-    if p == 1:
-        return (out, lse_1, lse_1) if return_lse else out
-    v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
-    _, aux_p = flex(qs, k, v_lse, score_mod=score_mod_for(spec, h, lk - lq, device, p),
-                    return_aux=AuxRequest(lse=True), **kw)
-    lse_p = aux_p.lse
-    factor = torch.exp(lse_1.float() - lse_p.float() / p).unsqueeze(-1)
-    out = (out.float() * factor).to(qs.dtype)
-    return (out, lse_1, lse_p) if return_lse else out
+    kw = dict(block_mask=BLOCK_MASKS.get(lq, lk, spec, doc_ids, device), scale=1.0, enable_gqa=hkv != h,
+              return_aux=AuxRequest(lse=True))
+    score_mod = mods.score_mod_for(spec, h, lq, lk, device)
+    out, aux = flex(qs, k, v, score_mod=score_mod, **kw)
+    lse_1 = lse_p = aux.lse
+    if p != 1:
+        v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
+        lse_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)[1].lse
+        factor = torch.exp(lse_1.float() - lse_p.float() / p).unsqueeze(-1)
+        out = out.float() * factor
+    out = out.to(dtype)
+    return (out, lse_1.detach(), lse_p.detach()) if return_lse else out
 
 
-__all__ = ["attention", "unsupported", "build_block_mask", "doc_bounds", "BLOCK_MASKS", "score_mod_for"]
+__all__ = ["attention", "unsupported", "build_block_mask", "BLOCK_MASKS"]

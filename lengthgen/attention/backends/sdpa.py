@@ -1,8 +1,10 @@
 """`sdpa`: ``F.scaled_dot_product_attention`` for p = 1 and no distance terms.
 
-Query-length scaling and ``base_scale`` are already folded into the queries, so SDPA runs with scale 1.
-Causal attention without window or documents uses ``is_causal`` (flash / efficient kernels); otherwise a
-boolean mask is passed (memory quadratic in length: `auto` prefers `tiled` for long masked CPU inputs).
+Query-length scaling and ``base_scale`` are already folded into the queries, so SDPA runs with scale 1
+(in float32 for half-precision inputs on CPU, in the input dtype on CUDA: `functional.kernel_inputs`).
+Causal attention without window, documents or explicit mask uses ``is_causal`` (flash / efficient kernels);
+otherwise the mask mods are evaluated into a boolean mask (memory quadratic in length: `auto` prefers
+`tiled` for long masked CPU inputs). A row that sees nothing outputs 0.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
 
-def unsupported(spec: AttentionSpec, q: torch.Tensor | None = None, training: bool = False) -> str | None:
+def unsupported(spec: AttentionSpec, q: torch.Tensor | None = None, training: bool = False,
+                masked: bool = False) -> str | None:
     """Why this backend cannot run ``spec``, or None."""
     if spec.softmax_p != 1:
         return f"softmax_p={spec.softmax_p} (sdpa computes p=1 only)"
@@ -24,15 +28,15 @@ def unsupported(spec: AttentionSpec, q: torch.Tensor | None = None, training: bo
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                   doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
     reason = unsupported(spec)
     if reason:
         raise ValueError(f"backend 'sdpa' cannot run this spec: {reason}")
+    dtype, (qs, k, v) = v.dtype, fn.kernel_inputs(qs, k, v)
     lq, lk = qs.shape[-2], k.shape[-2]
     gqa = qs.shape[1] != k.shape[1]
-    q_run, k_run = fn.runs(doc_ids, spec, lq)
-    if lq == lk and spec.window is None and q_run is None:
-        return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=1.0, enable_gqa=gqa)
-    q_pos, k_pos = fn.positions(lq, lk, qs.device)
-    mask = fn.visibility(q_pos, k_pos, spec, q_run, k_run)
-    return F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
+    starts = mods.document_starts(spec, doc_ids)
+    if lq == lk and spec.window is None and starts is None and mask is None:
+        return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=1.0, enable_gqa=gqa).to(dtype)
+    visible = mods.dense_mask(mods.mask_mod_for(spec, lq, lk, starts, mask), qs.shape[0], lq, lk, qs.device)
+    return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=1.0, enable_gqa=gqa).to(dtype)

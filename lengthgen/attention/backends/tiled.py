@@ -1,15 +1,18 @@
 """`tiled`: pure-PyTorch p-softmax attention in blocks, memory linear in length, any device.
 
-Query blocks are independent; within one, key blocks are visited with an online running max ``m`` and
-running sums ``S_1 = sum exp(l - m)`` and ``S_p = sum exp(p (l - m))`` (FlashAttention's recurrence, Dao et
-al. 2022, generalized to p-softmax, seed 001). At the end::
+Query blocks are independent; within one, the key blocks it can see (from `mods.first_visible`) are visited
+with an online running max ``m`` and running sums ``S_1 = sum exp(l - m)`` and ``S_p = sum exp(p (l - m))``
+(FlashAttention's recurrence, Dao et al. 2022, generalized to p-softmax, seed 001). Each block's logits are
+`functional.logits`: the spec's score and mask mods on the block's index grids. At the end::
 
     out   = (sum_j exp(l_j - m) v_j) * S_p^(-1/p)       LSE_1 = m + log S_1       LSE_p = p m + log S_p
 
-The backward recomputes each block's logits from LSE_p (no (L, L) tensor is stored). With
-``w = exp(l - LSE_p/p)`` and ``pi = exp(p l - LSE_p)`` (= softmax(p l)), the logit gradient is
+The backward recomputes each block's logits (no (L, L) tensor is stored) and keeps m and log S_p apart, so
+that no large logit is multiplied by p. With ``w = exp((l - m) - log S_p / p)`` and
+``pi = exp(p (l - m) - log S_p)`` (= softmax(p l)), the logit gradient is
 ``dl_ij = w_ij (dO_i . v_j) - pi_ij (dO_i . out_i)``; derived by differentiating
-``w_j = exp(l_j) (sum_k exp(p l_k))^(-1/p)``: ``dw_j/dl_k = delta_jk w_j - w_j pi_k``.
+``w_j = exp(l_j) (sum_k exp(p l_k))^(-1/p)``: ``dw_j/dl_k = delta_jk w_j - w_j pi_k``. The gradient through
+the block's logits to q' and k (``a_t`` of the score mod included) is autograd's, on the same mods.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
 QUERY_BLOCK = 256
@@ -41,110 +45,110 @@ def default_blocks(batch_heads: int) -> tuple[int, int]:
     return qb, kb
 
 
-def _key_range(q0: int, q1: int, spec: AttentionSpec, starts: torch.Tensor | None) -> tuple[int, int]:
-    """Keys [lo, hi) any query in absolute positions [q0, q1) can see."""
-    lo = 0 if spec.window is None else max(0, q0 - spec.window + 1)
-    if starts is not None:
-        lo = max(lo, int(starts[:, q0].min()))
-    return lo, q1
-
-
-def _blocks(lq: int, lk: int, spec: AttentionSpec, starts, q_block: int, k_block: int):
-    """Yield (query slice, [(key slice), ...]) in absolute positions; queries are the last lq of lk."""
-    off = lk - lq
+def _blocks(first: torch.Tensor, lq: int, lk: int, q_block: int, k_block: int) -> list:
+    """[(query rows, [key slices])]: the key blocks of [min first visible key, last query position] per query
+    block (one host sync for all blocks)."""
+    first = first.amin(0).tolist()
+    off, blocks = lk - lq, []
     for qa in range(0, lq, q_block):
         qb = min(qa + q_block, lq)
-        lo, hi = _key_range(off + qa, off + qb, spec, starts)
-        yield slice(qa, qb), [slice(ka, min(ka + k_block, hi)) for ka in range(lo, hi, k_block)]
+        lo, hi = min(first[qa:qb]), off + qb
+        blocks.append((slice(qa, qb), [slice(ka, min(ka + k_block, hi)) for ka in range(lo, hi, k_block)]))
+    return blocks
+
+
+def _index(sl: slice, device) -> torch.Tensor:
+    return torch.arange(sl.start, sl.stop, device=device)
 
 
 class _TiledPSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qs, k, v, spec, q_run, k_run, starts, q_block, k_block):
-        p = spec.softmax_p
+    def forward(ctx, qs, k, v, p, score_mod, mask_mod, blocks):
         b, h, lq, _ = qs.shape
-        lk = k.shape[-2]
-        q_pos_all, k_pos_all = fn.positions(lq, lk, qs.device)
         out = qs.new_empty(b, h, lq, v.shape[-1])
         lse_1 = qs.new_empty(b, h, lq, 1)
         lse_p = qs.new_empty(b, h, lq, 1)
-        for qsl, key_slices in _blocks(lq, lk, spec, starts, q_block, k_block):
-            q_blk, q_pos = qs[:, :, qsl], q_pos_all[qsl]
-            qr = None if q_run is None else q_run[:, qsl]
+        row_max, log_sp = torch.empty_like(lse_p), torch.empty_like(lse_p)
+        for qsl, key_slices in blocks:
+            q_blk, rows = qs[:, :, qsl], _index(qsl, qs.device)
             m = qs.new_full((b, h, q_blk.shape[2], 1), float("-inf"))
             s1 = torch.zeros_like(m)
             sp = torch.zeros_like(m)
             acc = qs.new_zeros(b, h, q_blk.shape[2], v.shape[-1])
             for ksl in key_slices:
-                kr = None if k_run is None else k_run[:, ksl]
-                logit = fn.logits(q_blk, k[:, :, ksl], q_pos, k_pos_all[ksl], spec, qr, kr)
+                logit = fn.logits(q_blk, k[:, :, ksl], score_mod, mask_mod, rows, _index(ksl, qs.device))
                 m_new = torch.maximum(m, logit.amax(-1, keepdim=True))
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                 corr = torch.exp(m - m_safe)
                 e = torch.exp(logit - m_safe)
                 acc = acc * corr + e @ v[:, :, ksl]
                 s1 = s1 * corr + e.sum(-1, keepdim=True)
-                if p != 1:                                           # S_p = S_1 for softmax
-                    sp = sp * corr.pow(p) + e.pow(p).sum(-1, keepdim=True)
+                if p != 1:     # S_p = S_1 for softmax; exp(p x), not exp(x)^p, which underflows first for p < 1
+                    sp = sp * torch.exp(p * (m - m_safe)) + torch.exp(p * (logit - m_safe)).sum(-1, keepdim=True)
                 m = m_new
             if p == 1:
                 sp = s1
-            out[:, :, qsl] = acc * sp.pow(-1.0 / p)
+            out[:, :, qsl] = acc * torch.where(sp > 0, sp, torch.ones_like(sp)).pow(-1.0 / p)  # 0 if nothing seen
             lse_1[:, :, qsl] = m + torch.log(s1)
             lse_p[:, :, qsl] = p * m + torch.log(sp)
-        ctx.save_for_backward(qs, k, v, out, lse_p, q_run, k_run, starts)
-        ctx.spec, ctx.blocks = spec, (q_block, k_block)
+            row_max[:, :, qsl], log_sp[:, :, qsl] = m, torch.log(sp)
+        finite = torch.isfinite(row_max)                           # rows that see nothing: w = 0 in the backward
+        row_max = torch.where(finite, row_max, torch.zeros_like(row_max))
+        log_sp = torch.where(finite, log_sp, torch.zeros_like(log_sp))
+        ctx.save_for_backward(qs, k, v, out, row_max, log_sp)
+        ctx.p, ctx.mods, ctx.blocks = p, (score_mod, mask_mod), blocks
         ctx.mark_non_differentiable(lse_1, lse_p)
         return out, lse_1, lse_p
 
     @staticmethod
     def backward(ctx, d_out, _d_lse1, _d_lsep):
-        qs, k, v, out, lse_p, q_run, k_run, starts = ctx.saved_tensors
-        spec, p = ctx.spec, ctx.spec.softmax_p
-        lq, lk = qs.shape[-2], k.shape[-2]
-        q_pos_all, k_pos_all = fn.positions(lq, lk, qs.device)
+        qs, k, v, out, row_max, log_sp = ctx.saved_tensors
+        p, (score_mod, mask_mod) = ctx.p, ctx.mods
         dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(k), torch.zeros_like(v)
         delta = (d_out * out).sum(-1, keepdim=True)                 # dO_i . out_i
-        for qsl, key_slices in _blocks(lq, lk, spec, starts, *ctx.blocks):
-            q_blk, q_pos, do = qs[:, :, qsl], q_pos_all[qsl], d_out[:, :, qsl]
-            qr = None if q_run is None else q_run[:, qsl]
-            lp, dl_blk = lse_p[:, :, qsl], delta[:, :, qsl]
+        for qsl, key_slices in ctx.blocks:
+            rows, do = _index(qsl, qs.device), d_out[:, :, qsl]
+            m, lsp, dl_blk = row_max[:, :, qsl], log_sp[:, :, qsl], delta[:, :, qsl]
             for ksl in key_slices:
-                kr = None if k_run is None else k_run[:, ksl]
-                k_pos = k_pos_all[ksl]
-                logit = fn.logits(q_blk, k[:, :, ksl], q_pos, k_pos, spec, qr, kr)
-                w = torch.exp(logit - lp / p)
-                pi = w if p == 1 else torch.exp(p * logit - lp)
+                q_blk = qs[:, :, qsl].detach().requires_grad_()
+                k_blk = k[:, :, ksl].detach().requires_grad_()
+                with torch.enable_grad():
+                    logit = fn.logits(q_blk, k_blk, score_mod, mask_mod, rows, _index(ksl, qs.device))
+                y = logit.detach() - m                  # <= 0: p y and exp never see a large logit
+                w = torch.exp(y - lsp / p)
+                pi = w if p == 1 else torch.exp(p * y - lsp)
                 dlogit = w * (do @ v[:, :, ksl].transpose(-1, -2)) - pi * dl_blk
-                t = (q_pos[:, None] - k_pos[None, :]).clamp(min=0).to(logit.dtype)
-                a = fn.distance_scale(t, spec)
-                ds = dlogit if a is None else dlogit * a
-                dq[:, :, qsl] += ds @ k[:, :, ksl]
-                dk[:, :, ksl] += ds.transpose(-1, -2) @ q_blk
+                dq_blk, dk_blk = torch.autograd.grad(logit, (q_blk, k_blk), dlogit)
+                dq[:, :, qsl] += dq_blk
+                dk[:, :, ksl] += dk_blk
                 dv[:, :, ksl] += w.transpose(-1, -2) @ do
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | None:
+def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:
     return None
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-                    doc_ids: torch.Tensor | None = None, *, q_block: int | None = None,
-                    k_block: int | None = None, return_lse: bool = False):
+              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None,
+              q_block: int | None = None, k_block: int | None = None, return_lse: bool = False):
     """Blocked p-softmax attention for scaled queries ``qs`` (B, H, Lq, D) and keys/values (B, Hkv, Lk, D).
 
-    ``q_block`` / ``k_block``: block sizes, default `default_blocks` (B * H).
-
-    Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (each LSE (B, H, Lq, 1)).
+    ``mask``: an explicit (B, 1, Lq, Lk) visibility (a row that sees nothing outputs 0). ``q_block`` /
+    ``k_block``: block sizes, default `default_blocks` (B * H). Half-precision inputs are computed in
+    float32; ``out`` has v's dtype. Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
     auto_q, auto_k = default_blocks(qs.shape[0] * qs.shape[1])
     q_block, k_block = q_block or auto_q, k_block or auto_k
-    compute = torch.float32 if qs.dtype in (torch.float16, torch.bfloat16) else qs.dtype
+    dtype, compute = v.dtype, fn.compute_dtype(v.dtype)
     groups = qs.shape[1] // k.shape[1]
     k, v = fn.repeat_kv(k, groups).to(compute), fn.repeat_kv(v, groups).to(compute)
-    q_run, k_run = fn.runs(doc_ids, spec, qs.shape[-2])
-    starts = fn.segments(doc_ids)[1] if q_run is not None else None
-    out, lse_1, lse_p = _TiledPSoftmax.apply(qs.to(compute), k, v, spec, q_run, k_run, starts, q_block, k_block)
-    out = out.to(qs.dtype)
-    return (out, lse_1, lse_p) if return_lse else out
+    lq, lk = qs.shape[-2], k.shape[-2]
+    starts = mods.document_starts(spec, doc_ids)
+    score_mod = mods.score_mod_for(spec, qs.shape[1], lq, lk, qs.device, compute)
+    mask_mod = mods.mask_mod_for(spec, lq, lk, starts, mask)
+    blocks = _blocks(mods.first_visible(spec, lq, lk, starts, qs.device), lq, lk, q_block, k_block)
+    out, lse_1, lse_p = _TiledPSoftmax.apply(qs.to(compute), k, v, float(spec.softmax_p), score_mod, mask_mod,
+                                             blocks)
+    out = out.to(dtype)
+    return (out, lse_1.squeeze(-1), lse_p.squeeze(-1)) if return_lse else out

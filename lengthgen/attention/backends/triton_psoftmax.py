@@ -7,9 +7,12 @@ same document, ``i - j < W``::
     forward  (per query block, over visible key blocks; running max m of l)
         S_p   <- S_p exp(p (m_old - m)) + sum_j exp(p (l_j - m))
         acc   <- acc exp(m_old - m)     + sum_j exp(l_j - m) v_j
-        out    = acc S_p^(-1/p)            LSE_p = p m + log S_p      (LSE_p saved for the backward)
+        S_1   <- S_1 exp(m_old - m)     + sum_j exp(l_j - m)            (p != 1; S_1 = S_p for p = 1)
+        out    = acc S_p^(-1/p)            LSE_p = p m + log S_p      LSE_1 = m + log S_1
+        (m and log S_p are saved apart for the backward: no large logit is ever multiplied by p)
 
-    backward (w_j = exp(l_j - LSE_p / p), pi_j = exp(p l_j - LSE_p) = softmax(p l)_j, delta_i = dO_i . out_i)
+    backward (w_j = exp((l_j - m) - log S_p / p), pi_j = exp(p (l_j - m) - log S_p) = softmax(p l)_j,
+              delta_i = dO_i . out_i)
         w_j = exp(l_j) Z_p^(-1/p)  =>  dw_j/dl_k = delta_jk w_j - w_j pi_k
         dl_ij = w_ij (dO_i . v_j) - pi_ij delta_i          dS_ij = a_t dl_ij
         dq = dS k      dk = dS^T q'      dv = w^T dO
@@ -18,10 +21,12 @@ p is a runtime argument (p = 1 skips the second exponential through a compile-ti
 (fp32 too, as IEEE fp32 dots), fp32 accumulation, head dims up to 128 (query/key and value dims are padded with
 zeros to powers of two >= 16, which changes no dot product; 64 and 128 need no padding). Documents come as
 per-position run starts (a query sees keys from its document's start on) and run ends (the backward's
-key-block-major pass stops at the document's end); the sliding window and every distance term
-(scale_invariant, ALiBi, log_bias) are elementwise in the kernel. Backward: one kernel for dK/dV per key block
+key-block-major pass stops at the document's end), from `mods.document_bounds`; the sliding window and every
+distance term (scale_invariant, ALiBi with the slopes of `mods.alibi_slopes` passed in, log_bias) are written
+inline (Triton cannot call the Python mods of `lengthgen.attention.mods`; the tests hold the kernel to them
+through the dense oracle). Explicit masks are not taken. Backward: one kernel for dK/dV per key block
 (looping over the query heads of its KV group, so GQA needs no atomics) and one for dQ per query block;
-both recompute the logits from LSE_p.
+both recompute the logits and use the saved m and log S_p.
 
 On CPU the kernels run only under ``TRITON_INTERPRET=1`` (set before this module is imported), for tests.
 """
@@ -32,7 +37,7 @@ import os
 
 import torch
 
-from lengthgen.attention import functional as fn
+from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
 try:
@@ -58,10 +63,12 @@ def _interpret_env() -> bool:
 INTERPRETED = triton is not None and _interpret_env()
 
 
-def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool) -> str | None:
+def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:
     """Why this backend cannot run ``spec`` on ``q``, or None."""
     if triton is None:
         return f"triton is not importable ({_IMPORT_ERROR})"
+    if masked:
+        return "an explicit mask (the kernel masks causal, window and documents only)"
     if q.device.type == "cpu":
         if not (_interpret_env() and INTERPRETED):
             return "Triton kernels need CUDA (CPU tensors only under TRITON_INTERPRET=1 set before import)"
@@ -86,13 +93,21 @@ if triton is not None:
     LN2 = 0.6931471805599453
 
     @triton.jit
-    def _logits(s, t, h, H, tau_inv, lam, DIST: tl.constexpr):
-        """(l, a_t) for dot products s and distances t (int, any sign; only t >= 0 is ever visible)."""
+    def _slope(SLOPES, h, DIST: tl.constexpr):
+        """ALiBi slope m_h of head h (0 for the other distance terms)."""
+        slope = 0.0
+        if DIST == 2:
+            slope = tl.load(SLOPES + h)
+        return slope
+
+    @triton.jit
+    def _logits(s, t, slope, tau_inv, lam, DIST: tl.constexpr):
+        """(l, a_t) for dot products s and distances t (int, any sign; only t >= 0 is ever visible): the
+        score mods `mods.scale_invariant`, `mods.alibi`, `mods.log_bias` written inline."""
         if DIST == 0:
             return s, 1.0
         tf = tl.maximum(t, 0).to(tl.float32)
-        if DIST == 2:                                   # ALiBi: -m_h t, m_h = 2^(-8 (h + 1) / H)
-            slope = tl.exp2(-8.0 * (h + 1).to(tl.float32) / H)
+        if DIST == 2:                                   # ALiBi: -m_h t
             return s - slope * tf, 1.0
         log_t = tl.log(1.0 + tf * tau_inv)
         if DIST == 1:                                   # scale_invariant: a_t s - 2 log(1 + t / tau)
@@ -102,7 +117,8 @@ if triton is not None:
 
     @triton.jit
     def _visible(pos_q, pos_k, start_q, LK, WINDOW, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
-        """(M, N) mask for absolute query positions pos_q (M,), key positions pos_k (N,), run starts (M,)."""
+        """(M, N) mask for absolute query positions pos_q (M,), key positions pos_k (N,), run starts (M,):
+        `mods.mask_mod_for` (causal & sliding_window & document) written inline."""
         t = pos_q[:, None] - pos_k[None, :]
         ok = (t >= 0) & (pos_k[None, :] < LK)
         if HAS_WINDOW:
@@ -112,7 +128,7 @@ if triton is not None:
         return ok, t
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, O, LSE, STARTS,
+    def _fwd_kernel(Q, K, V, O, M, LSP, LSE1, STARTS, SLOPES,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
                     H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                     D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -132,6 +148,7 @@ if triton is not None:
         k_ptr = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_ptr = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
         q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        slope = _slope(SLOPES, h, DIST)
 
         first = pid_m * BLOCK_M + OFF
         lo = 0
@@ -147,13 +164,14 @@ if triton is not None:
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s_p = tl.zeros([BLOCK_M], tl.float32)
+        s_1 = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_V], tl.float32)
         for start_n in range(lo, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k = tl.load(k_ptr + offs_n[:, None] * skl + offs_d[None, :], mask=(offs_n < LK)[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
             ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
-            logit, _a = _logits(s, t, h, H, tau_inv, lam, DIST)
+            logit, _a = _logits(s, t, slope, tau_inv, lam, DIST)
             logit = tl.where(ok, logit, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(logit, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -162,6 +180,7 @@ if triton is not None:
             if P_ONE:
                 s_p = s_p * alpha + tl.sum(e, 1)
             else:
+                s_1 = s_1 * alpha + tl.sum(e, 1)
                 s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
                     tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
             v = tl.load(v_ptr + offs_n[:, None] * svl + offs_dv[None, :], mask=(offs_n < LK)[:, None], other=0.0)
@@ -169,13 +188,19 @@ if triton is not None:
             m_i = m_new
         log2_sp = tl.log2(tl.where(row_ok, s_p, 1.0))    # padding rows: no log(0)
         out = acc * tl.exp2(-inv_p * log2_sp)[:, None]
-        lse = p * m_i + log2_sp * LN2
+        log_sp = log2_sp * LN2
+        if P_ONE:
+            lse_1 = m_i + log_sp
+        else:
+            lse_1 = m_i + tl.log2(tl.where(row_ok, s_1, 1.0)) * LN2
         o_ptr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
         tl.store(o_ptr + offs_m[:, None] * sol + offs_dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + bh.to(tl.int64) * LQ + offs_m, lse, mask=row_ok)
+        tl.store(M + bh.to(tl.int64) * LQ + offs_m, m_i, mask=row_ok)
+        tl.store(LSP + bh.to(tl.int64) * LQ + offs_m, log_sp, mask=row_ok)
+        tl.store(LSE1 + bh.to(tl.int64) * LQ + offs_m, lse_1, mask=row_ok)
 
     @triton.jit
-    def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, STARTS,
+    def _bwd_dq_kernel(Q, K, V, DO, DQ, M, LSP, DELTA, STARTS, SLOPES,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                        H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                        D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -198,8 +223,10 @@ if triton is not None:
                     mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + offs_m[:, None] * sdl + offs_dv[None, :],
                      mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+        m_i = tl.load(M + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+        lsp = tl.load(LSP + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+        slope = _slope(SLOPES, h, DIST)
 
         first = pid_m * BLOCK_M + OFF
         lo = 0
@@ -221,13 +248,13 @@ if triton is not None:
             v = tl.load(v_ptr + offs_n[:, None] * svl + offs_dv[None, :], mask=col_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
             ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
-            logit, a = _logits(s, t, h, H, tau_inv, lam, DIST)
-            logit = tl.where(ok, logit, float("-inf"))
-            w = tl.exp2((logit - (lse * inv_p)[:, None]) * LOG2E)
+            logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
+            y = tl.where(ok, logit - m_i[:, None], float("-inf"))
+            w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
             if P_ONE:
                 pi = w
             else:
-                pi = tl.exp2((p * logit - lse[:, None]) * LOG2E)
+                pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
             dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = w * dpv - pi * delta[:, None]
             if DIST == 1:
@@ -237,7 +264,7 @@ if triton is not None:
                  dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, STARTS, ENDS,
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M, LSP, DELTA, STARTS, ENDS, SLOPES,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                          H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                          D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -276,13 +303,15 @@ if triton is not None:
             bh = b * H + h
             q_ptr = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
             do_ptr = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+            slope = _slope(SLOPES, h, DIST)
             for start_m in range(qi_lo, qi_hi, BLOCK_M):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
                 row_ok = offs_m < LQ
                 pos_q = offs_m + OFF
                 q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
                 do = tl.load(do_ptr + offs_m[:, None] * sdl + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
-                lse = tl.load(LSE + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+                m_i = tl.load(M + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+                lsp = tl.load(LSP + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
                 delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
                 start_q = offs_m
                 if HAS_DOCS:
@@ -290,13 +319,13 @@ if triton is not None:
                 ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
                 ok = ok & row_ok[:, None]
                 s = tl.dot(q, tl.trans(k), input_precision=PREC)            # (M, N)
-                logit, a = _logits(s, t, h, H, tau_inv, lam, DIST)
-                logit = tl.where(ok, logit, float("-inf"))
-                w = tl.exp2((logit - (lse * inv_p)[:, None]) * LOG2E)
+                logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
+                y = tl.where(ok, logit - m_i[:, None], float("-inf"))
+                w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
                 if P_ONE:
                     pi = w
                 else:
-                    pi = tl.exp2((p * logit - lse[:, None]) * LOG2E)
+                    pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
                 dv += tl.dot(tl.trans(w.to(do.dtype)), do, input_precision=PREC)
                 dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
                 ds = w * dpv - pi * delta[:, None]
@@ -332,20 +361,20 @@ def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def doc_vectors(doc_ids: torch.Tensor | None, spec: AttentionSpec, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(run starts, run ends) as int32 (B, Lk) -- a query sees keys from its run start on, a key is seen by
-    queries before its run end -- or 1-element dummies when there is no document masking."""
-    if not spec.doc_masking or doc_ids is None:
+def _documents(doc_ids: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(run starts, run ends) as int32 (B, Lk) from `mods.document_bounds`, or 1-element dummies without
+    documents."""
+    if doc_ids is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return dummy, dummy
-    _, start = fn.segments(doc_ids)
-    length = doc_ids.shape[-1]
-    last = torch.ones_like(doc_ids, dtype=torch.bool)
-    last[..., :-1] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    index = torch.arange(1, length + 1, device=doc_ids.device).expand_as(doc_ids)
-    end = torch.where(last, index, torch.full_like(index, length)).flip(-1).cummin(-1).values.flip(-1)
-    return (start.to(device=device, dtype=torch.int32).contiguous(),
-            end.to(device=device, dtype=torch.int32).contiguous())
+    return tuple(x.to(device=device, dtype=torch.int32).contiguous() for x in mods.document_bounds(doc_ids))
+
+
+def _slopes(spec: AttentionSpec, heads: int, device) -> torch.Tensor:
+    """`mods.alibi_slopes` (float32) for ALiBi, else a 1-element dummy."""
+    if spec.distance != "alibi":
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return mods.alibi_slopes(heads, device=device)
 
 
 def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_docs: bool) -> dict:
@@ -357,21 +386,23 @@ def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                 P_ONE=p == 1.0, PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
-def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, has_docs: bool):
-    """Run the forward kernel on padded inputs. Returns (out (B, H, Lq, Dv) contiguous, LSE_p (B, H, Lq) fp32)."""
+def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Tensor, has_docs: bool):
+    """Run the forward kernel on padded inputs. Returns (out (B, H, Lq, Dv) contiguous, LSE_1, row max m, log S_p),
+    the last three (B, H, Lq) float32."""
     b, h, lq, _ = q.shape
     out = torch.empty((b, h, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    row_max = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
+    log_sp, lse_1 = torch.empty_like(row_max), torch.empty_like(row_max)
     cfg = _configs("fwd", max(q.shape[-1], v.shape[-1]))
     grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
-    _fwd_kernel[grid](q, k, v, out, lse, starts, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                      *out.stride()[:3], starts.stride(0) if has_docs else 0,
+    _fwd_kernel[grid](q, k, v, out, row_max, log_sp, lse_1, starts, slopes, *q.stride()[:3], *k.stride()[:3],
+                      *v.stride()[:3], *out.stride()[:3], starts.stride(0) if has_docs else 0,
                       **_scalars(spec, q, k, v, has_docs), **cfg)
-    return out, lse
+    return out, lse_1, row_max, log_sp
 
 
-def backward(q, k, v, out, d_out, lse, spec: AttentionSpec, starts, ends, has_docs: bool):
-    """dq, dk, dv (contiguous) from the saved forward tensors and LSE_p."""
+def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, ends, slopes, has_docs: bool):
+    """dq, dk, dv (contiguous) from the saved forward tensors (row max m and log S_p)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
@@ -384,50 +415,51 @@ def backward(q, k, v, out, d_out, lse, spec: AttentionSpec, starts, ends, has_do
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts)
     cfg = _configs("dq", max(d, v.shape[-1]))
     _bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, d_out, dq, lse, delta, starts, *strides, **sc, **cfg)
+        q, k, v, d_out, dq, row_max, log_sp, delta, starts, slopes, *strides, **sc, **cfg)
     cfg = _configs("dkdv", max(d, v.shape[-1]))
     _bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, d_out, dk, dv, lse, delta, starts, ends, *strides, HKV=hkv, **sc, **cfg)
+        q, k, v, d_out, dk, dv, row_max, log_sp, delta, starts, ends, slopes, *strides, HKV=hkv, **sc, **cfg)
     return dq, dk, dv
 
 
 class _TritonPSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec, starts, ends, has_docs):
-        out, lse = forward(q, k, v, spec, starts, has_docs)
-        ctx.save_for_backward(q, k, v, out, lse, starts, ends)
+    def forward(ctx, q, k, v, spec, starts, ends, slopes, has_docs):
+        out, lse_1, row_max, log_sp = forward(q, k, v, spec, starts, slopes, has_docs)
+        ctx.save_for_backward(q, k, v, out, row_max, log_sp, starts, ends, slopes)
         ctx.spec, ctx.has_docs = spec, has_docs
-        return out
+        lse_p = spec.softmax_p * row_max + log_sp
+        ctx.mark_non_differentiable(lse_1, lse_p)
+        return out, lse_1, lse_p
 
     @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse, starts, ends = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, d_out, lse, ctx.spec, starts, ends, ctx.has_docs)
-        return dq, dk, dv, None, None, None, None
+    def backward(ctx, d_out, _d_lse1, _d_lsep):
+        q, k, v, out, row_max, log_sp, starts, ends, slopes = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, out, d_out, row_max, log_sp, ctx.spec, starts, ends, slopes, ctx.has_docs)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-              doc_ids: torch.Tensor | None = None, *, return_lse: bool = False):
+              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False):
     """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D|Dv).
 
-    Returns ``out`` or, with ``return_lse`` (no autograd), ``(out, LSE_p)`` with LSE_p (B, H, Lq).
+    Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
-    reason = unsupported(spec, qs, False)
+    reason = unsupported(spec, k, False, mask is not None)          # k: the kernel runs in the keys' dtype
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this: {reason}")
     if v.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"backend 'triton' takes value head_dim <= {MAX_HEAD_DIM}, got {v.shape[-1]}")
-    dtype, dv = qs.dtype, v.shape[-1]
+    dtype, dv = k.dtype, v.shape[-1]
     d_pad, dv_pad = _padded_dim(qs.shape[-1]), _padded_dim(dv)
-    qs, k, v = _pad_last(qs, d_pad), _pad_last(k.to(dtype), d_pad), _pad_last(v.to(dtype), dv_pad)
-    has_docs = spec.doc_masking and doc_ids is not None
-    starts, ends = doc_vectors(doc_ids, spec, qs.device)
-    if return_lse:
-        with torch.no_grad():
-            out, lse = forward(qs, k, v, spec, starts, has_docs)
-        return out[..., :dv], lse
-    out = _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, has_docs)
-    return out if dv == dv_pad else out[..., :dv]
+    qs, k, v = _pad_last(qs.to(dtype), d_pad), _pad_last(k, d_pad), _pad_last(v.to(dtype), dv_pad)
+    docs = doc_ids if spec.doc_masking else None
+    starts, ends = _documents(docs, qs.device)
+    slopes = _slopes(spec, qs.shape[1], qs.device)
+    has_docs = docs is not None
+    out, lse_1, lse_p = _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, slopes, has_docs)
+    out = out if dv == dv_pad else out[..., :dv]
+    return (out, lse_1, lse_p) if return_lse else out
 
 
-__all__ = ["attention", "unsupported", "forward", "backward", "doc_vectors", "INTERPRETED"]
+__all__ = ["attention", "unsupported", "forward", "backward", "INTERPRETED"]
