@@ -233,7 +233,7 @@ def test_plan_mask_turns_padding_into_documents():
     allowed = torch.ones(lq, lk).tril().bool()[None, None].repeat(2, 1, 1, 1)
     allowed[0, :, :, :2] = False                          # row 0: two padding keys (left padding)
     plan = lhf.plan_mask(allowed, lq, lk, window=None)
-    assert plan.dense is None and plan.doc_ids.tolist() == [[0, 0, 1, 1, 1, 1], [0] * 6]
+    assert not plan.explicit and plan.doc_ids.tolist() == [[0, 0, 1, 1, 1, 1], [0] * 6]
     assert lhf.plan_mask(allowed[1:], lq, lk, window=None).doc_ids is None     # plain causal: no documents
     decode = allowed[:, :, -1:]                           # one cached-decoding query
     assert lhf.plan_mask(decode, 1, lk, window=None).doc_ids.tolist() == [[0, 0, 1, 1, 1, 1], [0] * 6]

@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lengthgen"
 
 #: top to bottom; a module may import its own layer and the layers below it
 LAYERS = ("cli", "experiments", "hf", "report", "train", "eval", "model", "data", "attention", "base")
-#: modules whose layer is not their package's, by module name (so that moving one keeps its layer)
+#: modules whose layer is not their package's, by module name (so that moving one keeps its layer); the hf
+#: package's modules are hf whatever their name (``lengthgen.hf.retrofit`` retrofits transformers models)
 BY_NAME = {"__main__": "cli", "compare": "experiments", "retrofit": "experiments", "theory": "experiments",
            "bench": "experiments", "needle": "experiments", "position_eval": "eval"}
 BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.version")
@@ -24,7 +25,7 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if module in BASE:
         return "base"
-    if parts[-1] in BY_NAME:
+    if parts[-1] in BY_NAME and parts[1] != "hf":
         return BY_NAME[parts[-1]]
     if parts[1] in LAYERS:
         return parts[1]

@@ -68,9 +68,13 @@ class Attention(nn.Module):
         self.scaling = QueryScaling(spec, heads, multiplier)
         self.out_norm = OutNorm(spec, heads, self.head_dim)
         self.gate = OutputGate(spec, dim, heads, self.head_dim)
-        fraction = {"nope": 0.0, "rope": 1.0, "prope": spec.prope_fraction}[spec.position]
-        self.register_buffer("rope_freqs", fn.rope_frequencies(self.head_dim, spec.rope_theta, fraction),
-                             persistent=False)
+        self.register_buffer("rope_freqs", self.rope_frequencies(), persistent=False)
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """The ``rope_freqs`` buffer's value: RoPE / p-RoPE frequencies of the spec (all 0 for NoPE). The buffer is
+        not saved: loaders that build the layer on the meta device (transformers) recompute it from this."""
+        fraction = {"nope": 0.0, "rope": 1.0, "prope": self.spec.prope_fraction}[self.spec.position]
+        return fn.rope_frequencies(self.head_dim, self.spec.rope_theta, fraction)
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, length, _ = x.shape

@@ -1,0 +1,134 @@
+"""Local transformers models by position: loading without downloads, per-token losses, and `evaluate_hf` through
+lengthgen's one evaluator (`lengthgen.eval.evaluate` with the `measure_hf` adapter)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lengthgen.config import ConfigError
+from lengthgen.eval import LongDocuments, RunEval, evaluate
+from lengthgen.hf.registry import register, require_transformers
+from lengthgen.hf.retrofit import from_pretrained
+
+# Causal LMs whose logits are exactly lm_head(final hidden states): `token_losses` can chunk the vocabulary matmul.
+_PLAIN_LM_HEADS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
+def model_folder(path: str | os.PathLike) -> Path:
+    """``path`` as a local model folder; FileNotFoundError naming it if it is not a directory with a config.json."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        what = "does not exist" if not folder.exists() else ("is not a directory" if not folder.is_dir()
+                                                            else "has no config.json")
+        raise FileNotFoundError(f"HF model path {str(path)!r} {what}: expected a local directory saved with "
+                                "save_pretrained or lengthgen export (models are never downloaded)")
+    return folder
+
+
+def load_local_model(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
+    """Load a causal LM from a local directory (never downloads), in eval mode.
+
+    A directory saved after `retrofit` (``lengthgen_spec`` in its config) or written by ``lengthgen export`` is
+    loaded with `lengthgen.hf.from_pretrained`; other models with their default attention. Raises
+    FileNotFoundError naming ``path`` if it is not a local directory with a ``config.json``.
+    """
+    transformers = require_transformers()
+    register()
+    folder = model_folder(path)
+    kwargs["local_files_only"] = True
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    if getattr(config, "lengthgen_spec", None) is not None or config.model_type == "lengthgen":
+        model = from_pretrained(folder, config=config, **kwargs)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, **kwargs)
+    return model.eval()
+
+
+@torch.no_grad()
+def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_logits: int = 1 << 26) -> torch.Tensor:
+    """Per-token next-token NLL, float32 (B, L-1): column j is -log p(tokens[:, j+1] | tokens[:, :j+1]).
+
+    ``attention_mask`` (B, L), 1 = token: targets that are padding get NaN. For plain decoder LMs (Llama,
+    Mistral, Qwen2/3) the vocabulary projection runs in chunks of at most ``max_logits`` logits, so long
+    sequences do not materialize (B, L, V) at once.
+    """
+    device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    if tokens.dim() != 2 or tokens.shape[1] < 2:
+        raise ValueError(f"token_losses expects (batch, length >= 2) token ids, got shape {tuple(tokens.shape)}")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+    targets = tokens[:, 1:]
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(model).__name__ in _PLAIN_LM_HEADS and base is not None and head is not None:
+        hidden = base(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
+        b, n = targets.shape
+        step = max(1, max_logits // max(1, b * head.weight.shape[0]))
+        parts = [torch.nn.functional.cross_entropy(head(hidden[:, i:i + step]).float().transpose(1, 2),
+                                                   targets[:, i:i + step], reduction="none")
+                 for i in range(0, n, step)]
+        nll = torch.cat(parts, dim=1)
+    else:
+        logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    if attention_mask is not None:
+        nll = nll.masked_fill(attention_mask[:, 1:] == 0, float("nan"))
+    return nll
+
+
+def measure_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Tensor]:
+    """The evaluator's adapter (`lengthgen.eval.Measure`) for a causal LM: ``loss`` per position from
+    `token_losses` on the batch's tokens followed by its last target (NaN outside the loss mask)."""
+    tokens = torch.cat([batch.tokens, batch.targets[:, -1:]], dim=1)
+    return {"loss": token_losses(model, tokens).masked_fill(~batch.loss_mask, float("nan"))}
+
+
+def _tokenizer(path: str | os.PathLike, name: str | None) -> Any:
+    """The lengthgen tokenizer ``name``, or the model folder's own ``tokenizer.json`` when ``name`` is None."""
+    from lengthgen.data.text import ResourceUnavailableError, make_tokenizer
+
+    if name is None:
+        if not (model_folder(path) / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"HF model folder {str(path)!r} has no tokenizer.json: save the model's tokenizer "
+                                    "there (tokenizer.save_pretrained) or name one (lengthgen eval --tokenizer byte, "
+                                    "gpt2 or hf:PATH)")
+        name = f"hf:{path}"
+    try:
+        return make_tokenizer(name)
+    except (ValueError, ResourceUnavailableError) as err:
+        raise ConfigError(f"tokenizer: {err}", "tokenizer") from None
+
+
+def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 1024),
+                tokens: int = 8192, split: str = "val", seed: int = 0, tokenizer: str | None = None) -> RunEval:
+    """Loss by position of a local HF model (`load_local_model`) on single long documents of ``corpus``'s
+    ``split``: `lengthgen.eval.evaluate` with `measure_hf`, in the model's own dtype.
+
+    ``tokenizer``: a lengthgen tokenizer name (``byte``, ``gpt2``, ``hf:PATH``); default the folder's own
+    ``tokenizer.json`` (FileNotFoundError naming the folder when it has none). A tokenizer with more ids than
+    the model's embedding raises `ConfigError`.
+    """
+    from lengthgen.data.text import make_text_data
+
+    tok = _tokenizer(path, tokenizer)
+    model = load_local_model(path)
+    rows = model.get_input_embeddings().num_embeddings
+    if tok.vocab_size > rows:
+        raise ConfigError(f"tokenizer: {tok.name!r} has {tok.vocab_size} ids but the model at {str(path)!r} embeds "
+                          f"only {rows}", "tokenizer")
+    data = make_text_data(corpus, tok, split=split)
+    source = LongDocuments([(f"{split} split", data)], data)
+    result = evaluate(model, source, list(lengths), tokens_per_length=tokens, seed=seed, diagnostics=False,
+                      measure=measure_hf)
+    return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split, "tokenizer": tok.name})
+
+
+__all__ = ["evaluate_hf", "load_local_model", "measure_hf", "model_folder", "token_losses"]

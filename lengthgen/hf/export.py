@@ -1,0 +1,76 @@
+"""``lengthgen export RUN --out DIR``: a trained run as a transformers model folder.
+
+The folder holds ``config.json`` (model type ``"lengthgen"``: `LengthgenConfig` with the run's `GPTConfig`),
+``model.safetensors`` and ``generation_config.json``, plus the run's tokenizer where transformers can load it:
+the byte tokenizer as a ``tokenizers`` byte-level tokenizer with the same ids (UTF-8 bytes 0..255, then
+``<|bos|>``, ``<|eos|>``, ``<|pad|>`` = 256, 257, 258), an ``hf:`` tokenizer as its own ``tokenizer.json``.
+`lengthgen.hf.from_pretrained(DIR)` and ``AutoModelForCausalLM.from_pretrained(DIR)`` (after
+`lengthgen.hf.register`) load it with the native model's logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lengthgen.data.text import ByteTokenizer, HFTokenizer, make_tokenizer
+from lengthgen.hf.registry import register, require_transformers
+from lengthgen.train import load_run
+
+
+def byte_tokenizer() -> Any:
+    """`ByteTokenizer` as a transformers fast tokenizer (same ids for every text, same decoding)."""
+    require_transformers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = bytes_to_unicode()                             # byte -> the printable character ByteLevel uses for it
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    # the special tokens are added after the 256 bytes, in ByteTokenizer's order: BOS 256, EOS 257, PAD 258
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>")
+
+
+def _tokenizer(cfg: Any) -> tuple[Any | None, str]:
+    """(the run's tokenizer as a transformers tokenizer, or None; what the export says about it)."""
+    if cfg.data.kind != "text":
+        return None, f"no tokenizer: a {cfg.data.task!r} task run's ids are the task's symbols"
+    name = cfg.data.text.get("tokenizer", "byte")
+    tok = make_tokenizer(name)
+    if isinstance(tok, ByteTokenizer):
+        return byte_tokenizer(), "tokenizer: byte-level, the same ids as lengthgen's byte tokenizer"
+    if isinstance(tok, HFTokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        fast = PreTrainedTokenizerFast(tokenizer_file=str(tok.path))
+        return fast, f"tokenizer: {tok.path}"
+    return None, (f"no tokenizer: {tok.name!r} is a tiktoken encoding, which transformers cannot load from a "
+                  "folder; save the matching transformers tokenizer there (e.g. GPT-2's for gpt2)")
+
+
+def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[str]:
+    """Write the run folder or checkpoint ``run`` (its BEMA weights with ``bema``) as a transformers model folder
+    ``out`` (new or empty); returns what was written, one line each. FileExistsError if ``out`` holds files;
+    `ConfigError` for a run whose head is not ``lm``."""
+    register()
+    from lengthgen.hf.model import LengthgenForCausalLM
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"export folder {out} is not empty: choose a new folder")
+    cfg, gpt = load_run(run, bema=bema)
+    tokenizer, note = _tokenizer(cfg)
+    ids = {} if tokenizer is None else {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id")
+                                        for k in ("bos", "eos", "pad")}
+    model = LengthgenForCausalLM.from_gpt(gpt, **ids)
+    model.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    weights = "BEMA weights" if bema else "weights"
+    return [f"model: {out / 'config.json'}, {out / 'model.safetensors'} ({weights} of {run})", note]
+
+
+__all__ = ["byte_tokenizer", "export_run"]

@@ -1,0 +1,121 @@
+"""lengthgen's `GPT` as a transformers model (model type ``"lengthgen"``): what ``lengthgen export`` writes.
+
+`LengthgenForCausalLM` wraps the `GPT` built from `LengthgenConfig.gpt` (the run's `GPTConfig`, every option),
+so a loaded export runs lengthgen's own modules and math and its logits are the native model's. After
+`lengthgen.hf.register` (done when `lengthgen.hf` is imported), ``AutoModelForCausalLM.from_pretrained(DIR)``
+loads an exported folder. Generation works through transformers' ``generate`` without a KV cache (each step
+recomputes the sequence); rows are never padded (``attention_mask`` must be all ones).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+from lengthgen.attention.module import Attention
+from lengthgen.config import ConfigError
+from lengthgen.hf.registry import NAME
+from lengthgen.model import GPT, GPTConfig
+
+
+class LengthgenConfig(PretrainedConfig):
+    """transformers config of an exported lengthgen model. ``gpt``: its `GPTConfig` as a dict (checked here:
+    a bad value raises `ConfigError` naming the key). The transformers names (``vocab_size``, ``hidden_size``,
+    ``num_hidden_layers``, ``num_attention_heads``, ``tie_word_embeddings``) are read from it; the model has
+    no KV cache (``use_cache`` is False)."""
+
+    model_type = NAME
+
+    def __init__(self, gpt: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.gpt = GPTConfig.from_dict(gpt or {}).to_dict()
+        kwargs["tie_word_embeddings"] = self.gpt["tie_embeddings"]
+        kwargs["use_cache"] = False
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.gpt["vocab_size"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gpt["dim"]
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.gpt["layers"]
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.gpt["heads"]
+
+
+class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
+    """A lengthgen `GPT` with an ``lm`` head (``self.model``) as a transformers causal LM.
+
+    ``forward(input_ids, attention_mask=None, labels=None, doc_ids=None)``: logits (B, L, V) of the wrapped GPT
+    (``doc_ids``: its document masking); with ``labels``, transformers' shifted causal-LM loss.
+    """
+
+    config_class = LengthgenConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
+
+    def __init__(self, config: LengthgenConfig) -> None:
+        super().__init__(config)
+        gpt = GPTConfig.from_dict(config.gpt)
+        if gpt.resolved_head != "lm":
+            raise ConfigError(f"GPTConfig.head={gpt.head!r} has no transformers causal-LM form; only lm heads are "
+                              "exported (regress and classify heads are not)", "GPTConfig.head")
+        self.model = GPT(gpt)
+        self.post_init()
+
+    @classmethod
+    def from_gpt(cls, gpt: GPT, **config_kwargs: Any) -> "LengthgenForCausalLM":
+        """The transformers form of ``gpt`` (its config and a copy of its weights), in eval mode.
+        ``config_kwargs`` go to `LengthgenConfig` (e.g. ``bos_token_id``)."""
+        model = cls(LengthgenConfig(gpt=gpt.config.to_dict(), **config_kwargs))
+        model.model.load_state_dict(gpt.state_dict())
+        return model.eval()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """Weights come from the GPT's own init or the checkpoint; only the RoPE frequencies (a buffer that is not
+        saved, left empty when transformers builds the model on the meta device) are recomputed."""
+        if isinstance(module, Attention):
+            with torch.no_grad():
+                module.rope_freqs.copy_(module.rope_frequencies())
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.embed = value
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.head
+
+    def set_output_embeddings(self, value: torch.nn.Module) -> None:
+        self.model.head = value
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                **kwargs: Any) -> CausalLMOutput:
+        """Logits of ``input_ids`` (B, L); transformers' generation arguments (``past_key_values``, ``use_cache``,
+        ``cache_position``, ``return_dict``) are accepted and ignored."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("LengthgenForCausalLM has no padding: pass rows without padding (attention_mask all "
+                             "ones), packed documents as doc_ids")
+        for name in ("inputs_embeds", "position_ids"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"LengthgenForCausalLM does not take {name} (positions come from each layer's spec)")
+        logits = self.model(input_ids, doc_ids=doc_ids)
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                              vocab_size=self.config.vocab_size)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+__all__ = ["LengthgenConfig", "LengthgenForCausalLM"]
