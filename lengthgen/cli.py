@@ -160,6 +160,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", default="stdlib", help="with --hf: text corpus (stdlib, a path, bin:GLOB)")
+    p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
     p.add_argument("--out", "-o", help="write the results JSON here")
 
 
@@ -171,7 +172,8 @@ def eval_command(args: argparse.Namespace) -> int:
     if args.hf:
         from lengthgen.hf import evaluate_hf
 
-        result = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024], tokens=args.tokens)
+        result = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024], tokens=args.tokens,
+                             tokenizer=args.tokenizer)
         train_length = None
     else:
         if not args.run:
@@ -184,6 +186,22 @@ def eval_command(args: argparse.Namespace) -> int:
     print(run_summary(result, train_length=train_length))
     if args.out:
         result.save(args.out)
+    return 0
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a trained run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("--out", "-o", required=True, help="the Hugging Face model folder to write (new or empty)")
+    p.add_argument("--bema", action="store_true", help="export the BEMA weights")
+
+
+@command("export", _export_args)
+def export_command(args: argparse.Namespace) -> int:
+    """Write a trained run as a Hugging Face model folder (lengthgen.hf.from_pretrained or AutoModelForCausalLM)."""
+    from lengthgen.hf import export_run
+
+    for line in export_run(args.run, args.out, bema=args.bema):
+        print(line)
     return 0
 
 

@@ -5,6 +5,7 @@ Offline: models are built from configs, never downloaded.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -239,8 +240,72 @@ def test_plan_mask_turns_padding_into_documents():
     assert lhf.plan_mask(decode, 1, lk, window=None).doc_ids.tolist() == [[0, 0, 1, 1, 1, 1], [0] * 6]
 
 
+def test_a_mask_is_planned_once_per_forward(monkeypatch):
+    """Every layer of a forward gets the same mask object, which keeps its plan: no global cache."""
+    calls = []
+    plan = lhf.masks.plan_mask
+    monkeypatch.setattr(lhf.masks, "plan_mask", lambda *a, **kw: calls.append(1) or plan(*a, **kw))
+    model = quiet_retrofit(tiny("llama"), "l2")
+    ids, mask = batch()
+    first = logits(model, ids, mask)
+    assert len(calls) == 1                                # two layers, one plan
+    torch.testing.assert_close(logits(model, ids, mask), first, rtol=0, atol=0)
+    assert len(calls) == 2                                # a new forward builds a new mask
+    explicit = torch.ones(16, 16).tril().bool()[None, None].expand(2, 1, 16, 16).clone()
+    logits(model, ids, explicit)
+    logits(model, ids, explicit)
+    assert len(calls) == 3                                # the same mask object: planned once
+    explicit[:, :, 5:, :2] = False                        # changed in place: planned again
+    logits(model, ids, explicit)
+    assert len(calls) == 4
+
+
 # ---------------------------------------------------------------------------------------------------
 # retrofit, finetuning, save / reload
+
+
+def test_retrofit_gives_the_model_its_own_config():
+    """Two models built from one config object: retrofitting one changes neither the other's config, nor its
+    attention, nor what it saves."""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      initializer_range=0.1, attn_implementation="eager")
+    torch.manual_seed(0)
+    a, b = transformers.LlamaForCausalLM(config).eval(), transformers.LlamaForCausalLM(config).eval()
+    b.load_state_dict(a.state_dict())
+    ids, mask = batch()
+    want = logits(b, ids, mask)
+    quiet_retrofit(a, "l2")
+    assert a.config is not config and a.config.lengthgen_spec == AttentionSpec.preset("l2").to_dict()
+    assert all(m.config is a.config for _, m in lhf.attention_modules(a))
+    assert getattr(b.config, "lengthgen_spec", None) is None and b.config._attn_implementation == "eager"
+    assert all(m.config is config for _, m in lhf.attention_modules(b))
+    torch.testing.assert_close(logits(b, ids, mask), want, rtol=0, atol=0)
+    assert not torch.allclose(logits(a, ids, mask)[mask.bool()], want[mask.bool()], atol=1e-3)
+    assert "lengthgen_spec" not in b.config.to_dict()
+
+
+def test_register_is_idempotent_and_reload_changes_no_transformers_class(tmp_path):
+    lhf.register()
+    lhf.register()
+    assert transformers.AttentionInterface()["lengthgen"] is lhf.lengthgen_attention_forward
+    assert transformers.AutoConfig.for_model("lengthgen").model_type == "lengthgen"
+    model = quiet_retrofit(tiny("llama"), FULL)
+    randomize_retrofit(model)
+    model.save_pretrained(tmp_path)
+    cls = transformers.LlamaForCausalLM
+    before = dict(vars(cls))
+    reports = []
+    handler = logging.Handler()
+    handler.emit = reports.append
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addHandler(handler)
+    try:
+        again = lhf.from_pretrained(tmp_path)
+    finally:
+        logger.removeHandler(handler)
+    assert dict(vars(cls)) == before and type(again) is cls
+    assert not any("lengthgen" in r.getMessage() for r in reports)   # the load report has nothing to say
 
 
 @pytest.mark.parametrize("kind", MODELS)

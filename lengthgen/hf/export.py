@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lengthgen.config import ConfigError
 from lengthgen.data.text import ByteTokenizer, HFTokenizer, make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
 from lengthgen.train import load_run
@@ -62,6 +63,9 @@ def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"export folder {out} is not empty: choose a new folder")
     cfg, gpt = load_run(run, bema=bema)
+    if gpt.head_kind != "lm":
+        raise ConfigError(f"{run}: model.head={gpt.head_kind!r} cannot be exported; transformers models are causal "
+                          "LMs, so only runs with the lm head are (not regress or classify)", "model.head")
     tokenizer, note = _tokenizer(cfg)
     ids = {} if tokenizer is None else {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id")
                                         for k in ("bos", "eos", "pad")}

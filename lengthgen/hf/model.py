@@ -63,7 +63,6 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["Block"]
-    _tied_weights_keys = {"model.head.weight": "model.embed.weight"}
 
     def __init__(self, config: LengthgenConfig) -> None:
         super().__init__(config)
@@ -72,6 +71,7 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
             raise ConfigError(f"GPTConfig.head={gpt.head!r} has no transformers causal-LM form; only lm heads are "
                               "exported (regress and classify heads are not)", "GPTConfig.head")
         self.model = GPT(gpt)
+        self._tied_weights_keys = self._shared_parameters()
         self.post_init()
 
     @classmethod
@@ -81,6 +81,23 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
         model = cls(LengthgenConfig(gpt=gpt.config.to_dict(), **config_kwargs))
         model.model.load_state_dict(gpt.state_dict())
         return model.eval()
+
+    def _shared_parameters(self) -> dict[str, str]:
+        """The parameters the GPT shares (tied embeddings, the one ``global`` query-scaling multiplier): every
+        further name -> the first name of the same parameter."""
+        first: dict[int, str] = {}
+        tied = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                tied[name] = first[id(p)]
+            else:
+                first[id(p)] = name
+        return tied
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict[str, str]:
+        """transformers' tied-weights map: the GPT's shared parameters, so each is saved once and tied again on
+        load (whatever ``tie_word_embeddings`` says: the multiplier is shared too)."""
+        return dict(self._tied_weights_keys)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Weights come from the GPT's own init or the checkpoint; only the RoPE frequencies (a buffer that is not
@@ -101,11 +118,16 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: torch.nn.Module) -> None:
         self.model.head = value
 
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                      **kwargs: Any) -> dict[str, Any]:
+        """Generation without a KV cache: every step runs the whole sequence."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 **kwargs: Any) -> CausalLMOutput:
-        """Logits of ``input_ids`` (B, L); transformers' generation arguments (``past_key_values``, ``use_cache``,
-        ``cache_position``, ``return_dict``) are accepted and ignored."""
+        """Logits of ``input_ids`` (B, L); transformers' other arguments (``use_cache``, ``return_dict``, ...) are
+        accepted and ignored."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("LengthgenForCausalLM has no padding: pass rows without padding (attention_mask all "
                              "ones), packed documents as doc_ids")

@@ -1,0 +1,203 @@
+"""`lengthgen export RUN --out DIR`: a run as a transformers model folder that loads with the native logits.
+
+Offline: runs are tiny (written directly, or trained for two steps), nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="lengthgen.hf needs transformers (pip install lengthgen[hf])")
+
+import lengthgen.hf as lhf  # noqa: E402
+from lengthgen.cli import main  # noqa: E402
+from lengthgen.config import ConfigError  # noqa: E402
+from lengthgen.data.text import ByteTokenizer, make_text_data  # noqa: E402
+from lengthgen.eval import RunEval, measure_gpt  # noqa: E402
+from lengthgen.hf.model import LengthgenConfig, LengthgenForCausalLM  # noqa: E402
+from lengthgen.model import GPT  # noqa: E402
+from lengthgen.train import load_run, train  # noqa: E402
+from lengthgen.train.checkpoint import save_checkpoint  # noqa: E402
+from lengthgen.train.config import RunConfig  # noqa: E402
+
+# Every parameterized attention knob at once, and each norm placement, with the GPT options around them.
+FULL = {"softmax_p": 2.0, "query_scaling": "log_n", "learnable_scaling": "global", "distance": "alibi",
+        "position": "nope", "out_norm": "head_layer", "out_norm_affine": True, "gate": "head",
+        "gate_act": "2sigmoid"}
+CASES = {
+    "baseline-pre": {"attention": "baseline"},
+    "full-post": {"attention": FULL, "norm_placement": "post", "norm": "rms", "tie_embeddings": False,
+                  "logit_cap": 5.0},
+    "sqrt_log_n-hybrid_star": {"attention": "sqrt_log_n", "norm_placement": "hybrid_star", "mlp": "relu2"},
+    "prope_gqa-peri-batchnorm": {"attention": {"position": "prope", "kv_heads": 1, "distance": "scale_invariant",
+                                               "learnable_scaling": "head", "query_scaling": "sqrt_log_n"},
+                                 "norm_placement": "peri", "norm": "batch", "head_dim": 8},
+    "layer_rules-mix": {"attention": {"window": 8, "gate": "elementwise"}, "norm_placement": "mix", "layers": 3,
+                        "mix_alpha": 0.5, "layer_attention": [{"every": 2, "spec": "nope_avnorm"},
+                                                              {"layers": [-1], "spec": "log_bias"}]},
+}
+VOCAB = 40
+
+
+def written_run(folder, model: dict, seed: int = 0):
+    """A run folder holding one checkpoint of a GPT whose every weight and buffer is moved off its init."""
+    cfg = RunConfig.from_dict({"model": {"dim": 32, "layers": 2, "heads": 2, "mlp_ratio": 2.0, "vocab_size": VOCAB,
+                                         "head": "lm", **model}})
+    torch.manual_seed(seed)
+    gpt = GPT(cfg.model)
+    with torch.no_grad():
+        for name, t in gpt.state_dict().items():
+            if t.is_floating_point():
+                t.add_(torch.randn_like(t) * 0.2)
+    save_checkpoint(folder, 1, gpt, [], {"config": cfg.to_dict()})
+    return folder
+
+
+def tokens(length=24, seed=5):
+    return torch.randint(VOCAB, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_loads_with_the_native_logits(case, tmp_path):
+    run = written_run(tmp_path / "run", CASES[case])
+    _, native = load_run(run)
+    lines = lhf.export_run(run, tmp_path / "hf")
+    assert "config.json" in lines[0] and "no tokenizer" in lines[1]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "lengthgen" and config["gpt"] == native.config.to_dict()
+    ids = tokens()
+    with torch.no_grad():
+        want = native(ids)
+        for model in (lhf.from_pretrained(tmp_path / "hf"),
+                      transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")):
+            assert isinstance(model, LengthgenForCausalLM) and not model.training
+            torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=0)
+
+
+def test_exported_model_generates_greedily_and_computes_the_lm_loss(tmp_path):
+    run = written_run(tmp_path / "run", CASES["full-post"])
+    _, native = load_run(run)
+    lhf.export_run(run, tmp_path / "hf")
+    model = lhf.from_pretrained(tmp_path / "hf")
+    prompt = tokens(length=6)
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            seq = torch.cat([seq, native(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        got = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, seq)
+        logits = native(seq)
+        want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), seq[:, 1:].flatten())
+        torch.testing.assert_close(model(input_ids=seq, labels=seq).loss, want)
+    with pytest.raises(ValueError, match="no padding"):
+        model(input_ids=seq, attention_mask=torch.ones_like(seq).index_fill(1, torch.tensor([0]), 0))
+
+
+def test_export_refuses_other_heads_and_used_folders(tmp_path, capsys):
+    run = written_run(tmp_path / "run", {"head": "regress"})
+    with pytest.raises(ConfigError, match="model.head='regress' cannot be exported"):
+        lhf.export_run(run, tmp_path / "hf")
+    assert main(["export", str(run), "--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{run}: model.head='regress'" in err and "only runs with the lm head" in err
+    with pytest.raises(ConfigError, match="only lm heads are exported"):
+        LengthgenForCausalLM(LengthgenConfig(gpt={"vocab_size": VOCAB, "head": "regress"}))
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("keep me")
+    lm_run = written_run(tmp_path / "lm", {})
+    assert main(["export", str(lm_run), "--out", str(used)]) == 2
+    assert "is not empty" in capsys.readouterr().err and (used / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ConfigError, match="GPTConfig.heads"):
+        LengthgenConfig(gpt={"heads": 0})
+
+
+def test_byte_tokenizer_has_the_same_ids_and_decoding():
+    text = "def f(x):\n\treturn x  # ünïcödé 日本語 🙂\r\n  trailing   "
+    fast = lhf.byte_tokenizer()
+    want = ByteTokenizer().encode(text)
+    assert fast(text, add_special_tokens=False)["input_ids"] == want
+    assert fast.decode(want) == text
+    assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (256, 257, 258) and len(fast) == 259
+
+
+# ---------------------------------------------------------------------------------------------------
+# trained runs: a task run and a byte-level text run
+
+
+def _tiny(**data):
+    return RunConfig.from_dict({"model": {"dim": 32, "layers": 2, "heads": 2, "mlp_ratio": 2.0, "attention": "l2"},
+                                "train": {"steps": 2, "batch_size": 4, "eval_batches": 1, "eval_batch_size": 2,
+                                          "eval_lengths": [32], "lr": 3e-3},
+                                "data": {"length": 32, **data}})
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A text run (byte tokenizer) on a folder of small documents, trained for two steps, and its export."""
+    root = tmp_path_factory.mktemp("text")
+    docs = root / "docs"
+    docs.mkdir()
+    for i in range(24):
+        (docs / f"doc{i:02d}.txt").write_text(f"# document {i}: ünïcödé 🙂\n" + "def f(x):\n    return x * 2\n" * 6)
+    cfg = _tiny(kind="text", text={"corpus": str(docs), "tokenizer": "byte", "cache": False, "val_fraction": 0.3})
+    train(cfg, root / "run", progress=False)
+    lhf.export_run(root / "run", root / "hf")
+    return root
+
+
+def test_task_run_exports_with_its_logits(tmp_path):
+    train(_tiny(kind="task", task="dyck"), tmp_path / "run", progress=False)
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    _, native = load_run(tmp_path / "run")
+    ids = torch.randint(native.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(lhf.from_pretrained(tmp_path / "hf")(input_ids=ids).logits, native(ids),
+                                   rtol=0, atol=0)
+
+
+def test_text_run_exports_its_tokenizer_and_the_same_losses(text_run):
+    out = text_run / "hf"
+    assert (out / "tokenizer.json").is_file()
+    assert json.loads((out / "config.json").read_text())["bos_token_id"] == 256
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("ünï 🙂 x", add_special_tokens=False)["input_ids"] == ByteTokenizer().encode("ünï 🙂 x")
+    # the same long documents through lengthgen's tokenizer + native model and the folder's tokenizer + HF model
+    _, native = load_run(text_run / "run")
+    model = lhf.load_local_model(out)
+    docs = str(text_run / "docs")
+    native_data = make_text_data(docs, "byte", split="all", cache=False)
+    hf_data = make_text_data(docs, f"hf:{out}", split="all", cache=False)
+    a, b = native_data.long_batch(48, 3, seed=1), hf_data.long_batch(48, 3, seed=1)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.targets, b.targets)
+    with torch.no_grad():
+        want = measure_gpt(native, native_data, a)["loss"]
+        got = lhf.measure_hf(model, hf_data, b)["loss"]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_eval_hf_without_a_tokenizer_says_what_to_do_or_takes_one(text_run, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((text_run / "hf" / name).read_bytes())
+    corpus = ["--corpus", str(text_run / "docs"), "--lengths", "32", "--tokens", "64"]
+    assert main(["eval", "--hf", str(bare), *corpus]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bare) in err and "--tokenizer byte" in err
+    assert main(["eval", "--hf", str(bare), "--tokenizer", "byte", *corpus, "--out", str(tmp_path / "b.json")]) == 0
+    assert main(["eval", "--hf", str(text_run / "hf"), *corpus, "--out", str(tmp_path / "own.json")]) == 0
+    byte, own = RunEval.load(tmp_path / "b.json"), RunEval.load(tmp_path / "own.json")
+    assert byte.at(32).at_length["loss"] == pytest.approx(own.at(32).at_length["loss"], rel=1e-6)
+    assert main(["eval", "--hf", str(bare), "--tokenizer", "nonsense", *corpus]) == 2
+    assert "unknown tokenizer 'nonsense'" in capsys.readouterr().err
+
+
+def test_eval_hf_refuses_a_tokenizer_larger_than_the_model(tmp_path, capsys):
+    run = written_run(tmp_path / "run", {})
+    lhf.export_run(run, tmp_path / "hf")
+    assert main(["eval", "--hf", str(tmp_path / "hf"), "--tokenizer", "byte", "--lengths", "32"]) == 2
+    assert f"'byte' has 259 ids but the model at '{tmp_path / 'hf'}' embeds only {VOCAB}" in capsys.readouterr().err
