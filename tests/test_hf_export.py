@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="lengthgen.hf needs tr
 import lengthgen.hf as lhf  # noqa: E402
 from lengthgen.cli import main  # noqa: E402
 from lengthgen.config import ConfigError  # noqa: E402
-from lengthgen.data.text import ByteTokenizer, make_text_data  # noqa: E402
+from lengthgen.data.text import ByteTokenizer, HFTokenizer, make_text_data  # noqa: E402
 from lengthgen.eval import RunEval, measure_gpt  # noqa: E402
 from lengthgen.hf.model import LengthgenConfig, LengthgenForCausalLM  # noqa: E402
 from lengthgen.model import GPT  # noqa: E402
@@ -42,10 +42,10 @@ CASES = {
 VOCAB = 40
 
 
-def written_run(folder, model: dict, seed: int = 0):
+def written_run(folder, model: dict, seed: int = 0, data: dict | None = None):
     """A run folder holding one checkpoint of a GPT whose every weight and buffer is moved off its init."""
     cfg = RunConfig.from_dict({"model": {"dim": 32, "layers": 2, "heads": 2, "mlp_ratio": 2.0, "vocab_size": VOCAB,
-                                         "head": "lm", **model}})
+                                         "head": "lm", **model}, "data": data or {}})
     torch.manual_seed(seed)
     gpt = GPT(cfg.model)
     with torch.no_grad():
@@ -75,6 +75,9 @@ def test_export_loads_with_the_native_logits(case, tmp_path):
                       transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")):
             assert isinstance(model, LengthgenForCausalLM) and not model.training
             torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=0, atol=0)
+        dense = lhf.from_pretrained(tmp_path / "hf", backend="dense")
+        assert {a.backend for a in dense.model.attentions} == {"dense"}
+        torch.testing.assert_close(dense(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_exported_model_generates_greedily_and_computes_the_lm_loss(tmp_path):
@@ -115,6 +118,23 @@ def test_export_refuses_other_heads_and_used_folders(tmp_path, capsys):
         LengthgenConfig(gpt={"heads": 0})
 
 
+def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<s>": 0, **{c: i + 1 for i, c in enumerate("abc ")}, "<unk>": 5}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    run = written_run(tmp_path / "run", {}, data={"kind": "text", "text": {"tokenizer": f"hf:{tmp_path / 'tok'}"}})
+    assert lhf.export_run(run, tmp_path / "hf")[1] == f"tokenizer: {tmp_path / 'tok' / 'tokenizer.json'}"
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert saved("ab ca", add_special_tokens=False)["input_ids"] == HFTokenizer(tmp_path / "tok").encode("ab ca")
+    run = written_run(tmp_path / "gpt2", {}, data={"kind": "text", "text": {"tokenizer": "gpt2"}})
+    note = lhf.export_run(run, tmp_path / "hf-gpt2")[1]
+    assert note.startswith("no tokenizer: 'gpt2' is a tiktoken encoding")
+    assert not (tmp_path / "hf-gpt2" / "tokenizer.json").exists()
+
+
 def test_byte_tokenizer_has_the_same_ids_and_decoding():
     text = "def f(x):\n\treturn x  # ünïcödé 日本語 🙂\r\n  trailing   "
     fast = lhf.byte_tokenizer()
@@ -149,14 +169,20 @@ def text_run(tmp_path_factory):
     return root
 
 
-def test_task_run_exports_with_its_logits(tmp_path):
-    train(_tiny(kind="task", task="dyck"), tmp_path / "run", progress=False)
-    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
-    _, native = load_run(tmp_path / "run")
-    ids = torch.randint(native.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+def test_task_run_exports_with_its_logits_and_its_bema_weights(tmp_path):
+    cfg = _tiny(kind="task", task="dyck").override("train.bema.enabled=true")
+    train(cfg, tmp_path / "run", progress=False)
+    vocab = load_run(tmp_path / "run")[1].config.vocab_size
+    ids = torch.randint(vocab, (2, 40), generator=torch.Generator().manual_seed(0))
+    for bema in (False, True):
+        out = tmp_path / f"hf-{bema}"
+        assert main(["export", str(tmp_path / "run"), "--out", str(out)] + ["--bema"] * bema) == 0
+        _, native = load_run(tmp_path / "run", bema=bema)
+        with torch.no_grad():
+            torch.testing.assert_close(lhf.from_pretrained(out)(input_ids=ids).logits, native(ids), rtol=0, atol=0)
     with torch.no_grad():
-        torch.testing.assert_close(lhf.from_pretrained(tmp_path / "hf")(input_ids=ids).logits, native(ids),
-                                   rtol=0, atol=0)
+        assert not torch.equal(lhf.from_pretrained(tmp_path / "hf-True")(input_ids=ids).logits,
+                               lhf.from_pretrained(tmp_path / "hf-False")(input_ids=ids).logits)
 
 
 def test_text_run_exports_its_tokenizer_and_the_same_losses(text_run):

@@ -3,7 +3,8 @@
 The folder holds ``config.json`` (model type ``"lengthgen"``: `LengthgenConfig` with the run's `GPTConfig`),
 ``model.safetensors`` and ``generation_config.json``, plus the run's tokenizer where transformers can load it:
 the byte tokenizer as a ``tokenizers`` byte-level tokenizer with the same ids (UTF-8 bytes 0..255, then
-``<|bos|>``, ``<|eos|>``, ``<|pad|>`` = 256, 257, 258), an ``hf:`` tokenizer as its own ``tokenizer.json``.
+``<|bos|>``, ``<|eos|>``, ``<|pad|>`` = 256, 257, 258), an ``hf:`` tokenizer as its own ``tokenizer.json``;
+tiktoken encodings (``gpt2``) and task runs get none, and the export says why.
 `lengthgen.hf.from_pretrained(DIR)` and ``AutoModelForCausalLM.from_pretrained(DIR)`` (after
 `lengthgen.hf.register`) load it with the native model's logits.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lengthgen.config import ConfigError
-from lengthgen.data.text import ByteTokenizer, HFTokenizer, make_tokenizer
+from lengthgen.data.text import make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
 from lengthgen.train import load_run
 
@@ -40,15 +41,14 @@ def _tokenizer(cfg: Any) -> tuple[Any | None, str]:
     if cfg.data.kind != "text":
         return None, f"no tokenizer: a {cfg.data.task!r} task run's ids are the task's symbols"
     name = cfg.data.text.get("tokenizer", "byte")
-    tok = make_tokenizer(name)
-    if isinstance(tok, ByteTokenizer):
+    if name == "byte":
         return byte_tokenizer(), "tokenizer: byte-level, the same ids as lengthgen's byte tokenizer"
-    if isinstance(tok, HFTokenizer):
+    if name.startswith("hf:"):
         from transformers import PreTrainedTokenizerFast
 
-        fast = PreTrainedTokenizerFast(tokenizer_file=str(tok.path))
-        return fast, f"tokenizer: {tok.path}"
-    return None, (f"no tokenizer: {tok.name!r} is a tiktoken encoding, which transformers cannot load from a "
+        path = make_tokenizer(name).path
+        return PreTrainedTokenizerFast(tokenizer_file=str(path)), f"tokenizer: {path}"
+    return None, (f"no tokenizer: {name!r} is a tiktoken encoding, which transformers cannot load from a model "
                   "folder; save the matching transformers tokenizer there (e.g. GPT-2's for gpt2)")
 
 

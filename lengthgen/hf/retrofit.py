@@ -188,7 +188,7 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
     """Load a model folder (or hub id) saved after `retrofit`, or exported with ``lengthgen export``.
 
     Exported lengthgen runs (model type ``"lengthgen"``) load as `LengthgenForCausalLM` (``spec`` must be None:
-    their specs are in their config). Otherwise the spec comes from ``config.lengthgen_spec`` (or ``spec`` if
+    their specs are in their config; ``backend`` replaces their attention backend). Otherwise the spec comes from ``config.lengthgen_spec`` (or ``spec`` if
     given) and the retrofit parameters from the checkpoint: the base weights are handed to the model class's
     ``from_pretrained`` as its ``state_dict``, then the model is retrofitted and the retrofit parameters copied
     in. A saved model without them raises KeyError, unless ``spec`` is given explicitly: then missing
@@ -208,6 +208,7 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
         if spec is not None:
             raise ValueError(f"{path} is an exported lengthgen model: its attention specs are in its config "
                              "(spec= retrofits transformers models)")
+        config.gpt["attention_backend"] = backend
         return transformers.AutoModelForCausalLM.from_pretrained(path, config=config, **hub_kwargs, **kwargs)
     saved = getattr(config, "lengthgen_spec", None)
     if spec is None and saved is None:
