@@ -162,7 +162,8 @@ def text_run(tmp_path_factory):
     docs = root / "docs"
     docs.mkdir()
     for i in range(24):
-        (docs / f"doc{i:02d}.txt").write_text(f"# document {i}: ünïcödé 🙂\n" + "def f(x):\n    return x * 2\n" * 6)
+        body = "def f(x):\n    return x * 2\n" * 6
+        (docs / f"doc{i:02d}.txt").write_text(f"# document {i}: ünïcödé 🙂\n{body}")
     cfg = _tiny(kind="text", text={"corpus": str(docs), "tokenizer": "byte", "cache": False, "val_fraction": 0.3})
     train(cfg, root / "run", progress=False)
     lhf.export_run(root / "run", root / "hf")

@@ -56,7 +56,8 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
     """A lengthgen `GPT` with an ``lm`` head (``self.model``) as a transformers causal LM.
 
     ``forward(input_ids, attention_mask=None, labels=None, doc_ids=None)``: logits (B, L, V) of the wrapped GPT
-    (``doc_ids``: its document masking); with ``labels``, transformers' shifted causal-LM loss.
+    (``doc_ids``: its document masking); with ``labels``, transformers' shifted causal-LM cross-entropy
+    (``GPTConfig.z_loss`` is a term of lengthgen's own training loss, not added here).
     """
 
     config_class = LengthgenConfig

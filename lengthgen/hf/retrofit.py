@@ -188,18 +188,19 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
     """Load a model folder (or hub id) saved after `retrofit`, or exported with ``lengthgen export``.
 
     Exported lengthgen runs (model type ``"lengthgen"``) load as `LengthgenForCausalLM` (``spec`` must be None:
-    their specs are in their config; ``backend`` replaces their attention backend). Otherwise the spec comes from ``config.lengthgen_spec`` (or ``spec`` if
-    given) and the retrofit parameters from the checkpoint: the base weights are handed to the model class's
-    ``from_pretrained`` as its ``state_dict``, then the model is retrofitted and the retrofit parameters copied
-    in. A saved model without them raises KeyError, unless ``spec`` is given explicitly: then missing
-    parameters keep their retrofit init. ``kwargs`` go to ``from_pretrained`` (``dtype``, ``device_map``,
-    ``local_files_only``, ...); ``backend`` to `retrofit`.
+    their specs are in their config; ``backend``, if given, replaces the run's attention backend). Otherwise
+    the spec comes from ``config.lengthgen_spec`` (or ``spec`` if given) and the retrofit parameters from the
+    checkpoint: the base weights are handed to the model class's ``from_pretrained`` as its ``state_dict``,
+    then the model is retrofitted and the retrofit parameters copied in. A saved model without them raises
+    KeyError, unless ``spec`` is given explicitly: then missing parameters keep their retrofit init.
+    ``kwargs`` go to ``from_pretrained`` (``dtype``, ``device_map``, ``local_files_only``, ...); ``backend``
+    (default auto) to `retrofit`.
     """
     transformers = require_transformers()
     register()
     from lengthgen.hf.model import LengthgenConfig
 
-    backend = kwargs.pop("backend", "auto")
+    backend = kwargs.pop("backend", None)
     config = kwargs.pop("config", None)
     hub_kwargs = {k: kwargs.pop(k) for k in _HUB_KEYS if k in kwargs}
     if config is None:
@@ -208,7 +209,8 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
         if spec is not None:
             raise ValueError(f"{path} is an exported lengthgen model: its attention specs are in its config "
                              "(spec= retrofits transformers models)")
-        config.gpt["attention_backend"] = backend
+        if backend is not None:
+            config.gpt["attention_backend"] = backend
         return transformers.AutoModelForCausalLM.from_pretrained(path, config=config, **hub_kwargs, **kwargs)
     saved = getattr(config, "lengthgen_spec", None)
     if spec is None and saved is None:
@@ -227,7 +229,7 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
     _load_generation_config(model, path, hub_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        retrofit(model, spec, backend=backend)
+        retrofit(model, spec, backend=backend or "auto")
     params = lengthgen_parameters(model)
     missing = sorted(set(params) - set(tensors))
     if missing and saved is not None and spec == resolve_spec(saved):
