@@ -110,14 +110,8 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed
 
-    def set_input_embeddings(self, value: torch.nn.Module) -> None:
-        self.model.embed = value
-
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.head
-
-    def set_output_embeddings(self, value: torch.nn.Module) -> None:
-        self.model.head = value
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                       **kwargs: Any) -> dict[str, Any]:
@@ -131,7 +125,7 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
         accepted and ignored."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("LengthgenForCausalLM has no padding: pass rows without padding (attention_mask all "
-                             "ones), packed documents as doc_ids")
+                             "ones)")
         for name in ("inputs_embeds", "position_ids"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"LengthgenForCausalLM does not take {name} (positions come from each layer's spec)")
