@@ -6,8 +6,8 @@ and one generated markdown file.
     python3 benchmarks/gpu_check.py --parts attention,seed001 --budget 520     # some parts, the whole budget
 
 Parts, in this order, each in its own subprocess with a time budget (`PARTS`; a part gets at most what is left
-of ``--budget``, and one that would not fit is skipped and says so; a dry run or a single part has no per-part
-budget):
+of ``--budget``, and one that would not fit is skipped and says so; a dry run and parts chosen with ``--parts``
+have no per-part budget; ``env`` always runs):
 
 * ``env``: device name, compute capability, torch / triton / CUDA versions, date, commit;
 * ``tests``: the CUDA tests, ``pytest -m gpu`` (pytest-xdist workers when installed), pass / fail / skip counts;
@@ -49,7 +49,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import gpu_report  # noqa: E402
 
 #: (part, budget in seconds on one H100; None: whatever is left)
-PARTS = (("env", 30), ("tests", 120), ("compare", 70), ("train_compiled", 70), ("train", 25), ("eval_long", 35),
+PARTS = (("env", 30), ("tests", 120), ("compare", 90), ("train_compiled", 70), ("train", 25), ("eval_long", 35),
          ("layer", 35), ("seed001", 45), ("attention", None))
 GROUPS = ((4096, 128), (1024, 128), (16384, 128), (65536, 128), (4096, 64), (1024, 64), (16384, 64), (65536, 64))
 TINY_GROUPS = ((32, 16),)
@@ -185,7 +185,7 @@ def check(args: argparse.Namespace) -> Path:
 
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("gpu-check: no CUDA device here; `python3 benchmarks/gpu_check.py --tiny` is the CPU dry run")
-    wanted = [p for p in args.parts.split(",") if p] if args.parts else [p for p, _ in PARTS]
+    wanted = ["env", *(p for p in args.parts.split(",") if p)] if args.parts else [p for p, _ in PARTS]
     unknown = sorted(set(wanted) - {p for p, _ in PARTS})
     if unknown:
         raise SystemExit(f"gpu-check: unknown part(s) {unknown}; choose from {', '.join(p for p, _ in PARTS)}")
@@ -197,7 +197,7 @@ def check(args: argparse.Namespace) -> Path:
         stem = None
         for name, budget in (p for p in PARTS if p[0] in wanted):
             left = deadline - time.perf_counter()
-            timeout = left if budget is None or len(wanted) == 1 or args.tiny else min(budget, left)
+            timeout = left if budget is None or args.parts or args.tiny else min(budget, left)
             print(f"[gpu-check] {name} (up to {timeout:.0f} s)", flush=True)
             if timeout < MIN_PART_S:
                 entry = dict(status=f"skipped: no time left ({left:.0f} s of the budget)")
@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU dry run at tiny sizes (no GPU figures)")
     ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 520; tiny 900)")
-    ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(p for p, _ in PARTS)} (default all)")
+    ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(p for p, _ in PARTS)} (default all; "
+                    "env always runs; chosen parts share the budget without per-part limits)")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results (tiny: runs/gpu-check)")
     ap.add_argument("--seed-kernel", default=None, help="seed 001's kernel.py (default: ../shared/seed-code/...)")
     ap.add_argument("--commit", default=None, help="the lengthgen commit measured (when the checkout has no .git)")

@@ -123,8 +123,8 @@ def markdown(result: dict) -> str:
     lines = [f"# lengthgen GPU check: {env.get('device_name', '?')}, {result['started'][:10]}", "",
              f"- mode: {result['mode']}" + (" (CPU dry run at tiny sizes: no GPU figures, targets not evaluated)"
                                              if result["mode"] == "tiny" else ""),
-             f"- torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, CUDA {env.get('cuda', '-')}, "
-             f"compute capability {env.get('capability', '-')}, Python {env.get('python', '?')}",
+             f"- torch {env.get('torch', '?')}, triton {env.get('triton') or '-'}, CUDA {env.get('cuda') or '-'}, "
+             f"compute capability {env.get('capability') or '-'}, Python {env.get('python', '?')}",
              f"- lengthgen {env.get('lengthgen', '?')}, commit {result.get('commit') or env.get('git_commit') or '?'}",
              f"- started {result['started']}; {result['elapsed_s']:.0f} s of a {result['budget_s']:.0f} s budget",
              "", "## Parts", ""]

@@ -26,10 +26,10 @@ gpu_check = _load("gpu_check")
 gpu_report = _load("gpu_report")
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    """One ``--tiny`` run; seed 001's kernel is stood in for by a file that only defines its entry point."""
-    tmp = tmp_path_factory.mktemp("gpu-check")
+def test_dry_run_end_to_end(tmp_path):
+    """One ``--tiny`` run (one test: under pytest-xdist a shared fixture would run once per worker); seed 001's
+    kernel is stood in for by a file that only defines its entry point."""
+    tmp = tmp_path
     kernel = tmp / "kernel.py"
     kernel.write_text("def triton_p_softmax_attention(q, k, v, p=1.0):\n    raise AssertionError('not on CPU')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
@@ -39,11 +39,13 @@ def dry_run(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted((tmp / "out").iterdir())
     assert [f.suffix for f in files] == [".json", ".md"] and files[0].stem == files[1].stem
-    return json.loads(files[0].read_text()), files[1].read_text(), files[0].stem, proc.stdout
+    result, md = json.loads(files[0].read_text()), files[1].read_text()
+    _check_parts(result, files[0].stem)
+    _check_figures(result)
+    _check_markdown(result, md, proc.stdout)
 
 
-def test_dry_run_runs_every_part(dry_run):
-    result, _, stem, _ = dry_run
+def _check_parts(result, stem):
     assert result["schema"] == "lengthgen-gpu-check/1" and result["mode"] == "tiny" and result["commit"] == "abc123"
     assert list(result["parts"]) == [name for name, _ in gpu_check.PARTS]
     statuses = {name: part["status"] for name, part in result["parts"].items()}
@@ -53,8 +55,8 @@ def test_dry_run_runs_every_part(dry_run):
     assert 0 < result["elapsed_s"] <= result["budget_s"]
 
 
-def test_dry_run_figures_are_cpu_figures_or_absent(dry_run):
-    result, _, _, _ = dry_run
+def _check_figures(result):
+    """CPU figures at tiny sizes, or absent: never a GPU figure."""
     parts = {name: part.get("result") for name, part in result["parts"].items()}
     assert parts["env"]["device"] == "cpu" and parts["env"]["capability"] is None
     assert parts["tests"]["counts"] == {"skipped": 1} and parts["tests"]["failed"] == []   # no CUDA: skipped
@@ -74,8 +76,7 @@ def test_dry_run_figures_are_cpu_figures_or_absent(dry_run):
     assert result["targets"] == []                                            # never evaluated off CUDA
 
 
-def test_dry_run_markdown_is_generated_from_the_json(dry_run):
-    result, md, _, stdout = dry_run
+def _check_markdown(result, md, stdout):
     assert md.startswith(f"# lengthgen GPU check: {result['parts']['env']['result']['device_name']}")
     assert "CPU dry run" in md and "## Targets" not in md and "commit abc123" in md
     for name in result["parts"]:
