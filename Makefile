@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: demo test bench setup clean
+.PHONY: demo test bench gpu-check setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/attention_cpu.py
+
+# On a GPU machine: nothing installed or downloaded; the .venv's python when there is one, else $(PY) (the system
+# python3 with its torch). Results: benchmarks/results/<device>-<date>-<time>.json and .md (benchmarks/README.md).
+GPU_PY      := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+COMMIT      ?= $(shell git rev-parse HEAD 2>/dev/null)
+SEED_KERNEL ?=
+gpu-check:
+	PYTHONPATH=. $(GPU_PY) benchmarks/gpu_check.py $(if $(COMMIT),--commit $(COMMIT)) \
+		$(if $(SEED_KERNEL),--seed-kernel $(SEED_KERNEL)) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

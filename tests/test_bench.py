@@ -101,3 +101,11 @@ def test_bench_cuda_small(tmp_path):
     ok = [r for r in rows if r["status"] == "ok"]
     assert {(r["backend"], r["variant"]) for r in ok} >= {("triton", "l2"), ("flex", "l2"), ("sdpa", "baseline")}
     assert all(r["mode"] == "fwd+bwd" and r["peak_mem_mib"] > 0 and r["ratio_vs_sdpa_flash"] > 0 for r in ok)
+
+
+def test_time_budget_skips_the_cases_not_started():
+    rows = bench.bench_attention(lengths=(16,), head_dims=(16,), variants=("baseline", "l2"), backends=("dense",),
+                                 batch=1, heads=2, dtype="float32", device="cpu", warmup=0, reps=1,
+                                 time_budget_s=0.0, verbose=False)
+    assert [(r["backend"], r["status"]) for r in rows] == [("sdpa_flash", "ok"), ("dense", "skipped: time budget"),
+                                                           ("dense", "skipped: time budget")]

@@ -230,11 +230,14 @@ def test_cuda_matches_dense(name, head_dim, dtype):
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_auto_picks_triton_and_trains():
+def test_cuda_auto_picks_triton_and_trains(monkeypatch):
     from lengthgen.attention import AttentionSpec, attend, backends
 
     spec = AttentionSpec(softmax_p=2.0, doc_masking=True)
     q = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    monkeypatch.setattr(backends, "TRITON_BEFORE_FLEX", False)
+    assert backends.choose(spec, q, 512, True) == "flex"
+    monkeypatch.setattr(backends, "TRITON_BEFORE_FLEX", True)
     assert backends.choose(spec, q, 512, True) == "triton"
     docs = make_docs(2, 512, max_len=100).cuda()
     out = attend(q, q, q, spec, doc_ids=docs)

@@ -39,8 +39,10 @@ VARIANTS: dict[str, tuple[AttentionSpec, bool]] = {
     "baseline": (AttentionSpec.preset("baseline"), False),
     "l2": (AttentionSpec.preset("l2"), False),
     "sqrt_log_n": (AttentionSpec.preset("sqrt_log_n"), False),
+    "ssmax": (AttentionSpec.preset("ssmax"), False),
     "scale_invariant": (AttentionSpec.preset("scale_invariant"), False),
     "alibi": (AttentionSpec.preset("alibi"), False),
+    "log_bias": (AttentionSpec.preset("log_bias"), False),
     "doc_l2": (AttentionSpec.preset("l2", doc_masking=True), True),
 }
 REFERENCE = "sdpa_flash"
@@ -180,14 +182,16 @@ def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[in
                     batch: int | None = None, heads: int | None = None, dtype: str | torch.dtype = "bfloat16",
                     out_json: str | os.PathLike | None = None, *, device: str | torch.device | None = None,
                     warmup: int = 3, reps: int = 10, tokens: int = 16384, model_dim: int = 2048,
-                    verbose: bool = True) -> list[dict]:
+                    time_budget_s: float | None = None, verbose: bool = True) -> list[dict]:
     """Benchmark attention backends x variants; returns one dict per row (columns `COLUMNS`).
 
     ``batch`` defaults to ``tokens // length`` (at least 1) and ``heads`` to ``model_dim // head_dim``
     (FlashAttention's benchmark convention); on CPU both default to small values (1 and 4). Rows of
     unsupported combinations are kept with ``status = "unsupported: <reason>"`` (and ``oom`` / ``skipped``).
+    ``time_budget_s``: cases not started within it are kept as ``skipped: time budget``.
     ``out_json``: write ``{"meta": ..., "rows": [...]}`` there.
     """
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_cuda = device.type == "cuda"
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -230,6 +234,9 @@ def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[in
                 doc_ids = packed_doc_ids(b, length, device) if docs else None
                 for name in backends:
                     row = dict(base, backend=name, variant=variant)
+                    if deadline is not None and time.perf_counter() > deadline:
+                        rows.append(_finish(dict(row, mode="-", status="skipped: time budget"), verbose))
+                        continue
                     rows.append(_finish(_with_tflops(_bench_one(row, name, spec, doc_ids, q, k, v, grad, ref,
                                                                 device, warmup, reps), flops), verbose))
             del q, k, v, grad
@@ -345,6 +352,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model-dim", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=None, help="default 3 (1 on cpu)")
     parser.add_argument("--reps", type=int, default=None, help="default 10 (3 on cpu)")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
     parser.add_argument("--out", default=None, help="JSON path (default runs/bench/attention_<device>.json)")
     return parser
 
@@ -357,7 +365,8 @@ def main(args: argparse.Namespace) -> list[dict]:
                            args.dtype or ("float32" if cpu else "bfloat16"), out, device=device,
                            warmup=args.warmup if args.warmup is not None else (1 if cpu else 3),
                            reps=args.reps if args.reps is not None else (3 if cpu else 10),
-                           tokens=args.tokens, model_dim=args.model_dim, verbose=True)
+                           tokens=args.tokens, model_dim=args.model_dim, time_budget_s=args.time_budget,
+                           verbose=True)
     print()
     print(format_table(rows))
     print(f"\nwrote {out}")

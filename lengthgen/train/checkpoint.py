@@ -71,10 +71,11 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_states: list[dict[str, Any]],
                     state: dict[str, Any], bema_tensors: dict[str, torch.Tensor] | None = None,
                     keep: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically, point ``latest.json`` at it, keep the newest ``keep``."""
+    """Write checkpoint ``step`` atomically, point ``latest.json`` at it, keep the newest ``keep``.
+    ``optimizer_states``: each optimizer's ``state_dict()``."""
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizers
             atomic_write(tmp_dir / "bema.safetensors",
                          lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in bema_tensors.items()}, p))
         atomic_write(tmp_dir / "optimizer.pt",
-                     lambda p: torch.save({"optimizers": [o.state_dict() for o in optimizers]}, p))
+                     lambda p: torch.save({"optimizers": optimizer_states}, p))
         atomic_write_text(tmp_dir / "state.json", json.dumps({"step": step, **state}))
         if final.exists():
             shutil.rmtree(final)
@@ -136,9 +137,13 @@ def load_bema_tensors(ckpt: Path, device: str | torch.device = "cpu") -> dict[st
     return load_file(str(path), device=str(device)) if path.exists() else None
 
 
+def read_optimizers(ckpt: Path, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
+    """The optimizers' state dicts of a checkpoint."""
+    return torch.load(Path(ckpt) / "optimizer.pt", map_location=device, weights_only=True)["optimizers"]
+
+
 def load_optimizers(optimizers: list[torch.optim.Optimizer], ckpt: Path, device: str | torch.device) -> None:
-    data = torch.load(Path(ckpt) / "optimizer.pt", map_location=device, weights_only=True)
-    states = data["optimizers"]
+    states = read_optimizers(ckpt, device)
     if len(states) != len(optimizers):
         raise RuntimeError(f"checkpoint {ckpt} has {len(states)} optimizer states, the run has {len(optimizers)}")
     for opt, st in zip(optimizers, states):

@@ -27,6 +27,7 @@ Optimizer = Literal["adamw", "muon"]
 MuonAdjust = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16"]
+Parallel = Literal["ddp", "fsdp"]
 
 
 @dataclass
@@ -82,7 +83,9 @@ class TrainConfig:
     log_every: int = option(1, "log every this many steps", ge=1)
     device: Device = option("auto", "training device")
     dtype: Dtype = option("auto", "auto (bf16 autocast on CUDA, float32 on CPU), float32 or bfloat16")
-    compile: bool = option(False, "torch.compile the model (CUDA only; ignored on CPU)")
+    compile: bool = option(False, "torch.compile the model (on CPU too, where compiling takes minutes)")
+    parallel: Parallel = option("ddp", "under torchrun: ddp (every rank holds the model) or fsdp (FSDP2 "
+                                "fully_shard: weights, gradients and optimizer states split across ranks)")
     threads: int = option(0, "CPU threads (torch.set_num_threads) while training; 0: torch's default", ge=0)
     init_from: str | None = option(None, "start from this run folder's or checkpoint's weights with a fresh "
                                    "optimizer; parameters the attention spec adds keep their init")

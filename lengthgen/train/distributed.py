@@ -1,19 +1,32 @@
-"""Data-parallel training (DDP) under ``torchrun``: process group setup and the few collectives the trainer uses.
+"""Data-parallel training under ``torchrun``: DDP or FSDP2, the process group, and the collectives the trainer uses.
 
 ``torchrun --nproc_per_node=N -m lengthgen train ...`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the
 rendezvous address; `setup` then joins the process group (``nccl`` on CUDA, ``gloo`` on CPU). Every rank draws
 the same global batch from the per-step generator and keeps its contiguous share of the rows, so the union
-of the ranks' shards is exactly the single-process batch; DDP averages the gradients. Only rank 0 logs,
-writes checkpoints and runs the final evaluation.
+of the ranks' shards is exactly the single-process batch. `parallelize` wraps the model by ``train.parallel``:
+
+* ``ddp``: ``DistributedDataParallel``: every rank holds the whole model; gradients are averaged (all-reduce).
+* ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard``, as torchtitan applies it): each block and then the
+  root are sharded in place, so parameters, gradients and optimizer states are split across ranks
+  (``DTensor`` parameters); a block's weights are all-gathered for its forward and backward, gradients are
+  reduce-scattered and averaged. Checkpoints hold full weights: `gather_full` collects them on rank 0 and
+  `load_full` shards them back.
+
+Only rank 0 logs and writes checkpoints; every rank takes part in the evaluations (FSDP2 forwards are
+collective).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 #: long enough for rank 0's periodic evaluation or checkpoint while the others wait in a collective
 TIMEOUT = datetime.timedelta(hours=2)
@@ -56,10 +69,120 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def barrier() -> None:
+    """Wait for every rank (no-op in one process)."""
+    if active():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------
+# DDP / FSDP2
+
+
+def parallelize(model: nn.Module, parallel: str, device: torch.device) -> nn.Module:
+    """The module to run forward on: ``DistributedDataParallel(model)`` (``ddp``), or ``model`` itself sharded
+    in place with FSDP2 (``fsdp``: each of ``model.blocks``, then the root). Build optimizers afterwards:
+    sharding replaces the parameters."""
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by `parallelize` (FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(module: nn.Module | None, enabled: bool) -> Iterator[None]:
+    """Around a micro-batch's forward and backward: with ``enabled=False`` the gradients stay local (DDP
+    ``no_sync``, FSDP2 ``set_requires_gradient_sync(False)``) until the last micro-batch synchronizes them."""
+    if module is None or enabled:
+        yield
+    elif is_sharded(module):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    else:
+        with module.no_sync():
+            yield
+
+
+def _options(**kwargs: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def gather_full(model: nn.Module, optimizers: list[torch.optim.Optimizer], empty: Callable[[], nn.Module]
+                ) -> tuple[nn.Module | None, list[dict] | None]:
+    """Collective (every rank calls it): on rank 0, ``empty()`` (a CPU model of the same config) loaded with
+    the full weights of sharded ``model``, and the optimizers' full states keyed like ``Optimizer.state_dict``
+    (parameter indices), so a checkpoint does not depend on the world size or the parallel mode; (None, None)
+    on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    weights = get_model_state_dict(model, options=_options(cpu_offload=True))
+    states = [get_optimizer_state_dict(model, o, options=_options(cpu_offload=True)) for o in optimizers]
+    if dist.get_rank() != 0:
+        return None, None
+    with torch.random.fork_rng(devices=[]):      # building the copy must not move the run's RNG
+        full = empty()
+    full.load_state_dict(weights)
+    return full, [_by_index(s) for s in states]
+
+
+def load_full(model: nn.Module, optimizers: list[torch.optim.Optimizer], weights: dict[str, torch.Tensor],
+              states: list[dict]) -> None:
+    """Shard full ``weights`` (a state dict) and optimizer ``states`` (`gather_full`'s layout) into the sharded
+    ``model`` and its optimizers; every rank passes the same full states."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    if len(states) != len(optimizers):
+        raise RuntimeError(f"the checkpoint has {len(states)} optimizer states, the run has {len(optimizers)}")
+    set_model_state_dict(model, weights, options=_options())
+    for opt, state in zip(optimizers, states):
+        names = [n for g in _param_names(model, opt) for n in g]
+        set_optimizer_state_dict(model, opt, _by_name(state, names), options=_options())
+
+
+def _param_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[str]]:
+    """The parameter names of each of ``opt``'s parameter groups, in order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in opt.param_groups]
+
+
+def _by_index(state: dict) -> dict:
+    """An optimizer state keyed by parameter name -> keyed by index in group order (`Optimizer.state_dict`)."""
+    index: dict[str, int] = {}
+    groups = [{**g, "params": [index.setdefault(n, len(index)) for n in g["params"]]} for g in state["param_groups"]]
+    return {"state": {index[n]: s for n, s in state["state"].items()}, "param_groups": groups}
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    """The inverse of `_by_index` for the parameter ``names`` in group order."""
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {names[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
 def cleanup() -> None:
     """Leave the process group (call once at the end of a torchrun launch)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-__all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "cleanup", "env_world", "setup"]
+__all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "cleanup", "env_world", "gather_full",
+           "gradient_sync", "is_sharded", "load_full", "parallelize", "setup"]

@@ -61,13 +61,20 @@ def check_lengths(cfg: RunConfig, source: Any) -> None:
 
 
 def check_world(cfg: RunConfig, world: int) -> None:
-    """Under DDP every step's global batch must split into ``world`` equal shares of >= grad_accum rows."""
-    for step in sorted({0, *(s[0] for s in cfg.train.stages)}):
+    """Under torchrun every step's global batch must split into ``world`` equal shares of >= grad_accum rows;
+    FSDP2 (``train.parallel = "fsdp"``) shards the weights, which BEMA and QK-clip would need whole."""
+    tc = cfg.train
+    if tc.parallel == "fsdp":
+        for key, on in (("train.bema.enabled", tc.bema.enabled), ("train.qk_clip", tc.qk_clip is not None)):
+            if on:
+                raise ConfigError(f"{key} does not work with train.parallel='fsdp' (it rescales or copies whole "
+                                  "weights, which FSDP2 splits across ranks); use train.parallel='ddp'")
+    for step in sorted({0, *(s[0] for s in tc.stages)}):
         batch = cfg.batch_size_at(step)
         if batch % world or batch // world < cfg.train.grad_accum:
             raise ConfigError(f"train: the batch of {batch} sequences at length {cfg.length_at(step)} does not "
                               f"split into {world} equal shares of at least train.grad_accum="
-                              f"{cfg.train.grad_accum} sequences (WORLD_SIZE={world}); change "
+                              f"{tc.grad_accum} sequences (WORLD_SIZE={world}); change "
                               "train.batch_size / train.tokens_per_step or train.grad_accum")
 
 

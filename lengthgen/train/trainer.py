@@ -13,8 +13,8 @@ reproduces the losses of an uninterrupted run exactly.
 
 Beside the loop: `setup` (config, lengths, device, dtype), `weights` (``train.init_from``, `load_run`),
 `checkpoint`, `log` (``metrics.jsonl``), `optim` (optimizers, QK-clip). Under ``torchrun`` the model is wrapped
-in DDP and each rank trains on its contiguous share of the global batch (`distributed`); only rank 0 logs,
-checkpoints and writes ``eval.json``.
+in DDP or sharded with FSDP2 (``train.parallel``) and each rank trains on its contiguous share of the global
+batch (`distributed`); only rank 0 logs, checkpoints (full weights) and writes ``eval.json``.
 """
 
 from __future__ import annotations
@@ -98,14 +98,12 @@ class Trainer:
         existing = (self.run_dir / ckpt_io.LATEST).exists()
         if tc.init_from and not (resume and existing):
             self.initialized_from = load_initial_weights(self.model, tc.init_from, self.device)
-        self.forward_model: nn.Module = self.model
-        self.ddp: nn.Module | None = None
+        # DDP wrapper or the FSDP2-sharded model itself (None in one process)
+        self.parallel: nn.Module | None = None
         if self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.ddp = self.forward_model = DDP(self.model, device_ids=[self.device.index]
-                                                if self.device.type == "cuda" else None)
-        if tc.compile and self.device.type == "cuda":
+            self.parallel = distributed.parallelize(self.model, tc.parallel, self.device)
+        self.forward_model: nn.Module = self.model if self.parallel is None else self.parallel
+        if tc.compile:
             self.forward_model = torch.compile(self.forward_model)
         self.optimizers = build_optimizers(self.model, tc)
         b = tc.bema
@@ -136,8 +134,13 @@ class Trainer:
             if difference:
                 raise ConfigError(f"cannot resume {self.run_dir}: the config differs from the checkpoint's "
                                   f"({difference})")
-        ckpt_io.load_weights(self.model, ckpt, self.device)
-        ckpt_io.load_optimizers(self.optimizers, ckpt, self.device)
+        if distributed.is_sharded(self.model):
+            full = GPT(self.config.model)
+            ckpt_io.load_weights(full, ckpt)
+            distributed.load_full(self.model, self.optimizers, full.state_dict(), ckpt_io.read_optimizers(ckpt))
+        else:
+            ckpt_io.load_weights(self.model, ckpt, self.device)
+            ckpt_io.load_optimizers(self.optimizers, ckpt, self.device)
         if self.bema is not None:
             tensors = ckpt_io.load_bema_tensors(ckpt, self.device)  # None: BEMA had not started (step < tau)
             self.bema.load(tensors or {}, state.get("bema", {"step": state["step"]}))
@@ -151,10 +154,21 @@ class Trainer:
             truncate_log(self.run_dir, self.step)
 
     def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint (rank 0 only; other ranks return None)."""
-        if not self.is_main:
-            self._saved_step = self.step
-            return None
+        """Write a checkpoint (every rank calls it: FSDP2 gathers the full state on rank 0, which writes it;
+        the others wait until it is on disk and return None)."""
+        model, optimizer_states = self.model, None
+        if distributed.is_sharded(self.model):
+            model, optimizer_states = distributed.gather_full(self.model, self.optimizers,
+                                                              lambda: GPT(self.config.model))
+        if self.is_main:
+            if optimizer_states is None:
+                optimizer_states = [o.state_dict() for o in self.optimizers]
+            self.last_checkpoint = self._write_checkpoint(model, optimizer_states)
+        self._saved_step = self.step
+        distributed.barrier()           # no rank goes on (and perhaps resumes) before the checkpoint is complete
+        return self.last_checkpoint if self.is_main else None
+
+    def _write_checkpoint(self, model: nn.Module, optimizer_states: list[dict[str, Any]]) -> Path:
         state = {
             "config": self.config.to_dict(),
             "rng": ckpt_io.rng_state(),
@@ -168,10 +182,8 @@ class Trainer:
         if self.bema is not None:
             state["bema"] = self.bema.meta()
             bema_tensors = self.bema.tensors() or None
-        self.last_checkpoint = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.optimizers, state,
-                                                       bema_tensors, keep=self.config.train.keep_checkpoints)
-        self._saved_step = self.step
-        return self.last_checkpoint
+        return ckpt_io.save_checkpoint(self.run_dir, self.step, model, optimizer_states, state, bema_tensors,
+                                       keep=self.config.train.keep_checkpoints)
 
     # -- BEMA ----------------------------------------------------------------------------------------
     def bema_state_dict(self) -> dict[str, torch.Tensor]:
@@ -224,22 +236,25 @@ class Trainer:
         return entry
 
     def _final_eval(self) -> None:
-        """At the end of training (rank 0), when eval lengths go beyond the training length: eval.json."""
+        """At the end of training, when eval lengths go beyond the training length: eval.json (every rank
+        evaluates, as FSDP2's forward is collective; rank 0 writes)."""
         cfg, tc = self.config, self.config.train
-        if not (self.is_main and tc.eval_batches and tc.eval_lengths
-                and max(tc.eval_lengths) > max(cfg.lengths())):
+        if not (tc.eval_batches and tc.eval_lengths and max(tc.eval_lengths) > max(cfg.lengths())):
             return
         self.evaluation = self.evaluate()
-        self.evaluation.save(self.run_dir / "eval.json")
+        if self.is_main:
+            self.evaluation.save(self.run_dir / "eval.json")
         if self.bema is not None and self.bema.started:
             with self.use_bema():
-                dataclasses.replace(self.evaluate(), bema=True).save(self.run_dir / "eval_bema.json")
+                bema = dataclasses.replace(self.evaluate(), bema=True)
+            if self.is_main:
+                bema.save(self.run_dir / "eval_bema.json")
 
     # -- the loop ------------------------------------------------------------------------------------
     def _forward_backward(self, batch) -> float:
-        """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP all-reduces
-        once, in the last one's backward; QK-clip captures the last one's logits). Returns the loss, averaged
-        over ranks."""
+        """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP / FSDP2
+        synchronize once, in the last one's backward; QK-clip captures the last one's logits). Returns the loss,
+        averaged over ranks."""
         tc = self.config.train
         self.model.train()
         for opt in self.optimizers:
@@ -250,7 +265,7 @@ class Trainer:
             last = i == len(parts) - 1
             if last and tc.qk_clip is not None:
                 capture_logits(self.model.attentions)
-            with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
+            with distributed.gradient_sync(self.parallel, enabled=last):
                 with self._autocast():
                     output = self.forward_model(micro.tokens, micro.doc_ids)
                 loss, _ = self.model.loss(output, micro)

@@ -25,6 +25,10 @@ BACKENDS = ("auto", *MODULES)
 # Below this many (query x key) pairs per head the dense oracle is a fast CPU engine with small memory.
 DENSE_MAX_PAIRS = 1024 * 1024
 
+#: `auto` on CUDA tries the fused Triton kernel before FlexAttention when True. Off until a GPU run
+#: (``make gpu-check``) has shown its CUDA tests passing and it faster than FlexAttention on the benchmark.
+TRITON_BEFORE_FLEX = False
+
 
 def module(name: str) -> ModuleType:
     if name not in MODULES:
@@ -44,11 +48,10 @@ def choose(spec: AttentionSpec, q: torch.Tensor, lk: int, training: bool, masked
     """`auto`: the fastest backend that supports ``spec`` (and an explicit mask if ``masked``) on ``q``'s device.
 
     On CUDA: SDPA (flash) when the spec is plain softmax, else FlexAttention, else the Triton kernel, else
-    `tiled`. The Triton kernel is verified only under the Triton interpreter so far; it stays behind
-    FlexAttention until its GPU tests and benchmark have run (select it with ``backend="triton"``)."""
+    `tiled` (Triton before FlexAttention with `TRITON_BEFORE_FLEX`; ``backend="triton"`` selects it)."""
     if q.is_cuda:
-        return next(n for n in ("sdpa", "flex", "triton", "tiled")
-                    if unsupported(n, spec, q, training, masked) is None)
+        order = ("sdpa", "triton", "flex", "tiled") if TRITON_BEFORE_FLEX else ("sdpa", "flex", "triton", "tiled")
+        return next(n for n in order if unsupported(n, spec, q, training, masked) is None)
     small = q.shape[-2] * lk <= DENSE_MAX_PAIRS
     plain_causal = spec.window is None and not spec.doc_masking and not masked
     if unsupported("sdpa", spec, q, training, masked) is None and (plain_causal or small):

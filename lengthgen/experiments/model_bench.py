@@ -1,0 +1,171 @@
+"""Model-level measurements: a GPT's training throughput and MFU, a long evaluation's time and memory, and what
+out-norm + gate add to an attention layer's forward + backward.
+
+FLOPs per token of a training step (forward + backward) follow PaLM (Chowdhery et al. 2022, appendix B):
+``6 N + 12 L H Q T`` with N the parameters that multiply activations (every parameter but the input embedding
+table; the LM head counts, tied or not), L layers, H heads of width Q, T the sequence length. Causal attention
+computes half of the score and value products (FlashAttention's convention, as `bench.causal_flops`), so the
+attention term here is ``6 L H Q T``; document masks and windows are credited the same nominal FLOPs. MFU is
+the achieved FLOP/s over the device's peak dense bf16 tensor-core FLOP/s (`PEAK_BF16_TFLOPS`).
+
+Every measurement runs on synthetic tokens (no data loading) under the run config's autocast, and times whole
+steps with the device synchronized (the median of ``steps`` after ``warmup``; the first step, which compiles,
+is reported on its own).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from lengthgen.attention import Attention, AttentionSpec
+from lengthgen.data.tasks.base import Batch
+from lengthgen.eval.evaluate import measure_gpt
+from lengthgen.experiments.bench import measure, packed_doc_ids
+from lengthgen.model import GPT
+from lengthgen.train.config import RunConfig
+from lengthgen.train.optim import build_optimizers
+from lengthgen.train.setup import autocast_dtype
+
+#: dense bf16 tensor-core TFLOP/s by device name (first match of a case-insensitive substring): NVIDIA's H100
+#: and H200 datasheets list 1979 TFLOP/s (SXM), 1513 (H100 PCIe), 1671 (NVL) "with sparsity", twice the dense
+#: rate; the A100 datasheet lists 312 dense
+PEAK_BF16_TFLOPS = (("H100 NVL", 835.5), ("H200 NVL", 835.5), ("H100 PCIe", 756.5), ("H100", 989.4),
+                    ("H200", 989.4), ("A100", 312.0))
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """The device's dense bf16 peak (`PEAK_BF16_TFLOPS`), or None for a device not in the table."""
+    return next((peak for key, peak in PEAK_BF16_TFLOPS if key.lower() in device_name.lower()), None)
+
+
+def matmul_parameters(model: GPT) -> int:
+    """N of the FLOPs formula: the parameters minus the input embedding table (plus the head when tied)."""
+    n = model.num_parameters() - model.embed.weight.numel()
+    return n + (model.head.weight.numel() if model.head.weight is model.embed.weight else 0)
+
+
+def flops_per_token(model: GPT, length: int) -> float:
+    """Training (forward + backward) FLOPs per token at sequence length ``length`` (module docstring)."""
+    cfg = model.config
+    return 6.0 * matmul_parameters(model) + 6.0 * cfg.layers * cfg.heads * cfg.resolved_head_dim * length
+
+
+def synthetic_batch(vocab: int, batch: int, length: int, documents: bool, device: torch.device) -> Batch:
+    """Random tokens and targets, every position in the loss; packed documents (`bench.packed_doc_ids`)."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, vocab, (2, batch, length), generator=gen)
+    doc_ids = packed_doc_ids(batch, length, "cpu") if documents else None
+    return Batch(tokens, targets, torch.ones(batch, length, dtype=torch.bool), doc_ids).to(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of ``fn()`` with the device synchronized before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def _peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def _autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    dtype = autocast_dtype(cfg.train, device.type)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int = 10, warmup: int = 3,
+                     compile: bool = False, compile_backend: str = "inductor", device: str | torch.device = "cuda"
+                     ) -> dict[str, Any]:
+    """Tokens/s, TFLOP/s and MFU of training ``cfg.model`` with ``cfg.train``'s optimizers, gradient clipping and
+    autocast on ``batch_size`` x ``length`` synthetic tokens (packed documents when the spec masks them)."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(device)
+    optimizers = build_optimizers(model, cfg.train)
+    forward = torch.compile(model, backend=compile_backend) if compile else model
+    batch = synthetic_batch(cfg.model.vocab_size, batch_size, length, cfg.model.attention.doc_masking, device)
+
+    def step() -> None:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        with _autocast(cfg, device):
+            output = forward(batch.tokens, batch.doc_ids)
+        model.loss(output, batch)[0].backward()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        for opt in optimizers:
+            opt.step()
+
+    first = _timed(step, device)
+    for _ in range(max(0, warmup - 1)):
+        step()
+    seconds = statistics.median(_timed(step, device) for _ in range(max(1, steps)))
+    tokens_per_s = batch_size * length / seconds
+    flops = flops_per_token(model, length)
+    peak = peak_bf16_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    tflops = tokens_per_s * flops / 1e12
+    return dict(params=model.num_parameters(), matmul_params=matmul_parameters(model), batch=batch_size,
+                length=length, compile=compile, compile_backend=compile_backend if compile else None,
+                first_step_s=first, step_s=seconds, steps=steps, tokens_per_s=tokens_per_s, flops_per_token=flops,
+                tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=_peak_gib(device))
+
+
+@torch.no_grad()
+def long_eval(cfg: RunConfig, *, length: int, device: str | torch.device = "cuda") -> dict[str, Any]:
+    """Time and peak memory of the evaluator's work on one ``length``-token sequence (`measure_gpt`: forward and
+    per-position loss) and of the model body alone (`GPT.features`), under ``cfg.train``'s autocast. Each is
+    run twice; the second (compiled kernels warm) is reported. Memory is beyond the weights (CUDA only)."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(device).eval()
+    batch = synthetic_batch(cfg.model.vocab_size, 1, length, False, device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    out: dict[str, Any] = dict(length=length, params=model.num_parameters(), weights_gib=weights / 2**30)
+    runs = {"eval": lambda: measure_gpt(model, None, batch), "features": lambda: model.features(batch.tokens)}
+    for name, fn in runs.items():
+        with _autocast(cfg, device):
+            first = _timed(fn, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            seconds = _timed(fn, device)
+        peak = _peak_gib(device)
+        out[name] = dict(first_s=first, seconds=seconds,
+                         beyond_weights_gib=None if peak is None else peak - base / 2**30)
+    return out
+
+
+def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: int, dtype: torch.dtype,
+                   compile: bool, compile_backend: str = "inductor", device: str | torch.device = "cuda",
+                   warmup: int = 3, reps: int = 10) -> dict[str, Any]:
+    """Forward + backward milliseconds of an `Attention` layer (projections, attention, output) with the
+    ``baseline`` spec and with AVNorm out-norm (``head_layer``) plus an elementwise ``2sigmoid`` gate (seeds
+    000 and 004), and the second's extra time as a fraction of the first's."""
+    device = torch.device(device)
+    base = AttentionSpec.preset("baseline")
+    specs = {"baseline": base, "out_norm+gate": base.replace(out_norm="head_layer", gate="elementwise",
+                                                             gate_act="2sigmoid")}
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    grad = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype)
+    ms = {}
+    for name, spec in specs.items():
+        layer = Attention(dim, heads, spec, head_dim=head_dim).to(device=device, dtype=dtype)
+        fn = torch.compile(layer, backend=compile_backend) if compile else layer
+        ms[name] = measure(lambda: torch.autograd.grad(fn(x), (x, *layer.parameters()), grad), device, warmup, reps)
+    return dict(dim=dim, heads=heads, head_dim=head_dim, batch=batch, length=length, dtype=str(dtype).split(".")[-1],
+                compile=compile, ms=ms, overhead=ms["out_norm+gate"] / ms["baseline"] - 1.0)
+
+
+__all__ = ["PEAK_BF16_TFLOPS", "flops_per_token", "layer_overhead", "long_eval", "matmul_parameters",
+           "peak_bf16_tflops", "synthetic_batch", "train_throughput"]
