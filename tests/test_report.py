@@ -53,8 +53,14 @@ def test_separated_seeds_name_a_winner_with_the_permutation_p():
     found = verdict({"a": [0.80, 0.85, 0.90], "b": [0.50, 0.60, 0.70], "c": [0.2, 0.3, 0.4]}, True, chance=0.1)
     assert found.status == "separated" and found.winner == "a" and found.p == pytest.approx(1 / 20)
     assert "runner-up b" in found.reason and found.short() == "a (p = 0.05)"
+    four = verdict({"a": [0.8, 0.9, 0.9, 0.9], "b": [0.5, 0.6, 0.7]}, True)       # 1 / C(7, 4) = 1/35
+    assert four.winner == "a" and four.p == pytest.approx(1 / 35)
+
+
+def test_separated_with_too_few_seeds_names_no_winner():
     two = verdict({"a": [0.8, 0.9], "b": [0.5, 0.6]}, True)
-    assert two.winner == "a" and two.p == pytest.approx(1 / 6)
+    assert two.status == "too few seeds" and two.winner is None and two.p == pytest.approx(1 / 6)
+    assert "p = 0.17 against the runner-up b, above 0.05" in two.reason and two.short() == "too few seeds"
 
 
 def test_overlapping_seeds_name_no_winner():
@@ -78,17 +84,17 @@ def test_no_winner_at_or_below_chance():
     # separated, but one seed of the best is at the chance level
     found = verdict({"a": [0.50, 0.52], "b": [0.30, 0.40]}, True, chance=0.50)
     assert found.status == "at chance" and found.winner is None and found.at_chance == ["a", "b"]
-    assert verdict({"a": [0.51, 0.52], "b": [0.30, 0.40]}, True, chance=0.50).winner == "a"
+    assert verdict({"a": [0.51, 0.52, 0.53], "b": [0.3, 0.4, 0.4]}, True, chance=0.50).winner == "a"
     # lower is better: a loss at or above the chance loss is at chance
     assert verdict({"a": [1.0, 1.1], "b": [2.0, 2.1]}, False, chance=1.05).status == "at chance"
-    assert verdict({"a": [1.0, 1.1], "b": [2.0, 2.1]}, False, chance=1.2).winner == "a"
+    assert verdict({"a": [1.0, 1.1, 1.1], "b": [2.0, 2.1, 2.2]}, False, chance=1.2).winner == "a"
     assert above_chance([0.2, 0.3], 0.1, True) and not above_chance([0.2, math.nan], 0.1, True)
 
 
 def test_nan_seeds_cannot_win_and_a_lone_variant_is_not_compared():
     assert verdict({"a": [math.nan, 0.9], "b": [0.5, 0.6]}, True).status == "not separated"
-    found = verdict({"a": [math.nan, 0.4], "b": [0.5, 0.6]}, True)
-    assert found.winner == "b" and found.p == pytest.approx(1 / 3) and found.at_chance == ["a"]
+    found = verdict({"a": [math.nan, 0.4, 0.3, 0.2], "b": [0.5, 0.6, 0.7]}, True)    # a's NaN seed is ignored
+    assert found.winner == "b" and found.p == pytest.approx(1 / 20) and found.at_chance == ["a"]
     assert verdict({"a": [math.nan], "b": [math.nan]}, True).status == "no value"
     assert verdict({"a": [0.5, 0.6]}, True).status == "one variant"
 
@@ -129,7 +135,7 @@ def test_report_summarizes_the_setup_and_defines_both_means():
     text = markdown_report(results)
     assert "at length L = mean over positions [L/2, L)" in text
     assert "## accuracy, mean over all positions [0, L)" in text and "| 0.86 [0.81, 0.91] |\n" in text
-    assert "1,000 parameters" in text and "4,096 tokens" in text and "2 steps" in text
+    assert "1,000 parameters" in text and "4,096 tokens in all" in text and "2 steps" in text
     assert "| variant | out_norm | softmax_p |" in text          # the attention fields that differ
     assert "- **Seeds**: 0, 1 (2 seeds per variant)" in text and "lengths 16 (1x), 32 (2x), 64 (4x)" in text
     assert "![accuracy by evaluated length and by position](extrapolation.png)" in text

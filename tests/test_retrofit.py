@@ -96,7 +96,7 @@ def test_retrofit_out_norm_writes_the_report(checkpoint, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert report.startswith("# lengthgen retrofit: counting") and "model.attention.out_norm=head_layer" in report
     change = [after.at(n).at_length["abs_error"] - control.at(n).at_length["abs_error"] for n in (16, 32)]
-    assert f"| after - control (the change) | {change[0]:+.4g} | {change[1]:+.4g} |" in report
+    assert f"| abs_error: after - control (the change) | {change[0]:+.4g} | {change[1]:+.4g} |" in report
     printed = capsys.readouterr().out
     assert "before" in printed and "after" in printed
 

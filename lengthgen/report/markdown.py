@@ -4,6 +4,7 @@ the headline table with its chance level and ratios, the other metrics, the plot
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from lengthgen.eval.results import Comparison, RunEval
@@ -90,12 +91,13 @@ def setup(results: Comparison) -> list[str]:
              + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
              f"- **Model**: {model.get('layers')} layers, width {model.get('dim')}, {model.get('heads')} heads, "
              f"MLP ratio {model.get('mlp_ratio')}, {model.get('norm')} norm ({model.get('norm_placement')}); "
-             f"{_span([run.parameters for run in runs])} parameters",
+             f"{_by_variant(results, 'parameters', 'parameters')}",
              "- **Attention variants** (the fields in which they differ; every other field is shared):", "",
              *variant_table(results.specs), "",
-             f"- **Training** (per run): {train.get('steps')} steps at length {results.train_length}"
+             f"- **Training** ({'the finetuning; before: its own run' if results.retrofit else 'per run'}): "
+             f"{train.get('steps')} steps at length {results.train_length}"
              + (f" (stages {train.get('stages')})" if train.get("stages") else "")
-             + f", {tokens_per_step:,} tokens per step, {_span([run.train_tokens for run in runs])} tokens; "
+             + f", {tokens_per_step:,} tokens per step, {_by_variant(results, 'train_tokens', 'tokens in all')}; "
              f"{train.get('optimizer')} lr {train.get('lr')}, {train.get('schedule')} schedule, "
              f"{train.get('warmup_steps')} warmup steps",
              f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
@@ -108,6 +110,14 @@ def setup(results: Comparison) -> list[str]:
              + (f" (git {commit[:10]})" if commit else "") + f", torch {results.provenance.torch}, "
              f"{results.provenance.date}"]
     return lines
+
+
+def _by_variant(results: Comparison, attr: str, unit: str) -> str:
+    """The runs' integer ``attr``: the value most variants share, then the variants that differ."""
+    per_variant = {name: _span([getattr(run, attr) for run in runs]) for name, runs in results.variants.items()}
+    common = Counter(per_variant.values()).most_common(1)[0][0]
+    others = ", ".join(f"{name}: {text}" for name, text in per_variant.items() if text != common)
+    return f"{common} {unit}" + (f" ({others})" if others else "")
 
 
 def _seed_counts(results: Comparison) -> str:
@@ -132,25 +142,22 @@ def variant_table(specs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def retrofit_section(results: Comparison) -> list[str]:
-    """Retrofit: the change's effect (after - control, the same finetuning without the change) and the effect of
-    the finetuning alone (control - before), by length."""
-    names = set(results.variants)
-    if not {"before", "control", "after"} <= names:
+    """Retrofit: by length and metric, the change's effect (after - control, the same finetuning without the
+    change) and the effect of the finetuning alone (control - before)."""
+    if not {"before", "control", "after"} <= set(results.variants):
         return []
-    metric = results.metric
-    values = {n: {v: mean(seed_values(results, metric, n)[v]) for v in ("before", "control", "after")}
-              for n in results.eval_lengths}
-    rows = [["difference in " + metric, *(length_label(n, results.train_length) for n in results.eval_lengths)],
-            ["after - control (the change)", *(_signed(values[n]["after"] - values[n]["control"])
-                                               for n in results.eval_lengths)],
-            ["control - before (the finetuning)", *(_signed(values[n]["control"] - values[n]["before"])
-                                                    for n in results.eval_lengths)]]
-    arrow = "higher" if results.higher_is_better else "lower"
+    lengths = results.eval_lengths
+    rows = [["difference (at length L)", *(length_label(n, results.train_length) for n in lengths)]]
+    for name in metric_names(results):
+        at = {n: {v: mean(values) for v, values in seed_values(results, name, n).items()} for n in lengths}
+        for label, (a, b) in (("after - control (the change)", ("after", "control")),
+                              ("control - before (finetuning)", ("control", "before"))):
+            rows.append([f"{name}: {label}", *(_signed(at[n][a] - at[n][b]) for n in lengths)])
     return ["## Retrofit: the change or more training?", "",
-            f"**control** is finetuned exactly as **after** (same steps, optimizer, schedule and data seeds) but "
-            f"without the config change, so after - control is the effect of the change and control - before the "
-            f"effect of finetuning alone ({metric} at length L; {arrow} is better; one run each, so these "
-            "differences carry no seed spread).", "", *table(rows)]
+            "**control** is finetuned exactly as **after** (same steps, optimizer, schedule and data seeds) but "
+            "without the model change, so after - control is the effect of the change and control - before the "
+            f"effect of finetuning alone ({results.metric}: {'higher' if results.higher_is_better else 'lower'} is "
+            "better). One run each: there is no seed spread to judge these differences against.", "", *table(rows)]
 
 
 def _signed(value: float) -> str:

@@ -1,9 +1,10 @@
 """Plots of a `Comparison` (matplotlib, Agg backend): the headline metric by evaluated length and by position
 (`plot_extrapolation`), and attention diagnostics by position (`plot_diagnostics`).
 
-Every figure of a report draws a variant in one style (`variant_styles`: colour and hollow marker, so that
-coinciding curves stay visible), the spread over seeds as a min-max band when there are several, the chance
-level as a dashed black line, the training length as a dotted grey line, and one legend outside the axes."""
+Every figure of a report draws a variant in one style (`variant_styles`: colour and hollow marker; earlier
+variants are drawn wider, so that a curve covered by a later one still shows on both sides), the spread over
+seeds as a min-max band when there are several, the chance level as a dashed black line, the training length
+as a dotted grey line, and one legend outside the axes."""
 
 from __future__ import annotations
 
@@ -26,9 +27,13 @@ TRAIN_STYLE = {"color": "grey", "linestyle": ":", "linewidth": 1.5}
 
 
 def variant_styles(variants) -> dict[str, dict]:
-    """Variant -> matplotlib style, by order: colour ``C0``, ``C1``, ... and a marker of its own."""
+    """Variant -> matplotlib style, by order: colour ``C0``, ``C1``, ..., a marker of its own, and a line width
+    and marker size falling from the first variant (drawn first, widest) to the last."""
+    names = list(variants)
+    wide = [1 - i / max(1, len(names) - 1) for i in range(len(names))]         # 1 for the first, 0 for the last
     return {name: {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
-                   "markersize": 5, "linewidth": 1.6} for i, name in enumerate(variants)}
+                   "linewidth": 1.2 + 2.4 * wide[i], "markersize": 4 + 5 * wide[i], "markeredgewidth": 1.2}
+            for i, name in enumerate(names)}
 
 
 def _draw(ax, xs: list[float], per_x: list[list[float]], style: dict, **extra) -> None:

@@ -7,13 +7,15 @@ seeds holds both training and evaluation noise. At one evaluated length, given e
 1. A variant is *above chance* when every seed is strictly better than the chance level (no chance level:
    always).
 2. The variant with the best mean is named the *winner* only when every variant has at least two seeds, it is
-   above chance, and it is *separated*: its worst seed is better than every seed of every other variant (the
-   min-max ranges over seeds do not overlap).
-3. Otherwise no winner is named, and the verdict says why: one seed, at chance, or not separated.
+   above chance, it is *separated* -- its worst seed is better than every seed of every other variant (the
+   min-max ranges over seeds do not overlap) -- and separation is significant: p <= `ALPHA` below.
+3. Otherwise no winner is named, and the verdict says why: one seed, at chance, not separated, or too few
+   seeds (separated, but p > `ALPHA`).
 
-Separation is the exact one-sided permutation (Mann-Whitney U = 0) test: if seeds were exchangeable between two
-variants with n and m seeds, one would beat the other in every seed with probability 1 / C(n + m, n) -- 1/6 for
-2 seeds each, 1/20 for 3, 1/70 for 4 -- which the verdict reports against the runner-up.
+p is the exact one-sided permutation test of complete separation (Mann-Whitney U = 0): if the seeds of the
+winner and the runner-up (n and m seeds) were exchangeable, every one of the winner's would beat every one of
+the runner-up's with probability 1 / C(n + m, n): 1/6 for 2 seeds each, 1/20 for 3, 1/70 for 4. So at least 3
+seeds per variant are needed to name a winner.
 """
 
 from __future__ import annotations
@@ -21,19 +23,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+#: the largest p at which a separated variant is named the winner
+ALPHA = 0.05
 #: the rule in one sentence, for reports
 RULE = ("a variant is named best at a length only when every variant has at least two seeds, every seed of it "
         "is better than the chance level, and its worst seed beats every seed of every other variant "
-        "(non-overlapping min-max ranges over seeds; the chance that this happens between exchangeable seeds, "
-        "1 / C(n + m, n) for n and m seeds, is given as p)")
+        "(non-overlapping min-max ranges over seeds) with p = 1 / C(n + m, n) <= 0.05, the probability of such a "
+        "separation between exchangeable seeds (n and m seeds of it and the runner-up: 3 seeds each give 0.05)")
 
 
 @dataclass
 class Verdict:
     """The rule's outcome at one length. ``status``: ``separated`` (a winner is named), ``one seed``,
-    ``at chance``, ``not separated``, ``one variant`` or ``no value``; ``best``: the variant with the best mean
-    over finite seeds; ``winner``: ``best`` when separated; ``reason``: one sentence; ``p``: 1 / C(n + m, n)
-    against the runner-up when separated; ``at_chance``: the variants not above chance."""
+    ``at chance``, ``not separated``, ``too few seeds``, ``one variant`` or ``no value``; ``best``: the variant
+    with the best mean over finite seeds; ``winner``: ``best`` when separated; ``reason``: one sentence; ``p``:
+    1 / C(n + m, n) against the runner-up when the seeds are separated; ``at_chance``: the variants not above
+    chance."""
     status: str
     best: str | None
     reason: str
@@ -92,8 +97,12 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool, chance: floa
         return Verdict("not separated", best, f"{best} is the only variant with a value", at_chance=at_chance)
     seeds = sum(not math.isnan(x) for x in values[runner_up])
     p = 1 / math.comb(len(values[best]) + seeds, len(values[best]))
-    return Verdict("separated", best, f"every seed of {best} beats every seed of every other variant "
-                   f"(p = {p:.2g} against the runner-up {runner_up})", p=p, at_chance=at_chance)
+    separated = f"every seed of {best} beats every seed of every other variant (p = {p:.2g} against the runner-up " \
+                f"{runner_up}"
+    if p > ALPHA:
+        return Verdict("too few seeds", best, f"{separated}, above {ALPHA}: too few seeds to tell)",
+                       p=p, at_chance=at_chance)
+    return Verdict("separated", best, f"{separated})", p=p, at_chance=at_chance)
 
 
-__all__ = ["RULE", "Verdict", "above_chance", "better", "verdict"]
+__all__ = ["ALPHA", "RULE", "Verdict", "above_chance", "better", "verdict"]
