@@ -83,27 +83,15 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
         return evaluate(model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=cfg.train.seed,
                         autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics)
 
-    def finetune(name: str, run_cfg: RunConfig, folder: str) -> tuple[RunEval, list[str]]:
-        log(f"[{name}] finetuning {steps} steps at length {train_length}")
-        start = time.perf_counter()
-        trained = train(run_cfg, out / folder, progress=progress)
-        train_s = round(time.perf_counter() - start, 2)
-        added = (trained.trainer.initialized_from or {}).get("added", [])
-        log(f"[{name}] new parameters ({len(added)}): {', '.join(added) if added else 'none'}; evaluating")
-        return dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(),
-                                   seed=cfg.train.seed, run_dir=str(trained.run_dir), train_seconds=train_s,
-                                   final_train_loss=trained.history[-1] if trained.history else None,
-                                   train_tokens=trained.trainer.tokens), added
-
     log(f"[before] evaluating {ckpt} at {', '.join(map(str, eval_lengths))}")
     state = ckpt_io.read_state(ckpt)
     history = state.get("history", [])
     before = dataclasses.replace(evaluate_model(before_model.to(kind)), config=base_cfg.to_dict(),
                                  seed=base_cfg.train.seed, run_dir=str(ckpt), train_tokens=state.get("tokens"),
                                  final_train_loss=history[-1] if history else None)
-    control, _ = finetune("control", control_cfg, "control")
+    control, _ = _finetune("control", control_cfg, out / "control", evaluate_model, progress, log)
     log(f"[after] retrofitting with {', '.join(overrides) if overrides else 'the same config'}")
-    after, added = finetune("after", cfg, "finetune")
+    after, added = _finetune("after", cfg, out / "finetune", evaluate_model, progress, log)
     name = getattr(source, "name", cfg.data.task)
     attention = {"before": base_cfg.model.attention, "control": base_cfg.model.attention,
                  "after": cfg.model.attention}
@@ -120,6 +108,21 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     results.save(out / "results.json")
     write_report(results, out)
     return results
+
+
+def _finetune(name: str, cfg: RunConfig, run_dir: Path, evaluate_model: Callable[[torch.nn.Module], RunEval],
+              progress: bool, log: Callable[[str], None]) -> tuple[RunEval, list[str]]:
+    """Train ``cfg`` (a finetuning config) into ``run_dir`` and evaluate the result; returns the evaluation and
+    the parameters the checkpoint did not have."""
+    log(f"[{name}] finetuning {cfg.train.steps} steps at length {max(cfg.lengths())}")
+    start = time.perf_counter()
+    trained = train(cfg, run_dir, progress=progress)
+    train_s = round(time.perf_counter() - start, 2)
+    added = (trained.trainer.initialized_from or {}).get("added", [])
+    log(f"[{name}] new parameters ({len(added)}): {', '.join(added) if added else 'none'}; evaluating")
+    return dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(), seed=cfg.train.seed,
+                               run_dir=str(trained.run_dir), train_seconds=train_s, train_tokens=trained.trainer.tokens,
+                               final_train_loss=trained.history[-1] if trained.history else None), added
 
 
 def _description(ckpt: Path, overrides, steps: int, train_length: int, added: list[str]) -> str:
