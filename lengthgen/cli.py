@@ -69,7 +69,8 @@ def train_command(args: argparse.Namespace) -> int:
     final = f"{result.history[-1]:.4g}" if result.history else "n/a"
     print(f"trained {result.step} steps; final loss {final}; run folder {result.run_dir}")
     for length, values in result.metrics.get("eval", {}).items():
-        print(f"  eval at length {length}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+        print(f"  eval at length {length} (mean over all positions [0, L)): "
+              + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
     if result.evaluation:
         print(run_summary(result.evaluation, getattr(result.trainer.source, "metric", "loss"),
                           train_length=max(result.config.lengths())))
@@ -245,7 +246,7 @@ def _retrofit_args(p: argparse.ArgumentParser) -> None:
 
 @command("retrofit", _retrofit_args)
 def retrofit_command(args: argparse.Namespace) -> int:
-    """Add attention parameters to a trained model (e.g. AVNorm out-norm), finetune, and compare before/after."""
+    """Add attention parameters to a trained model (e.g. AVNorm out-norm); finetune it and a same-steps control."""
     from lengthgen.report import terminal_table
     from lengthgen.experiments.retrofit import run_retrofit
 
@@ -256,7 +257,7 @@ def retrofit_command(args: argparse.Namespace) -> int:
                            progress=not args.no_progress)
     print(terminal_table(results))
     print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json; "
-          f"finetuning run {Path(args.out) / 'finetune'})")
+          f"finetuning runs {Path(args.out) / 'finetune'} and the control {Path(args.out) / 'control'})")
     return 0
 
 

@@ -4,9 +4,11 @@ import pytest
 
 from lengthgen.attention import PRESETS, AttentionSpec
 from lengthgen.cli import main
+from lengthgen.data.tasks import make_task
 from lengthgen.eval import Comparison, RunEval
 from lengthgen.experiments.compare import base_config, parse_variants, run_compare, variant_spec
-from lengthgen.report import markdown_report, summarize
+from lengthgen.report import markdown_report, verdicts
+from lengthgen.report.tables import conclusion, value_rows
 
 TINY = ["data.task=counting", "train.steps=3", "model.dim=16", "model.heads=2", "model.layers=1", "train.batch_size=4"]
 
@@ -54,14 +56,34 @@ def test_compare_writes_all_four_report_files(tiny_compare):
 
 def test_report_table_matches_the_results(tiny_compare):
     out, results = tiny_compare
-    rows = {row["variant"]: row for row in summarize(results)}
-    runs = results.variants["baseline"]
-    expected = sum(run.lengths[2].at_length["abs_error"] for run in runs) / 2
-    assert rows["baseline"]["lengths"][32]["abs_error"][0] == pytest.approx(expected)
-    assert rows["baseline"]["lengths"][8]["ratio"] == pytest.approx(1.0)
+    rows = {row[0]: row for row in value_rows(results, "abs_error", ratio=True)}
+    values = [run.lengths[2].at_length["abs_error"] for run in results.variants["baseline"]]
+    assert rows["variant"][3] == "32 (4x)"
+    assert rows["baseline"][3].startswith(f"{sum(values) / 2:.4g} [{min(values):.4g}, {max(values):.4g}]")
+    assert rows["baseline"][1].endswith("(1x)")
+    chance = make_task("counting").chance("abs_error", 32)[16:].mean()
+    assert rows["chance"][3] == f"{float(chance):.4g}"
     text = (out / "report.md").read_text()
     assert "| baseline |" in text and "| avnorm |" in text and "128 (16x)" in text
-    assert "has the lowest abs_error" in text
+    assert conclusion(results) in text and f"| best (rule) | {verdicts(results)[8].short()} |" in text
+    assert "![abs_error by evaluated length and by position](extrapolation.png)" in text
+    assert "![attention diagnostics by position](diagnostics.png)" in text
+
+
+def test_compare_records_what_was_trained_and_the_chance_level(tiny_compare):
+    from lengthgen.model import GPT
+    from lengthgen.train.config import RunConfig
+
+    _, results = tiny_compare
+    task = make_task("counting")
+    for runs in results.variants.values():
+        for run in runs:
+            assert run.train_tokens == 3 * 4 * 8                    # steps x batch x length
+            assert run.parameters == GPT(RunConfig.from_dict(run.config).model).num_parameters()
+            row = run.at(128)
+            assert row.chance["abs_error"] == pytest.approx(float(task.chance("abs_error", 128)[64:].mean()))
+            assert [b.hi for b in row.chance_buckets["abs_error"]] == [b.hi for b in row.buckets["abs_error"]]
+            assert "rel_error" not in row.chance
 
 
 def test_report_command_rebuilds_the_report(tiny_compare, tmp_path, capsys):
@@ -69,7 +91,7 @@ def test_report_command_rebuilds_the_report(tiny_compare, tmp_path, capsys):
     assert main(["report", str(out), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "report.md").read_text() == markdown_report(results)
     assert (tmp_path / "diagnostics.png").is_file()
-    assert "abs_error by evaluation length" in capsys.readouterr().out
+    assert "abs_error at length L" in capsys.readouterr().out
 
 
 def test_report_command_missing_results_is_a_clear_error(tmp_path, capsys):
@@ -96,7 +118,7 @@ def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path
     run_compare(cfg, tmp_path, variants=["baseline"], eval_lengths=[8, 16], eval_tokens=32,
                 metric=default_metric(cfg), progress=False, log=lambda _: None)
     text = (tmp_path / "report.md").read_text()
-    assert "## loss by evaluation length" in text and "## legal_accuracy by evaluation length" in text
+    assert "## loss at length L" in text and "## legal_accuracy at length L" in text
 
 
 def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
@@ -104,7 +126,7 @@ def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
             "--eval-tokens", "64", "--out", str(tmp_path), "--no-progress"] + [x for s in TINY for x in ("--set", s)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "accuracy by evaluation length" in text
+    assert "accuracy at length L" in text
     assert main(["eval", str(tmp_path / "runs" / "l2-seed0"), "--lengths", "16,32", "--tokens", "64",
                  "--out", str(tmp_path / "eval.json")]) == 0
     rows = RunEval.load(tmp_path / "eval.json").lengths

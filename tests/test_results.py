@@ -14,9 +14,11 @@ def _run(seed: int = 0) -> RunEval:
     row = LengthEval(length=8, batch_size=2, batch="2 sampled sequences", at_length={"loss": 1.5},
                      mean={"loss": 1.25}, buckets={"loss": [Bucket(0, 1, 1.0, 2), Bucket(4, 8, math.inf, 8)]},
                      prefix={"loss": [Bucket(0, 8, 1.25, 16)]},
-                     diagnostics=[{"inv_wmax": [Bucket(0, 1, 1.0, 1)]}])
+                     diagnostics=[{"inv_wmax": [Bucket(0, 1, 1.0, 1)]}], chance={"loss": 2.0},
+                     chance_buckets={"loss": [Bucket(0, 1, 1.5, 1), Bucket(4, 8, 2.0, 4)]})
     return RunEval([row], eval_seed=seed, provenance=Provenance.capture("cpu"), config={"train": {"seed": seed}},
-                   seed=seed, run_dir="runs/x", final_train_loss=0.5, train_seconds=1.0, eval_seconds=0.5)
+                   seed=seed, run_dir="runs/x", final_train_loss=0.5, train_seconds=1.0, eval_seconds=0.5,
+                   parameters=1234, train_tokens=4096)
 
 
 def _comparison() -> Comparison:
@@ -81,3 +83,20 @@ def test_merge_refuses_other_lengths():
     b.eval_lengths = [8, 16]
     with pytest.raises(ResultsError, match="cannot merge"):
         a.merge(b)
+
+
+def test_files_without_the_chance_and_size_fields_still_load(tmp_path):
+    """Chance levels, parameter count and tokens trained were added without a schema change: older files
+    load with them empty."""
+    comparison = _comparison()
+    data = json.loads(comparison.save(tmp_path / "results.json").read_text())
+    assert data["variants"]["baseline"][0]["lengths"][0]["chance"] == {"loss": 2.0}
+    for run in data["variants"]["baseline"]:
+        del run["parameters"], run["train_tokens"]
+        for row in run["lengths"]:
+            del row["chance"], row["chance_buckets"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = Comparison.load(tmp_path / "old.json")
+    run = old.variants["baseline"][0]
+    assert run.parameters is None and run.train_tokens is None and run.lengths[0].chance == {}
+    assert run.lengths[0].chance_buckets == {} and run.lengths[0].at_length == {"loss": 1.5}

@@ -13,7 +13,7 @@ from lengthgen.config import ConfigError
 from lengthgen.train.config import RunConfig
 from lengthgen.model import GPT
 from lengthgen.eval import Comparison
-from lengthgen.experiments.retrofit import finetune_config
+from lengthgen.experiments.retrofit import finetune_config, run_retrofit
 from lengthgen.train import Trainer, load_run, train
 from lengthgen.train.weights import load_initial_weights
 
@@ -78,8 +78,16 @@ def test_retrofit_out_norm_writes_the_report(checkpoint, tmp_path, capsys):
     for name in ("results.json", "report.md", "extrapolation.png", "diagnostics.png"):
         assert (out / name).is_file(), name
     results = Comparison.load(out / "results.json")
-    assert list(results.variants) == ["before", "after"]
+    assert list(results.variants) == ["before", "control", "after"]
     assert results.specs["before"]["out_norm"] == "none" and results.specs["after"]["out_norm"] == "head_layer"
+    assert results.specs["control"] == results.specs["before"]
+    # the control: the checkpoint's model, finetuned exactly as `after` (steps, optimizer, schedule, data seeds)
+    (before,), (control,), (after,) = results.variants.values()
+    assert control.config["model"] == before.config["model"] != after.config["model"]
+    assert control.config["train"] == after.config["train"] and control.config["data"] == after.config["data"]
+    assert control.config["train"]["init_from"] == after.config["train"]["init_from"] == results.retrofit["checkpoint"]
+    assert json.loads((out / "control" / "latest.json").read_text())["step"] == 3
+    assert control.train_tokens == after.train_tokens == 3 * 8 * 16
     assert results.retrofit["added_parameters"] == [f"blocks.{i}.attn.{p}" for i in range(2)
                                                     for p in ("out_norm.weight", "out_norm.bias")]
     assert [row.length for row in results.variants["after"][0].lengths] == [16, 32]
@@ -87,6 +95,8 @@ def test_retrofit_out_norm_writes_the_report(checkpoint, tmp_path, capsys):
     assert json.loads((out / "finetune" / "latest.json").read_text())["step"] == 3
     report = (out / "report.md").read_text()
     assert report.startswith("# lengthgen retrofit: counting") and "model.attention.out_norm=head_layer" in report
+    change = [after.at(n).at_length["abs_error"] - control.at(n).at_length["abs_error"] for n in (16, 32)]
+    assert f"| abs_error: after - control (the change) | {change[0]:+.4g} | {change[1]:+.4g} |" in report
     printed = capsys.readouterr().out
     assert "before" in printed and "after" in printed
 
@@ -97,3 +107,14 @@ def test_retrofit_command_errors(checkpoint, tmp_path, capsys):
     assert main(["retrofit", str(checkpoint), "--set", "model.dim=64", "--steps", "1",
                  "--out", str(tmp_path / "o2")]) == 2
     assert "cannot initialize from" in capsys.readouterr().err
+
+
+def test_control_is_the_same_finetuning_without_the_change(checkpoint, tmp_path):
+    """Without a model change, `after` and `control` are the same run: same batches, optimizer and schedule."""
+    results = run_retrofit(checkpoint, tmp_path / "r", overrides=["train.lr=1e-3"], steps=2, eval_lengths=[16, 32],
+                           eval_tokens=64, diagnostics=False, progress=False, log=lambda _: None)
+    (control,), (after,) = results.variants["control"], results.variants["after"]
+    assert control.config["train"]["lr"] == after.config["train"]["lr"] == 1e-3
+    assert [r.at_length for r in control.lengths] == [r.at_length for r in after.lengths]
+    assert control.final_train_loss == after.final_train_loss
+    assert [r.at_length for r in control.lengths] != [r.at_length for r in results.variants["before"][0].lengths]

@@ -8,7 +8,9 @@ evaluations, ``lengthgen compare``, ``lengthgen retrofit``, ``lengthgen eval`` a
 For each length L one batch of ``tokens_per_length // L`` sequences (at least one) is drawn and every
 per-position quantity is averaged in power-of-2 position buckets (seed 000). The value "at length L" of a
 per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket): how the model does at
-positions only that length reaches. Per-sequence metrics (classify tasks) are averaged over the batch.
+positions only that length reaches; its ``mean`` is over all positions ``[0, L)``. Per-sequence metrics (classify
+tasks) are averaged over the batch. A task's chance level of each quantity (`lengthgen.data.tasks.Task.chance`)
+is averaged over the same positions and buckets.
 
 Seeding rule (the only one for evaluation batches): the batch at length L for seed s is drawn from a
 ``torch.Generator`` seeded with ``step_seed(s, L, stream=EVAL_STREAM)``, i.e. numpy's ``SeedSequence([s, 1, L])``:
@@ -35,7 +37,7 @@ from lengthgen.data.config import step_generator
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
-from lengthgen.eval.results import LengthEval, Provenance, RunEval
+from lengthgen.eval.results import Bucket, LengthEval, Provenance, RunEval
 
 #: the stream of evaluation batches in `step_seed` (training batches are stream 0)
 EVAL_STREAM = 1
@@ -66,6 +68,23 @@ def _at_length(values: torch.Tensor) -> float:
     return float(values.nanmean() if values.dim() == 1 else values[:, values.shape[-1] // 2:].nanmean())
 
 
+def _chance(source: Any, values: dict[str, torch.Tensor], length: int
+            ) -> tuple[dict[str, float], dict[str, list[Bucket]]]:
+    """The source's chance level of each value at ``length`` over the positions of ``_at_length``, and by bucket
+    for per-position values (none for sources without ``chance``)."""
+    chance = getattr(source, "chance", None)
+    at_length, buckets = {}, {}
+    for name, v in values.items():
+        level = chance(name, length) if chance is not None else None
+        if level is None:
+            continue
+        if v.dim() == 1:
+            at_length[name] = float(level)
+        else:
+            at_length[name], buckets[name] = _at_length(level[None]), bucket_means(level[None])
+    return at_length, buckets
+
+
 def _measure(model, source, batch: Batch, device, context, measure: Measure, forward_tokens: int | None
              ) -> dict[str, torch.Tensor]:
     """``measure`` on the batch in forward passes of at most ``forward_tokens`` tokens (at least one row)."""
@@ -89,13 +108,15 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     values = _measure(model, source, batch, device, context, measure, forward_tokens)
     per_position = {name: v for name, v in values.items() if v.dim() == 2}
     describe = getattr(source, "describe", None)
+    chance, chance_buckets = _chance(source, values, length)
     result = LengthEval(
         length=length, batch_size=int(batch.tokens.shape[0]),
         batch=describe(batch_size, length) if describe else f"{batch.tokens.shape[0]} sampled sequences",
         at_length={name: _at_length(v) for name, v in values.items()},
         mean={name: float(v.nanmean()) for name, v in values.items()},
         buckets={name: bucket_means(v) for name, v in per_position.items()},
-        prefix={name: prefix_means(v) for name, v in per_position.items()})
+        prefix={name: prefix_means(v) for name, v in per_position.items()}, chance=chance,
+        chance_buckets=chance_buckets)
     if diagnostics:
         one = batch.rows(0, 1).to(device)
         with context():
@@ -112,7 +133,8 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     """Evaluate ``model`` on ``source`` at every length (ascending), diagnostics at the longest.
 
     ``autocast``: the training autocast dtype (None: none). ``forward_tokens``: at most this many tokens per
-    forward pass (None: each length's batch at once). Returns a `RunEval` with the seed, timing and provenance; callers fill in the run's config and seeds.
+    forward pass (None: each length's batch at once). Returns a `RunEval` with the seed, timing, parameter count
+    and provenance; callers fill in the run's config and seeds.
     """
     lengths = sorted(set(lengths))
     limit = getattr(source, "max_length", None)
@@ -136,7 +158,8 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     finally:
         model.train(was_training)
     return RunEval(rows, eval_seed=seed, provenance=Provenance.capture(device),
-                   eval_seconds=round(time.perf_counter() - start, 2))
+                   eval_seconds=round(time.perf_counter() - start, 2),
+                   parameters=sum(p.numel() for p in model.parameters()))
 
 
 def _device(model: nn.Module) -> torch.device:

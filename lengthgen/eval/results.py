@@ -1,7 +1,8 @@
 """The results model: typed evaluation results, saved as JSON atomically and loaded back with clear errors.
 
 * `LengthEval`: one evaluated length: per-position values in power-of-2 buckets, prefix means, the value "at
-  length" (mean over positions ``[L/2, L)``), and optionally attention diagnostics.
+  length" (mean over positions ``[L/2, L)``), the ``mean`` over all positions, the task's chance level of each
+  value, and optionally attention diagnostics.
 * `RunEval`: one run's evaluation at several lengths, with the run's config, seeds, timings and `Provenance`
   (lengthgen version, git commit when available, torch version, device, date). A run folder's ``eval.json``.
 * `Comparison`: runs of several variants on one source, headline metric and title (``results.json`` of
@@ -84,21 +85,27 @@ def _git_commit() -> str | None:
 class LengthEval:
     """One evaluated length. ``batch`` says what the ``batch_size`` sequences were (sampled sequences, long
     documents of a split). Value dicts map a name (``loss``, the source's metrics) to a number; per-sequence
-    metrics (classify tasks) have no buckets. ``diagnostics``: per layer, statistic -> buckets."""
+    metrics (classify tasks) have no buckets. ``chance``: the source's chance level of a value (its trivial
+    baseline, `lengthgen.data.tasks.Task.chance`) over the positions of ``at_length``, and ``chance_buckets``
+    over each bucket; values without one (text, some metrics) are absent. ``diagnostics``: per layer,
+    statistic -> buckets."""
     length: int
     batch_size: int
     batch: str
-    at_length: dict[str, float]
-    mean: dict[str, float]
+    at_length: dict[str, float]                # mean over positions [L/2, L); per-sequence: over the batch
+    mean: dict[str, float]                     # mean over all positions [0, L)
     buckets: dict[str, list[Bucket]]
     prefix: dict[str, list[Bucket]]            # means over [0, P) for P = 1, 2, 4, ..., length
     diagnostics: list[dict[str, list[Bucket]]] = field(default_factory=list)
+    chance: dict[str, float] = field(default_factory=dict)
+    chance_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LengthEval":
         rows = lambda named: {k: [Bucket(**b) for b in v] for k, v in named.items()}  # noqa: E731
         return cls(d["length"], d["batch_size"], d["batch"], d["at_length"], d["mean"], rows(d["buckets"]),
-                   rows(d["prefix"]), [rows(layer) for layer in d.get("diagnostics", [])])
+                   rows(d["prefix"]), [rows(layer) for layer in d.get("diagnostics", [])], d.get("chance", {}),
+                   rows(d.get("chance_buckets", {})))
 
 
 @dataclass
@@ -114,6 +121,8 @@ class RunEval:
     final_train_loss: float | None = None
     train_seconds: float | None = None
     eval_seconds: float | None = None
+    parameters: int | None = None                          # the evaluated model's parameter count
+    train_tokens: int | None = None                        # tokens the run trained on (None: not known)
 
     def at(self, length: int) -> LengthEval:
         """The evaluation at ``length`` (KeyError naming the evaluated lengths if there is none)."""

@@ -110,7 +110,8 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] = list(D
                                   seed=seed, autocast=trained.trainer.autocast_dtype)
             runs[variant].append(dataclasses.replace(
                 evaluation, config=trained.config.to_dict(), seed=seed, run_dir=str(trained.run_dir),
-                final_train_loss=trained.history[-1] if trained.history else None, train_seconds=train_s))
+                final_train_loss=trained.history[-1] if trained.history else None, train_seconds=train_s,
+                train_tokens=trained.trainer.tokens))
     name = getattr(source, "name", cfg.data.task)
     results = Comparison(
         title=f"lengthgen compare: {name}", source=name, metric=metric,

@@ -3,14 +3,19 @@
 Seed 000 asks whether AVNorm (out-norm) can be added to an already-trained model: load the checkpoint into a
 model with the new attention spec (``--set model.attention.out_norm=head_layer``), keep every existing weight,
 initialize only the parameters the spec adds (a 2sigmoid gate starts at zero weight, i.e. the identity, so
-the model starts exactly where it was), finetune ``steps`` steps with a fresh optimizer, and evaluate before
-and after far beyond the training length. The report folder has the layout of ``lengthgen compare``:
-``results.json`` (variants ``before`` and ``after``), ``report.md``, ``extrapolation.png``,
-``diagnostics.png``, plus ``finetune/`` (the finetuning run folder).
+the model starts exactly where it was), finetune ``steps`` steps with a fresh optimizer, and evaluate far beyond
+the training length. Three variants separate the effect of the change from the effect of more training:
 
-The finetuning run is an ordinary `lengthgen.train.train` run with ``train.init_from`` set to the checkpoint,
-at the original run's final training length (its ``train.stages`` are dropped), evaluated periodically only at
-the end and checkpointed at the end.
+* ``before``: the checkpoint as it is;
+* ``control``: finetuned from the checkpoint without the model change, with the same steps, optimizer,
+  schedule, ``train.*`` overrides and data seeds as ``after``;
+* ``after``: the retrofitted model, finetuned.
+
+The report folder has the layout of ``lengthgen compare`` (``results.json``, ``report.md``,
+``extrapolation.png``, ``diagnostics.png``) plus the run folders ``finetune/`` (after) and ``control/``. Each
+finetuning run is an ordinary `lengthgen.train.train` run with ``train.init_from`` set to the checkpoint, at the
+original run's final training length (its ``train.stages`` are dropped), evaluated periodically only at the end
+and checkpointed at the end.
 """
 
 from __future__ import annotations
@@ -53,22 +58,24 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
                  steps: int = 100, eval_lengths: list[int] | None = None, eval_tokens: int = 8192,
                  diagnostics: bool = True, progress: bool = True, log: Callable[[str], None] = print
                  ) -> Comparison:
-    """Retrofit ``checkpoint`` (a run folder or checkpoint) with the config ``overrides``, finetune ``steps``
-    steps, evaluate before and after at ``eval_lengths`` (default the training length x `MULTIPLES`) with
-    the one evaluator (seeded with the finetuning run's ``train.seed``, under its device and autocast) and
-    write the report into ``out``. Returns the `Comparison` (variants ``before``, ``after``)."""
+    """Retrofit ``checkpoint`` (a run folder or checkpoint) with the config ``overrides``, finetune it and the
+    control ``steps`` steps, evaluate all three at ``eval_lengths`` (default the training length x `MULTIPLES`)
+    with the one evaluator (seeded with the finetuning run's ``train.seed``, under its device and autocast) and
+    write the report into ``out``. Returns the `Comparison` (variants ``before``, ``control``, ``after``)."""
     out = Path(out)
     ckpt = ckpt_io.find_checkpoint(checkpoint)
     base_cfg, before_model = load_run(ckpt)
     cfg = finetune_config(base_cfg, ckpt, steps, overrides)
+    control_cfg = dataclasses.replace(cfg, model=base_cfg.model, name=f"{base_cfg.name or 'run'}-control")
     kind = device_type(cfg.train)
     # fail before any evaluation when the new config changes more than added attention parameters
     torch.manual_seed(cfg.train.seed)
     load_initial_weights(GPT(cfg.model), ckpt)
     train_length = max(cfg.lengths())
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
-    if (out / "finetune" / ckpt_io.LATEST).exists():
-        raise FileExistsError(f"{out / 'finetune'} already holds a finetuning run; choose another --out")
+    for folder in ("finetune", "control"):
+        if (out / folder / ckpt_io.LATEST).exists():
+            raise FileExistsError(f"{out / folder} already holds a finetuning run; choose another --out")
     source = make_source(cfg.data)
     evaluated_on = eval_source(cfg.data, source)
 
@@ -77,34 +84,45 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
                         autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics)
 
     log(f"[before] evaluating {ckpt} at {', '.join(map(str, eval_lengths))}")
-    history = ckpt_io.read_state(ckpt).get("history", [])
+    state = ckpt_io.read_state(ckpt)
+    history = state.get("history", [])
     before = dataclasses.replace(evaluate_model(before_model.to(kind)), config=base_cfg.to_dict(),
-                                 seed=base_cfg.train.seed, run_dir=str(ckpt),
+                                 seed=base_cfg.train.seed, run_dir=str(ckpt), train_tokens=state.get("tokens"),
                                  final_train_loss=history[-1] if history else None)
-    log(f"[after] finetuning {steps} steps at length {train_length} with "
-        f"{', '.join(overrides) if overrides else 'the same config'}")
-    start = time.perf_counter()
-    trained = train(cfg, out / "finetune", progress=progress)
-    train_s = round(time.perf_counter() - start, 2)
-    added = (trained.trainer.initialized_from or {}).get("added", [])
-    log(f"[after] new parameters ({len(added)}): {', '.join(added) if added else 'none'}")
-    log(f"[after] evaluating at {', '.join(map(str, eval_lengths))}")
-    after = dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(),
-                                seed=cfg.train.seed, run_dir=str(trained.run_dir), train_seconds=train_s,
-                                final_train_loss=trained.history[-1] if trained.history else None)
+    control, _ = _finetune("control", control_cfg, out / "control", evaluate_model, progress, log)
+    log(f"[after] retrofitting with {', '.join(overrides) if overrides else 'the same config'}")
+    after, added = _finetune("after", cfg, out / "finetune", evaluate_model, progress, log)
     name = getattr(source, "name", cfg.data.task)
+    attention = {"before": base_cfg.model.attention, "control": base_cfg.model.attention,
+                 "after": cfg.model.attention}
     results = Comparison(
         title=f"lengthgen retrofit: {name}", source=name, metric=source.metric,
         higher_is_better=source.higher_is_better, train_length=train_length, eval_lengths=eval_lengths,
         config=cfg.to_dict(), provenance=after.provenance,
-        specs={"before": base_cfg.model.attention.to_dict(), "after": cfg.model.attention.to_dict()},
-        variants={"before": [before], "after": [after]},
+        specs={variant: spec.to_dict() for variant, spec in attention.items()},
+        variants={"before": [before], "control": [control], "after": [after]},
         description=_description(ckpt, overrides, steps, train_length, added),
         retrofit={"checkpoint": str(ckpt), "overrides": list(overrides), "steps": steps,
-                  "added_parameters": added, "finetune_run": str(out / "finetune")})
+                  "added_parameters": added, "finetune_run": str(out / "finetune"),
+                  "control_run": str(out / "control")})
     results.save(out / "results.json")
     write_report(results, out)
     return results
+
+
+def _finetune(name: str, cfg: RunConfig, run_dir: Path, evaluate_model: Callable[[torch.nn.Module], RunEval],
+              progress: bool, log: Callable[[str], None]) -> tuple[RunEval, list[str]]:
+    """Train ``cfg`` (a finetuning config) into ``run_dir`` and evaluate the result; returns the evaluation and
+    the parameters the checkpoint did not have."""
+    log(f"[{name}] finetuning {cfg.train.steps} steps at length {max(cfg.lengths())}")
+    start = time.perf_counter()
+    trained = train(cfg, run_dir, progress=progress)
+    train_s = round(time.perf_counter() - start, 2)
+    added = (trained.trainer.initialized_from or {}).get("added", [])
+    log(f"[{name}] new parameters ({len(added)}): {', '.join(added) if added else 'none'}; evaluating")
+    return dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(), seed=cfg.train.seed,
+                               run_dir=str(trained.run_dir), train_seconds=train_s, train_tokens=trained.trainer.tokens,
+                               final_train_loss=trained.history[-1] if trained.history else None), added
 
 
 def _description(ckpt: Path, overrides, steps: int, train_length: int, added: list[str]) -> str:
@@ -112,8 +130,9 @@ def _description(ckpt: Path, overrides, steps: int, train_length: int, added: li
     code = lambda names: ", ".join(f"`{n}`" for n in names)  # noqa: E731
     return (f"Checkpoint `{ckpt}` (variant **before**), retrofitted with {code(overrides) or 'no config change'} "
             f"and finetuned {steps} steps at length {train_length} with a fresh optimizer (variant **after**; run "
-            f"folder `finetune/`). Parameters added (kept at their initialization when loading): "
-            f"{code(added) or 'none'}.")
+            f"folder `finetune/`). Variant **control** is finetuned the same way from the same checkpoint without "
+            f"the model change (run folder `control/`). Parameters added (kept at their initialization when "
+            f"loading): {code(added) or 'none'}.")
 
 
 __all__ = ["finetune_config", "run_retrofit"]

@@ -1,5 +1,6 @@
-"""Reports from results: tables (`tables`) and plots (`plots`) of a `lengthgen.eval.Comparison` or `RunEval`,
-and seed 004's theory rows (`theory`). Nothing here trains or evaluates."""
+"""Reports from results: tables (`tables`, shared by the terminal and ``report.md``), ``report.md``
+(`markdown`), plots (`plots`), the rule that names a winner (`stats`) and seed 004's theory rows (`theory`).
+Nothing here trains or evaluates."""
 
 from __future__ import annotations
 
@@ -7,20 +8,25 @@ from pathlib import Path
 
 from lengthgen.atomic import atomic_write_text
 from lengthgen.eval.results import Comparison
+from lengthgen.report.markdown import DIAGNOSTICS, EXTRAPOLATION, has_diagnostics, markdown_report
 from lengthgen.report.plots import plot_diagnostics, plot_extrapolation
-from lengthgen.report.tables import markdown_report, position_table, run_summary, summarize, terminal_table
+from lengthgen.report.stats import Verdict, verdict
+from lengthgen.report.tables import position_table, run_summary, terminal_table, verdicts
 
 
 def write_report(results: Comparison, out: str | Path) -> list[Path]:
-    """Write ``report.md``, ``extrapolation.png`` and ``diagnostics.png`` for ``results`` into ``out``."""
+    """Write ``report.md`` (embedding the plots), ``extrapolation.png`` and, when the runs recorded attention
+    diagnostics, ``diagnostics.png`` for ``results`` into ``out``; returns the paths written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "report.md", out / "extrapolation.png", out / "diagnostics.png"]
-    atomic_write_text(paths[0], markdown_report(results))
+    paths = [out / "report.md", out / EXTRAPOLATION]
     plot_extrapolation(results, paths[1])
-    plot_diagnostics(results, paths[2])
+    if has_diagnostics(results):
+        paths.append(out / DIAGNOSTICS)
+        plot_diagnostics(results, paths[2])
+    atomic_write_text(paths[0], markdown_report(results))
     return paths
 
 
-__all__ = ["markdown_report", "plot_diagnostics", "plot_extrapolation", "position_table", "run_summary",
-           "summarize", "terminal_table", "write_report"]
+__all__ = ["Verdict", "markdown_report", "plot_diagnostics", "plot_extrapolation", "position_table", "run_summary",
+           "terminal_table", "verdict", "verdicts", "write_report"]

@@ -1,67 +1,136 @@
-"""Plots of a `Comparison` (matplotlib, Agg backend): metric by position and attention diagnostics."""
+"""Plots of a `Comparison` (matplotlib, Agg backend): the headline metric by evaluated length and by position
+(`plot_extrapolation`), and attention diagnostics by position (`plot_diagnostics`).
+
+Every figure of a report draws a variant in one style (`variant_styles`: colour and hollow marker; earlier
+variants are drawn wider, so that a curve covered by a later one still shows on both sides), the spread over
+seeds as a min-max band when there are several, the chance level as a dashed black line, the training length
+as a dotted grey line, and one legend outside the axes."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from lengthgen.eval.results import Bucket, Comparison, LengthEval, RunEval
+from lengthgen.eval.results import Bucket, Comparison, LengthEval
+from lengthgen.report.tables import chance_level
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+MARKERS = "osD^vP*Xh<>p"
+CHANCE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.2}
+TRAIN_STYLE = {"color": "grey", "linestyle": ":", "linewidth": 1.5}
 
 
-def _curve(runs: list[RunEval], pick) -> tuple[list[float], list[float], list[float], list[float]]:
-    """x, mean, min, max over seeds of the buckets ``pick(run)`` (NaN buckets dropped). A bucket [lo, hi) is
-    drawn at hi: the context length its positions reach."""
-    per_seed = [pick(run) for run in runs]
-    xs, means, lows, highs = [], [], [], []
-    for i, bucket in enumerate(per_seed[0]):
-        values = [rows[i].mean for rows in per_seed if not math.isnan(rows[i].mean)]
-        if values:
-            xs.append(bucket.hi)
-            means.append(sum(values) / len(values))
-            lows.append(min(values))
-            highs.append(max(values))
-    return xs, means, lows, highs
+def variant_styles(variants) -> dict[str, dict]:
+    """Variant -> matplotlib style, by order: colour ``C0``, ``C1``, ..., a marker of its own, and a line width
+    and marker size falling from the first variant (drawn first, widest) to the last."""
+    names = list(variants)
+    wide = [1 - i / max(1, len(names) - 1) for i in range(len(names))]         # 1 for the first, 0 for the last
+    return {name: {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
+                   "linewidth": 1.2 + 2.4 * wide[i], "markersize": 4 + 5 * wide[i], "markeredgewidth": 1.2}
+            for i, name in enumerate(names)}
 
 
-def _draw(ax, xs, means, lows, highs, label, **style) -> None:
-    line, = ax.plot(xs, means, marker="o", markersize=3, label=label, **style)
-    if lows != highs:
-        ax.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.2)
+def _draw(ax, xs: list[float], per_x: list[list[float]], style: dict, **extra) -> None:
+    """Mean over seeds at each x, and the min-max band when there are several seeds (NaN values dropped);
+    ``extra``: more line properties (``gid`` names the curve)."""
+    points = [(x, [v for v in vs if not math.isnan(v)]) for x, vs in zip(xs, per_x)]
+    points = [(x, vs) for x, vs in points if vs]
+    if not points:
+        return
+    x = [p[0] for p in points]
+    ax.plot(x, [sum(vs) / len(vs) for _, vs in points], **{**style, **extra})
+    if any(len(vs) > 1 for _, vs in points):
+        ax.fill_between(x, [min(vs) for _, vs in points], [max(vs) for _, vs in points], color=style["color"],
+                        alpha=0.15, linewidth=0)
+
+
+def _by_bucket(rows: list[list[Bucket]]) -> tuple[list[int], list[list[float]]]:
+    """Bucket ends (x) and each bucket's value per seed, from one bucket list per seed."""
+    return [b.hi for b in rows[0]], [[seed[i].mean for seed in rows] for i in range(len(rows[0]))]
+
+
+def _legend(fig, results: Comparison, extra: list) -> None:
+    styles = variant_styles(results.variants)
+    handles = [Line2D([], [], **style, label=name) for name, style in styles.items()] + extra
+    seeds = max(len(runs) for runs in results.variants.values())
+    if seeds > 1:
+        handles.append(Patch(color="grey", alpha=0.3, label=f"min-max over seeds (up to {seeds})"))
+    fig.tight_layout()
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+
+
+def _log2_axis(ax, train_length: int, label: str) -> None:
+    ax.axvline(train_length, **TRAIN_STYLE)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(label)
+    ax.grid(alpha=0.3)
+
+
+def _dense(results: Comparison, metric: str, length: int) -> bool:
+    """Whether ``metric`` is measured at most positions (in at least half of the buckets) at ``length``: then
+    it is worth plotting by position; per-sequence or per-query metrics are plotted by length only."""
+    row = next(iter(results.variants.values()))[0].at(length)
+    buckets = row.buckets.get(metric, [])
+    return bool(buckets) and 2 * sum(b.count > 0 for b in buckets) >= len(buckets)
 
 
 def plot_extrapolation(results: Comparison, path: str | Path) -> None:
-    """Headline metric by position (log-x buckets) at the longest length, one line per variant; falls back to
-    metric by evaluated length for per-sequence metrics. The training length is marked."""
-    metric, train_length, longest = results.metric, results.train_length, results.eval_lengths[-1]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """`extrapolation_figure` as a PNG."""
+    _save(extrapolation_figure(results), path)
+
+
+def plot_diagnostics(results: Comparison, path: str | Path) -> None:
+    """`diagnostics_figure` as a PNG."""
+    _save(diagnostics_figure(results), path)
+
+
+def extrapolation_figure(results: Comparison):
+    """The headline metric at each evaluated length (mean over positions [L/2, L)) and, for metrics measured at
+    most positions, by position at the longest length; chance level and training length marked."""
+    metric, lengths, train_length = results.metric, results.eval_lengths, results.train_length
+    longest, styles = lengths[-1], variant_styles(results.variants)
+    by_position = _dense(results, metric, longest)
+    fig, axes = plt.subplots(1, 2 if by_position else 1, figsize=(11, 4.2) if by_position else (6.5, 4.2),
+                             squeeze=False)
+    ax = axes[0][0]
     for variant, runs in results.variants.items():
-        if metric in runs[0].at(longest).buckets:
-            _draw(ax, *_curve(runs, lambda run: run.at(longest).buckets[metric]), variant)
-            ax.set_xlabel("position (power-of-2 buckets, drawn at their end)")
-        else:
-            lengths = results.eval_lengths
-            values = [[run.at(n).at_length[metric] for run in runs] for n in lengths]
-            _draw(ax, lengths, [sum(v) / len(v) for v in values], [min(v) for v in values],
-                  [max(v) for v in values], variant)
-            ax.set_xlabel("evaluated length")
-    ax.axvline(train_length, color="grey", linestyle="--", linewidth=1, label=f"training length {train_length}")
-    ax.set_xscale("log", base=2)
-    ax.set_ylabel(metric)
-    ax.set_title(f"{results.source}: {metric} beyond the training length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        _draw(ax, lengths, [[run.at(n).at_length.get(metric, math.nan) for run in runs] for n in lengths],
+              styles[variant], gid=variant)
+    chance = [chance_level(results, metric, n) for n in lengths]
+    if any(c is not None for c in chance):
+        ax.plot(lengths, [math.nan if c is None else c for c in chance], **CHANCE_STYLE)
+    _log2_axis(ax, train_length, "evaluated length L (tokens)")
+    ax.set_xticks(lengths, [f"{n}\n{n / train_length:g}x" for n in lengths])
+    ax.minorticks_off()
+    ax.set_ylabel(f"{metric} at length L\n(mean over positions [L/2, L))")
+    ax.set_title(f"{metric} by evaluated length")
+    if by_position:
+        ax = axes[0][1]
+        for variant, runs in results.variants.items():
+            _draw(ax, *_by_bucket([run.at(longest).buckets[metric] for run in runs]), styles[variant], gid=variant)
+        chance_rows = next(iter(results.variants.values()))[0].at(longest).chance_buckets.get(metric)
+        if chance_rows:
+            ax.plot([b.hi for b in chance_rows], [b.mean for b in chance_rows], **CHANCE_STYLE)
+        _log2_axis(ax, train_length, f"position in a length-{longest} sequence\n(bucket [2^(k-1), 2^k) drawn at 2^k)")
+        ax.set_ylabel(f"{metric}, mean over the bucket")
+        ax.set_title(f"{metric} by position at length {longest}")
+    arrow = "higher is better" if results.higher_is_better else "lower is better"
+    fig.suptitle(f"{results.source}: {metric} beyond the training length ({arrow})")
+    extra = [Line2D([], [], **TRAIN_STYLE, label=f"training length {train_length}")]
+    if any(c is not None for c in chance):
+        extra.insert(0, Line2D([], [], **CHANCE_STYLE, label="chance (trivial baseline)"))
+    _legend(fig, results, extra)
+    return fig
 
 
 def _layer_mean(row: LengthEval, stat: str) -> list[Bucket]:
-    """Buckets of one diagnostic averaged over layers."""
+    """Buckets of one diagnostic averaged over layers (empty when not recorded)."""
     layers = [layer[stat] for layer in row.diagnostics if stat in layer]
     if not layers:
         return []
@@ -69,27 +138,36 @@ def _layer_mean(row: LengthEval, stat: str) -> list[Bucket]:
             for rows in zip(*layers)]
 
 
-def plot_diagnostics(results: Comparison, path: str | Path) -> None:
-    """1/w_max (effective attended tokens) and attention-output RMS before/after out-norm by position,
-    averaged over layers and heads, at the longest evaluated length."""
-    longest = results.eval_lengths[-1]
+def diagnostics_figure(results: Comparison):
+    """1/w_max (effective number of attended keys) and the RMS of the attention output before (solid) and after
+    (dashed) out-norm by query position, averaged over layers and heads, at the longest evaluated length."""
+    longest, styles = results.eval_lengths[-1], variant_styles(results.variants)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    panels = (("inv_wmax", "1 / w_max (effective attended tokens)"), ("rms_pre", "attention output RMS"))
-    for ax, (stat, title) in zip(axes, panels):
+    panels = (("inv_wmax", "1 / max_j w_ij (effective attended keys)"), ("rms_pre", "attention output RMS per head"))
+    out_norm = False
+    for ax, (stat, label) in zip(axes, panels):
         for variant, runs in results.variants.items():
-            if not _layer_mean(runs[0].at(longest), stat):
+            rows = [_layer_mean(run.at(longest), stat) for run in runs]
+            if not all(rows):
                 continue
-            _draw(ax, *_curve(runs, lambda run: _layer_mean(run.at(longest), stat)), variant)
+            _draw(ax, *_by_bucket(rows), styles[variant], gid=variant)
             if stat == "rms_pre" and results.specs.get(variant, {}).get("out_norm", "none") != "none":
-                _draw(ax, *_curve(runs, lambda run: _layer_mean(run.at(longest), "rms_post")),
-                      f"{variant} (after out-norm)", linestyle=":")
-        ax.axvline(results.train_length, color="grey", linestyle="--", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("query position (power-of-2 buckets, drawn at their end)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+                out_norm = True
+                _draw(ax, *_by_bucket([_layer_mean(run.at(longest), "rms_post") for run in runs]), styles[variant],
+                      linestyle="--", gid=f"{variant} after out-norm")
+        _log2_axis(ax, results.train_length, f"query position in a length-{longest} sequence\n"
+                                             "(bucket [2^(k-1), 2^k) drawn at 2^k)")
+        ax.set_ylabel(label)
+        ax.set_title(label.split(" (")[0] + " by position")
     axes[0].set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.suptitle(f"{results.source}: attention diagnostics at length {longest} (mean over layers and heads)")
+    extra = [Line2D([], [], **TRAIN_STYLE, label=f"training length {results.train_length}")]
+    if out_norm:
+        extra.append(Line2D([], [], color="grey", linestyle="--", label="RMS after out-norm"))
+    _legend(fig, results, extra)
+    return fig
+
+
+def _save(fig, path: str | Path) -> None:
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

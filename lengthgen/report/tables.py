@@ -1,36 +1,36 @@
-"""Text and markdown tables from results: a `Comparison`'s metric at each evaluated length (and its ratio to
-the training-length value), and a `RunEval`'s values by position."""
+"""Tables from results: a `Comparison`'s values by evaluated length with the chance level and the verdict of
+`lengthgen.report.stats` (shared by the terminal and ``report.md``), and a `RunEval`'s values by position.
+
+Two numbers per length, named the same everywhere: *at length L* is the mean over positions ``[L/2, L)`` (the
+positions only that length reaches; per-sequence metrics: over the sequences), *mean over all positions* is
+over ``[0, L)``."""
 
 from __future__ import annotations
 
 import math
-import statistics
 
 from lengthgen.eval.results import Comparison, LengthEval, RunEval
+from lengthgen.report.stats import Verdict, above_chance, verdict
+
+AT_LENGTH = "at length L = mean over positions [L/2, L), the positions only that length reaches"
+ALL_POSITIONS = "mean over all positions [0, L)"
+#: marks a value that is not better than the chance level in every seed
+AT_CHANCE = "°"
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def seed_values(results: Comparison, name: str, length: int, field: str = "at_length") -> dict[str, list[float]]:
+    """Variant -> the value ``name`` of each seed at ``length`` (``field``: ``at_length`` or ``mean``)."""
+    return {variant: [getattr(run.at(length), field).get(name, math.nan) for run in runs]
+            for variant, runs in results.variants.items()}
 
 
-def summarize(results: Comparison) -> list[dict]:
-    """One row per variant: for each evaluated length, every measured quantity (mean, std over seeds) and the
-    headline metric's ratio to its value at the training length."""
-    metric, train_length = results.metric, results.train_length
-    rows = []
-    for variant, runs in results.variants.items():
-        row = {"variant": variant, "seeds": len(runs), "lengths": {}}
-        for length in results.eval_lengths:
-            row["lengths"][length] = {name: _mean_std([run.at(length).at_length.get(name, math.nan) for run in runs])
-                                      for name in metric_names(results)}
-        base = row["lengths"].get(train_length, {}).get(metric, (math.nan, 0))[0]
-        for length, cell in row["lengths"].items():
-            cell["ratio"] = cell[metric][0] / base if base and not math.isnan(base) else math.nan
-        rows.append(row)
-    return rows
+def chance_level(results: Comparison, name: str, length: int) -> float | None:
+    """The chance level of ``name`` at ``length`` over the positions of "at length" (None: the source has none)."""
+    for runs in results.variants.values():
+        for run in runs:
+            if name in run.at(length).chance:
+                return run.at(length).chance[name]
+    return None
 
 
 def metric_names(results: Comparison) -> list[str]:
@@ -39,95 +39,85 @@ def metric_names(results: Comparison) -> list[str]:
     return list(dict.fromkeys([results.metric, *first]))
 
 
-def _fmt(mean: float, std: float, seeds: int) -> str:
-    if math.isnan(mean):
+def verdicts(results: Comparison) -> dict[int, Verdict]:
+    """The rule's verdict on the headline metric at each evaluated length."""
+    return {n: verdict(seed_values(results, results.metric, n), results.higher_is_better,
+                       chance_level(results, results.metric, n)) for n in results.eval_lengths}
+
+
+def mean(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def cell(values: list[float], chance: float | None = None, higher_is_better: bool = True) -> str:
+    """``mean`` (one seed) or ``mean [min, max]`` over seeds; ``°`` when not above chance in every seed."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
         return "n/a"
-    return f"{mean:.4g} ± {std:.2g}" if seeds > 1 else f"{mean:.4g}"
+    text = f"{mean(finite):.4g}" + (f" [{min(finite):.4g}, {max(finite):.4g}]" if len(values) > 1 else "")
+    return text + (AT_CHANCE if chance is not None and not above_chance(values, chance, higher_is_better) else "")
 
 
-def _label(length: int, train_length: int) -> str:
-    multiple = length / train_length
-    return f"{length} ({multiple:g}x)"
+def length_label(length: int, train_length: int) -> str:
+    return f"{length} ({length / train_length:g}x)"
 
 
-def best_variant(results: Comparison, rows: list[dict] | None = None) -> tuple[str, float] | None:
-    """The variant with the best headline metric at the longest evaluated length, and that value."""
-    rows = rows or summarize(results)
-    longest = results.eval_lengths[-1]
-    scored = [(row["lengths"][longest][results.metric][0], row["variant"]) for row in rows]
-    scored = [(v, name) for v, name in scored if not math.isnan(v)]
-    if not scored:
-        return None
-    value, name = (max if results.higher_is_better else min)(scored)
-    return name, value
+def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: bool = False) -> list[list[str]]:
+    """Header, one row per variant and the chance row of ``name`` by length; headline values not above chance
+    are marked (the direction of other metrics is not recorded); ``ratio``: each mean's ratio to the variant's
+    mean at the training length."""
+    lengths, train_length = results.eval_lengths, results.train_length
+    chance = {n: chance_level(results, name, n) if field == "at_length" else None for n in lengths}
+    rows = [["variant", *(length_label(n, train_length) for n in lengths)]]
+    by_length = {n: seed_values(results, name, n, field) for n in lengths}
+    for variant in results.variants:
+        base = mean(by_length[train_length][variant]) if train_length in by_length else math.nan
+        cells = []
+        for n in lengths:
+            text = cell(by_length[n][variant], chance[n] if name == results.metric else None,
+                        results.higher_is_better)
+            if ratio and base and not math.isnan(base):
+                text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
+            cells.append(text)
+        rows.append([variant, *cells])
+    if any(c is not None for c in chance.values()):
+        rows.append(["chance", *(f"{chance[n]:.4g}" if chance[n] is not None else "n/a" for n in lengths)])
+    return rows
 
 
-def conclusion(results: Comparison, rows: list[dict]) -> str:
-    """One sentence saying which variant generalized best (or that none could be scored)."""
-    best = best_variant(results, rows)
-    if best is None:
-        return "No variant produced a finite metric at the longest length."
-    name, value = best
+def conclusion(results: Comparison, by_length: dict[int, Verdict] | None = None) -> str:
+    """What the rule concludes at the longest length, with every variant's mean there."""
     longest, metric = results.eval_lengths[-1], results.metric
-    row = next(r for r in rows if r["variant"] == name)
-    ratio = row["lengths"][longest]["ratio"]
-    others = sorted((r["lengths"][longest][metric][0], r["variant"]) for r in rows if r["variant"] != name)
-    others_text = ", ".join(f"{v} {m:.4g}" for m, v in others if not math.isnan(m))
+    found = (by_length or verdicts(results))[longest]
+    where = f"At {longest} tokens ({longest / results.train_length:g}x the training length)"
+    means = sorted(((mean(v), name) for name, v in seed_values(results, metric, longest).items()),
+                   reverse=results.higher_is_better)
+    listed = ", ".join(f"{name} {m:.4g}" for m, name in means if not math.isnan(m))
     direction = "highest" if results.higher_is_better else "lowest"
-    return (f"At {longest} tokens ({longest / results.train_length:g}x the training length) **{name}** has the "
-            f"{direction} {metric} ({value:.4g}, {ratio:.3g}x its training-length value)"
-            + (f"; the others: {others_text}." if others_text else "."))
-
-
-def markdown_report(results: Comparison) -> str:
-    """The report: title, description, conclusion, the headline metric and every other quantity by length,
-    and the runs' timings."""
-    rows = summarize(results)
-    metric, train_length, lengths = results.metric, results.train_length, results.eval_lengths
-    arrow = "higher is better" if results.higher_is_better else "lower is better"
-    lines = [f"# {results.title}", ""] + ([results.description, ""] if results.description else [])
-    lines += [f"Trained at length {train_length}; evaluated at {', '.join(map(str, lengths))}. Headline metric "
-              f"`{metric}` ({arrow}), measured at each length over positions [L/2, L) (the positions only that "
-              "length reaches). Ratio: value / value at the training length. Mean ± std over seeds where several.",
-              "", conclusion(results, rows), "", f"## {metric} by evaluation length", "",
-              "| variant | " + " | ".join(_label(n, train_length) for n in lengths) + " |",
-              "|---|" + "---|" * len(lengths)]
-    for row in rows:
-        cells = [_fmt(*row["lengths"][n][metric], row["seeds"]) + f" ({row['lengths'][n]['ratio']:.3g}x)"
-                 for n in lengths]
-        lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
-    for name in metric_names(results)[1:]:
-        lines += ["", f"## {name} by evaluation length", "",
-                  "| variant | " + " | ".join(_label(n, train_length) for n in lengths) + " |",
-                  "|---|" + "---|" * len(lengths)]
-        for row in rows:
-            lines.append(f"| {row['variant']} | " + " | ".join(_fmt(*row["lengths"][n][name], row["seeds"])
-                                                            for n in lengths) + " |")
-    lines += ["", "## Runs", "", "| variant | seed | final train loss | train s | eval s |", "|---|---|---|---|---|"]
-    for variant, runs in results.variants.items():
-        for run in runs:
-            cells = [_or_na(run.final_train_loss, ".4g"), _or_na(run.train_seconds), _or_na(run.eval_seconds)]
-            lines.append(f"| {variant} | {_or_na(run.seed)} | " + " | ".join(cells) + " |")
-    lines += ["", "Plots: `extrapolation.png` (metric by position, training length marked), `diagnostics.png` "
-              "(1/w_max and attention-output RMS by position). Raw numbers: `results.json`.", ""]
-    return "\n".join(lines)
+    if found.winner:
+        text = f"{where} **{found.winner}** has the {direction} {metric}: {found.reason}."
+    else:
+        text = f"{where} no variant is named best ({found.status}): {found.reason}."
+    chance = chance_level(results, metric, longest)
+    if chance is not None and found.at_chance:
+        text += f" Not better than chance ({chance:.4g}) in every seed: {', '.join(found.at_chance)}."
+    return text + (f" Means: {listed}." if listed else "")
 
 
 def terminal_table(results: Comparison) -> str:
-    """A plain aligned table of the headline metric by length, and the conclusion."""
-    rows = summarize(results)
-    metric, lengths = results.metric, results.eval_lengths
-    header = ["variant", *(_label(n, results.train_length) for n in lengths)]
-    body = [[row["variant"], *(_fmt(*row["lengths"][n][metric], row["seeds"]) for n in lengths)] for row in rows]
-    text = [f"{metric} by evaluation length (training length {results.train_length})", *_aligned([header, *body])]
-    return "\n".join(text + [conclusion(results, rows).replace("**", "")])
+    """The headline metric at each length (mean [min, max] over seeds), the chance level, the rule's verdict
+    per length and the conclusion."""
+    by_length = verdicts(results)
+    rows = value_rows(results, results.metric)
+    rows.append(["verdict", *(by_length[n].short() for n in results.eval_lengths)])
+    title = f"{results.metric} at length L (mean over positions [L/2, L); training length {results.train_length})"
+    notes = [f"{AT_CHANCE} = not better than the chance level in every seed"] if any(
+        AT_CHANCE in c for row in rows[1:] for c in row[1:]) else []
+    return "\n".join([title, *aligned(rows), *notes, conclusion(results, by_length).replace("**", "")])
 
 
-def _or_na(value, spec: str = "") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def _aligned(lines: list[list[str]], right: bool = False) -> list[str]:
+def aligned(lines: list[list[str]], right: bool = False) -> list[str]:
     """Columns padded to their widest cell; ``right``: all but the first column right-aligned."""
     widths = [max(len(line[c]) for line in lines) for c in range(len(lines[0]))]
     return ["  ".join(cell.rjust(w) if right and c else cell.ljust(w) for c, (cell, w) in enumerate(zip(line, widths)))
@@ -151,18 +141,23 @@ def position_table(rows: list[LengthEval], metric: str = "loss", *, train_length
             value = own[i].mean if i < len(own) and own[i].hi == bucket.hi else math.nan
             cells.append("" if math.isnan(value) else f"{value:.4f}")
         body.append([label, *cells])
-    body.append([f"at length ({metric})", *(f"{r.at_length.get(metric, math.nan):.4f}" for r in rows)])
+    body.append([f"at length L ({metric})", *(f"{r.at_length.get(metric, math.nan):.4f}" for r in rows)])
+    body.append([f"all positions ({metric})", *(f"{r.mean.get(metric, math.nan):.4f}" for r in rows)])
     title = (f"{metric} by position (columns: eval length)"
              + (f"; * = positions beyond the training length {train_length}" if train_length else ""))
     header = ["positions", *(str(r.length) for r in rows)]
-    return "\n".join([title, *_aligned([header, *body], right=True),
+    return "\n".join([title, *aligned([header, *body], right=True),
                       *(f"  length {r.length}: {r.batch}" for r in rows)])
 
 
 def run_summary(run: RunEval, metric: str = "loss", *, train_length: int | None = None) -> str:
-    """Every value at each evaluated length, then `position_table` of the loss (and of ``metric`` when it is
-    another per-position quantity)."""
-    lines = [f"length {r.length}: " + ", ".join(f"{k} {v:.4g}" for k, v in r.at_length.items()) for r in run.lengths]
+    """Every value at each evaluated length (at length L and over all positions, each defined), then
+    `position_table` of the loss (and of ``metric`` when it is another per-position quantity)."""
+    lines = [f"values {AT_LENGTH}; in parentheses: {ALL_POSITIONS}"]
+    for r in run.lengths:
+        values = ", ".join(f"{k} {v:.4g}" + (f" ({r.mean[k]:.4g})" if k in r.mean and r.mean[k] != v else "")
+                           + (f" [chance {r.chance[k]:.4g}]" if k in r.chance else "") for k, v in r.at_length.items())
+        lines.append(f"length {r.length}: {values}")
     lines.append(position_table(run.lengths, "loss", train_length=train_length))
     if metric != "loss" and any(r.buckets.get(metric) != r.buckets.get("loss") for r in run.lengths):
         lines.append(position_table(run.lengths, metric, train_length=train_length))

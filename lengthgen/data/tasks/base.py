@@ -58,3 +58,11 @@ class Task:
         ``classify`` tasks. ``output`` is the model head's output: (B, L, V) logits for ``lm``, (B, L)
         predictions for ``regress``, (B, C) logits for ``classify``."""
         raise NotImplementedError
+
+    def chance(self, metric: str, length: int) -> torch.Tensor | float | None:
+        """The chance level of ``metric`` (``loss`` or a metric of `metrics`) at ``length``: the expected
+        value of the best predictor that knows the task's format and each position but not the sampled
+        tokens (the trivial baseline). A (length,) float64 tensor per position, NaN where the metric is
+        undefined, for per-position metrics; a float for per-sequence ones; None where the task defines
+        none."""
+        return None

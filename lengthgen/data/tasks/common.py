@@ -1,6 +1,9 @@
-"""Helpers shared by the synthetic tasks: sample-argument checks and masked per-position accuracy."""
+"""Helpers shared by the synthetic tasks: sample-argument checks, masked per-position accuracy and chance
+levels at the scored positions."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,3 +26,10 @@ def masked_accuracy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Ten
     """(B, L) float: 1.0 where argmax(logits) == targets, 0.0 where not, NaN outside ``mask``."""
     correct = (logits.argmax(-1) == targets).float()
     return torch.where(mask, correct, torch.full_like(correct, float("nan")))
+
+
+def chance_at(length: int, value: float, scored: slice = slice(None)) -> torch.Tensor:
+    """(length,) float64 chance levels: ``value`` at the ``scored`` positions, NaN elsewhere."""
+    out = torch.full((length,), math.nan, dtype=torch.float64)
+    out[scored] = value
+    return out

@@ -6,6 +6,8 @@ norm, trained to count occurrences of a target token).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
@@ -42,3 +44,34 @@ class CountingTask(Task):
         """``abs_error`` = |pred - count| and ``rel_error`` = |pred - count| / max(count, 1), (B, L)."""
         abs_error = (output.float() - batch.targets).abs()
         return {"abs_error": abs_error, "rel_error": abs_error / batch.targets.clamp(min=1.0)}
+
+    def chance(self, metric: str, length: int) -> torch.Tensor | None:
+        """``abs_error`` (and ``loss``, the same L1 error): the count at position t is Binomial(t, 1/V); the
+        best guess from the position alone is its median, with expected error E|X - median X|."""
+        if metric not in ("abs_error", "loss"):
+            return None
+        return binomial_median_error(length, 1 / self.vocab_size)
+
+
+def binomial_median_error(length: int, q: float) -> torch.Tensor:
+    """(length,) float64: E|X_n - median X_n| for X_n ~ Binomial(n, q), n = 0..length-1 (0 < q < 1).
+
+    A median is floor(nq) or ceil(nq) (Kaas and Buhrman 1980) and minimizes E|X - c|, which between the
+    integers f = floor(nq) and f + 1 is linear in c with slope 2F - 1, F = P(X <= f). So the error is the mean
+    absolute deviation E|X - nq| = 2 (1 - q) (f + 1) P(X = f + 1) (de Moivre) plus the smaller of
+    (c - nq)(2F - 1) for c = f, f + 1; F follows n by P(X_{n+1} <= f) = P(X_n <= f) - q P(X_n = f), plus
+    P(X_{n+1} = f + 1) when floor(nq) moves up."""
+    n = torch.arange(length + 1, dtype=torch.float64)
+    f = torch.floor(n * q)
+
+    def pmf(n: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        log = (torch.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma((n - k).clamp(min=0) + 1)
+               + k * math.log(q) + (n - k) * math.log1p(-q))
+        return torch.where(k <= n, log.exp(), 0.0)
+
+    step = -q * pmf(n[:-1], f[:-1]) + (f[1:] - f[:-1]) * pmf(n[1:], f[1:])
+    cdf = torch.cat([torch.ones(1, dtype=torch.float64), 1 + step.cumsum(0)])[:-1]   # P(X_n <= f_n)
+    n, f = n[:-1], f[:-1]
+    slope, mean = 2 * cdf - 1, n * q
+    deviation = 2 * (1 - q) * (f + 1) * pmf(n, f + 1)
+    return deviation + torch.minimum((f - mean) * slope, (f + 1 - mean) * slope)

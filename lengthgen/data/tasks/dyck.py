@@ -5,6 +5,8 @@ Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (formal-language s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
@@ -70,3 +72,35 @@ class DyckTask(Task):
         """``legal_accuracy``: (B, L), whether the argmax prediction is a legal next token."""
         legal = batch.extra["legal"].gather(-1, output.argmax(-1, keepdim=True))[..., 0]
         return {"legal_accuracy": legal.float()}
+
+    def chance(self, metric: str, length: int) -> torch.Tensor | None:
+        """From the law of the depth d at each position (`depth_law`; opener types and the stack top are
+        uniform over the k types, independent of d): ``legal_accuracy`` of the best fixed guess is
+        max(P(d < m), P(d > 0) / k) (always an opener, or always one closer); ``loss`` is the entropy of the
+        next bracket, H(P(open)) + log k with P(open) = P(d = 0) + P(0 < d < m) / 2."""
+        if metric not in ("legal_accuracy", "loss"):
+            return None
+        law = self.depth_law(length)
+        empty, full = law[:, 0], law[:, -1]
+        if metric == "legal_accuracy":
+            return torch.maximum(1 - full, (1 - empty) / self.num_types)
+        opens = empty + (1 - empty - full) / 2
+        return torch.special.entr(opens) + torch.special.entr(1 - opens) + math.log(self.num_types)
+
+    def depth_law(self, length: int) -> torch.Tensor:
+        """(length, m + 1) float64: P(depth = d) at each position (after that many brackets). The sampler's
+        free +-1 walk modulo 2m is propagated exactly, then folded; once it repeats with period 2 (the walk
+        is periodic) to 1e-16 the rest is filled in by that period."""
+        m = self.max_depth
+        walk = torch.zeros(2 * m, dtype=torch.float64)
+        walk[0] = 1.0
+        rows: list[torch.Tensor] = []
+        while len(rows) < length:
+            if len(rows) >= 2 and (walk - rows[-2]).abs().max() < 1e-16:
+                rows += [rows[-2], rows[-1]] * ((length - len(rows)) // 2 + 1)
+                break
+            rows.append(walk)
+            walk = (walk.roll(1) + walk.roll(-1)) / 2
+        residue = torch.arange(2 * m)
+        fold = torch.where(residue <= m, residue, 2 * m - residue)
+        return torch.zeros(length, m + 1, dtype=torch.float64).index_add_(1, fold, torch.stack(rows[:length]))

@@ -5,11 +5,13 @@ Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (formal-language /
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.config import check_value
-from lengthgen.data.tasks.common import check_sample_args, masked_accuracy
+from lengthgen.data.tasks.common import chance_at, check_sample_args, masked_accuracy
 
 
 class MaxRetrievalTask(Task):
@@ -55,3 +57,9 @@ class MaxRetrievalTask(Task):
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """``accuracy``: (B, L), argmax == answer at the query position, NaN elsewhere."""
         return {"accuracy": masked_accuracy(output, batch.targets, batch.loss_mask)}
+
+    def chance(self, metric: str, length: int) -> torch.Tensor | None:
+        """At the query (last) position the answer is uniform over ``num_values`` values: ``accuracy``
+        1 / num_values, ``loss`` log(num_values)."""
+        chance = {"accuracy": 1 / self.num_values, "loss": math.log(self.num_values)}.get(metric)
+        return None if chance is None else chance_at(length, chance, slice(length - 1, None))

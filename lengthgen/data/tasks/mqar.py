@@ -6,11 +6,13 @@ Models".
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.config import check_value
-from lengthgen.data.tasks.common import check_sample_args, masked_accuracy
+from lengthgen.data.tasks.common import chance_at, check_sample_args, masked_accuracy
 
 
 class MQARTask(Task):
@@ -52,3 +54,10 @@ class MQARTask(Task):
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """``accuracy``: (B, L), argmax == value at query positions, NaN elsewhere."""
         return {"accuracy": masked_accuracy(output, batch.targets, batch.loss_mask)}
+
+    def chance(self, metric: str, length: int) -> torch.Tensor | None:
+        """At the query positions ``[2 (L//4), L)`` the answer is uniform over the ``vocab_size - vocab_size//2``
+        values whatever the position: ``accuracy`` 1 / that number, ``loss`` its log."""
+        values = self.vocab_size - self.num_keys
+        chance = {"accuracy": 1 / values, "loss": math.log(values)}.get(metric)
+        return None if chance is None else chance_at(length, chance, slice(2 * (length // 4), None))

@@ -6,11 +6,13 @@ Transformers" (passkey retrieval).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.config import check_value
-from lengthgen.data.tasks.common import check_sample_args, masked_accuracy
+from lengthgen.data.tasks.common import chance_at, check_sample_args, masked_accuracy
 
 
 class PasskeyTask(Task):
@@ -61,3 +63,9 @@ class PasskeyTask(Task):
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """``accuracy``: (B, L), argmax == answer digit at the last k positions, NaN elsewhere."""
         return {"accuracy": masked_accuracy(output, batch.targets, batch.loss_mask)}
+
+    def chance(self, metric: str, length: int) -> torch.Tensor | None:
+        """At the last k positions the answer digit is uniform over 10 whatever the position: ``accuracy``
+        1/10, ``loss`` log 10."""
+        chance = {"accuracy": 0.1, "loss": math.log(10)}.get(metric)
+        return None if chance is None else chance_at(length, chance, slice(length - self.num_digits, None))

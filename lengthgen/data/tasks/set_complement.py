@@ -5,6 +5,8 @@ Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (Set Complement Ta
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
@@ -59,3 +61,12 @@ class SetComplementTask(Task):
         tvd = 0.5 * ((probs[..., :self.num_tokens] - uniform).abs().sum(-1)
                      + probs[..., self.num_tokens:].sum(-1))
         return {"tvd": torch.where(n_unseen[..., 0] > 0, tvd, torch.full_like(tvd, float("nan")))}
+
+    def chance(self, metric: str, length: int) -> torch.Tensor | None:
+        """Position p has seen p of the N tokens. The best guess that ignores which: uniform over the N
+        tokens (symmetric, and mass on BOS only adds error), whose ``tvd`` to uniform over the N - p unseen
+        is p / N exactly; the next token is uniform over all N tokens, so ``loss`` is log N."""
+        positions = torch.arange(length, dtype=torch.float64)
+        if metric == "tvd":
+            return positions / self.num_tokens
+        return torch.full_like(positions, math.log(self.num_tokens)) if metric == "loss" else None

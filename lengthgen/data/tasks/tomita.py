@@ -7,6 +7,7 @@ are Tomita (1982), "Dynamic construction of finite automata from examples using 
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Literal
 
 import torch
@@ -168,3 +169,8 @@ class TomitaTask(Task):
         :func:`roc_auc`."""
         return {"accuracy": (output.argmax(-1) == batch.targets).float(),
                 "score": output.float().softmax(-1)[:, 1]}
+
+    def chance(self, metric: str, length: int) -> float | None:
+        """Labels are balanced (accepted with probability 1/2 at every length): ``accuracy`` 1/2, ``loss``
+        (cross-entropy of the label) log 2."""
+        return {"accuracy": 0.5, "loss": math.log(2)}.get(metric)

@@ -1,0 +1,177 @@
+"""``report.md`` of a `Comparison`: what was trained, the conclusion by the rule of `lengthgen.report.stats`,
+the headline table with its chance level and ratios, the other metrics, the plots and the runs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from lengthgen.eval.results import Comparison, RunEval
+from lengthgen.report.stats import RULE
+from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, AT_LENGTH, chance_level, conclusion, length_label,
+                                     mean, metric_names, seed_values, value_rows, verdicts)
+
+#: the plots beside ``report.md``
+EXTRAPOLATION, DIAGNOSTICS = "extrapolation.png", "diagnostics.png"
+CHANCE = ("chance = the expected value of the best predictor that knows the task's format and each position "
+          "but not the sampled tokens (the trivial baseline)")
+
+
+def markdown_report(results: Comparison) -> str:
+    """The whole report, embedding `EXTRAPOLATION` and, when the runs recorded attention diagnostics,
+    `DIAGNOSTICS`."""
+    metric, by_length = results.metric, verdicts(results)
+    arrow = "higher is better" if results.higher_is_better else "lower is better"
+    lines = [f"# {results.title}", ""] + ([results.description, ""] if results.description else [])
+    lines += ["## Setup", "", *setup(results), "", "## Conclusion", "", conclusion(results, by_length), "",
+              f"Rule: {RULE}. Each seed has its own initialization, training batches and evaluation batches.", "",
+              f"## {metric} at length L ({arrow})", "",
+              f"{AT_LENGTH}. Cells: mean over seeds, [min, max] over seeds when several, (ratio to the mean at the "
+              f"training length); {AT_CHANCE} = not better than the chance level in every seed; {CHANCE}.", ""]
+    rows = value_rows(results, metric, ratio=True)
+    rows.append(["best (rule)", *(by_length[n].short() for n in results.eval_lengths)])
+    lines += table(rows)
+    if any(run.at(n).mean.get(metric) != run.at(n).at_length.get(metric)
+           for runs in results.variants.values() for run in runs for n in results.eval_lengths):
+        lines += ["", f"## {metric}, {ALL_POSITIONS}", "",
+                  f"The same runs over every position of each length ({ALL_POSITIONS}, not only [L/2, L)).", "",
+                  *table(value_rows(results, metric, field="mean"))]
+    for name in metric_names(results)[1:]:
+        lines += ["", f"## {name} at length L", "", f"{AT_LENGTH}.", "", *table(value_rows(results, name))]
+    if results.retrofit:
+        lines += ["", *retrofit_section(results)]
+    lines += ["", "## Plots", "", f"![{metric} by evaluated length and by position]({EXTRAPOLATION})", "",
+              f"`{EXTRAPOLATION}`: {metric} at each evaluated length (left) and, for metrics measured at most "
+              "positions, by position at the longest length (right); shaded: min-max over seeds; dashed black: "
+              "chance; dotted grey: training length.", ""]
+    if has_diagnostics(results):
+        lines += [f"![attention diagnostics by position]({DIAGNOSTICS})", "",
+                  f"`{DIAGNOSTICS}`: attention diagnostics by query position at the longest length, averaged over "
+                  "layers and heads (the first evaluated sequence of each seed).", ""]
+    lines += [*runs_table(results), "", "Raw numbers, every config and spec: `results.json`.", ""]
+    return "\n".join(lines)
+
+
+def has_diagnostics(results: Comparison) -> bool:
+    """Whether every run recorded attention diagnostics at the longest length."""
+    return all(run.at(results.eval_lengths[-1]).diagnostics for run in _runs(results))
+
+
+def table(rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows[1:])]
+
+
+def _runs(results: Comparison) -> list[RunEval]:
+    return [run for runs in results.variants.values() for run in runs]
+
+
+def _span(values: list[float], spec: str = ",") -> str:
+    """``a`` or ``a-b`` over the known values (``n/a`` when none)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "n/a"
+    lo, hi = min(known), max(known)
+    return format(lo, spec) if lo == hi else f"{lo:{spec}}-{hi:{spec}}"
+
+
+def setup(results: Comparison) -> list[str]:
+    """Bullets: task, model, variants, training, evaluation, compute and code."""
+    cfg, runs = results.config, _runs(results)
+    model, train, data = cfg.get("model", {}), cfg.get("train", {}), cfg.get("data", {})
+    kwargs = ", ".join(f"{k}={v}" for k, v in (data.get("task_kwargs") or {}).items())
+    chance = chance_level(results, results.metric, results.eval_lengths[-1])
+    tokens_per_step = train.get("tokens_per_step") or train.get("batch_size", 0) * results.train_length
+    seeds = sorted({run.seed for run in runs if run.seed is not None})
+    lengths = results.eval_lengths
+    longest = runs[0].at(lengths[-1])
+    commit = results.provenance.git_commit
+    lines = [f"- **Task**: `{results.source}`" + (f" ({kwargs})" if kwargs else "") + f"; headline `{results.metric}`"
+             + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
+             f"- **Model**: {model.get('layers')} layers, width {model.get('dim')}, {model.get('heads')} heads, "
+             f"MLP ratio {model.get('mlp_ratio')}, {model.get('norm')} norm ({model.get('norm_placement')}); "
+             f"{_by_variant(results, 'parameters', 'parameters')}",
+             "- **Attention variants** (the fields in which they differ; every other field is shared):", "",
+             *variant_table(results.specs), "",
+             f"- **Training** ({'the finetuning; before: its own run' if results.retrofit else 'per run'}): "
+             f"{train.get('steps')} steps at length {results.train_length}"
+             + (f" (stages {train.get('stages')})" if train.get("stages") else "")
+             + f", {tokens_per_step:,} tokens per step, {_by_variant(results, 'train_tokens', 'tokens in all')}; "
+             f"{train.get('optimizer')} lr {train.get('lr')}, {train.get('schedule')} schedule, "
+             f"{train.get('warmup_steps')} warmup steps",
+             f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
+             f"- **Evaluation**: lengths {', '.join(length_label(n, results.train_length) for n in lengths)}; "
+             f"per length {longest.batch_size * longest.length:,} tokens (at {lengths[-1]}: {longest.batch}), "
+             "seeded by each run's seed",
+             f"- **Compute**: {results.provenance.device}; per run {_seconds([r.train_seconds for r in runs])} "
+             f"training, {_seconds([r.eval_seconds for r in runs])} evaluation",
+             f"- **Code**: lengthgen {results.provenance.lengthgen}"
+             + (f" (git {commit[:10]})" if commit else "") + f", torch {results.provenance.torch}, "
+             f"{results.provenance.date}"]
+    return lines
+
+
+def _by_variant(results: Comparison, attr: str, unit: str) -> str:
+    """The runs' integer ``attr``: the value most variants share, then the variants that differ."""
+    per_variant = {name: _span([getattr(run, attr) for run in runs]) for name, runs in results.variants.items()}
+    common = Counter(per_variant.values()).most_common(1)[0][0]
+    others = ", ".join(f"{name}: {text}" for name, text in per_variant.items() if text != common)
+    return f"{common} {unit}" + (f" ({others})" if others else "")
+
+
+def _seed_counts(results: Comparison) -> str:
+    counts = sorted({len(runs) for runs in results.variants.values()})
+    return " or ".join(map(str, counts)) + (" seed" if counts == [1] else " seeds") + " per variant"
+
+
+def _seconds(values: list[float | None]) -> str:
+    known = [v for v in values if v is not None]
+    return f"{mean(known):.1f} s (range {min(known):.1f}-{max(known):.1f})" if known else "n/a"
+
+
+def variant_table(specs: dict[str, dict[str, Any]]) -> list[str]:
+    """A markdown table of the attention fields that differ between variants."""
+    if not specs:
+        return ["  (no specs recorded)"]
+    fields = [f for f in next(iter(specs.values())) if len({repr(s.get(f)) for s in specs.values()}) > 1]
+    if not fields:
+        return ["  (all variants share one attention spec)"]
+    rows = [["variant", *fields], *([name, *(str(spec.get(f)) for f in fields)] for name, spec in specs.items())]
+    return ["  " + line for line in table(rows)]
+
+
+def retrofit_section(results: Comparison) -> list[str]:
+    """Retrofit: by length and metric, the change's effect (after - control, the same finetuning without the
+    change) and the effect of the finetuning alone (control - before)."""
+    if not {"before", "control", "after"} <= set(results.variants):
+        return []
+    lengths = results.eval_lengths
+    rows = [["difference (at length L)", *(length_label(n, results.train_length) for n in lengths)]]
+    for name in metric_names(results):
+        at = {n: {v: mean(values) for v, values in seed_values(results, name, n).items()} for n in lengths}
+        for label, (a, b) in (("after - control (the change)", ("after", "control")),
+                              ("control - before (finetuning)", ("control", "before"))):
+            rows.append([f"{name}: {label}", *(_signed(at[n][a] - at[n][b]) for n in lengths)])
+    return ["## Retrofit: the change or more training?", "",
+            "**control** is finetuned exactly as **after** (same steps, optimizer, schedule and data seeds) but "
+            "without the model change, so after - control is the effect of the change and control - before the "
+            f"effect of finetuning alone ({results.metric}: {'higher' if results.higher_is_better else 'lower'} is "
+            "better). One run each: there is no seed spread to judge these differences against.", "", *table(rows)]
+
+
+def _signed(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:+.4g}"
+
+
+def runs_table(results: Comparison) -> list[str]:
+    rows = [["variant", "seed", "parameters", "final train loss", "train s", "eval s"]]
+    for variant, runs in results.variants.items():
+        for run in runs:
+            rows.append([variant, _or_na(run.seed), _or_na(run.parameters, ","), _or_na(run.final_train_loss, ".4g"),
+                         _or_na(run.train_seconds), _or_na(run.eval_seconds)])
+    return ["## Runs", "", *table(rows)]
+
+
+def _or_na(value, spec: str = "") -> str:
+    return "n/a" if value is None else format(value, spec)

@@ -1,0 +1,206 @@
+"""Reports on hand-made results: the rule that names a winner (separated, overlapping, one seed, at chance),
+the tables and report.md that apply it, and the plots' styles, labels, legends, bands and chance lines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lengthgen.eval import Bucket, Comparison, LengthEval, Provenance, RunEval
+from lengthgen.eval.buckets import bucket_edges
+from lengthgen.report import markdown_report, terminal_table, verdict, verdicts, write_report
+from lengthgen.report.plots import diagnostics_figure, extrapolation_figure, variant_styles
+from lengthgen.report.stats import above_chance
+
+LENGTHS = [16, 32, 64]
+
+
+def _buckets(length: int, value: float, dense: bool) -> list[Bucket]:
+    return [Bucket(lo, hi, value if dense or hi == length else math.nan, hi - lo if dense or hi == length else 0)
+            for lo, hi in bucket_edges(length)]
+
+
+def _run(seed: int, values: dict[int, float], chance: float | None, dense: bool = True) -> RunEval:
+    rows = []
+    for n, v in values.items():
+        rows.append(LengthEval(
+            length=n, batch_size=4, batch="4 sampled sequences", at_length={"accuracy": v, "loss": 2 - v},
+            mean={"accuracy": v + 0.01, "loss": 2 - v}, buckets={"accuracy": _buckets(n, v, dense)},
+            prefix={}, chance={} if chance is None else {"accuracy": chance},
+            chance_buckets={} if chance is None else {"accuracy": _buckets(n, chance, dense)},
+            diagnostics=[{"inv_wmax": _buckets(n, 2.0 + seed, True), "rms_pre": _buckets(n, 0.5, True),
+                          "rms_post": _buckets(n, 1.0, True)}] if n == max(values) else []))
+    return RunEval(rows, eval_seed=seed, provenance=Provenance.capture("cpu"), seed=seed, parameters=1000,
+                   train_tokens=4096, train_seconds=1.0, eval_seconds=0.5)
+
+
+def comparison(seeds: dict[str, list[float]], chance: float | None = 0.1, dense: bool = True) -> Comparison:
+    """Variants whose seeds score ``seeds[variant]`` at the longest length (and 0.9 at the others)."""
+    variants = {name: [_run(i, {16: 0.9, 32: 0.9, 64: v}, chance, dense) for i, v in enumerate(values)]
+                for name, values in seeds.items()}
+    return Comparison(title="test", source="mqar", metric="accuracy", higher_is_better=True, train_length=16,
+                      eval_lengths=LENGTHS, config={"model": {"dim": 8}, "train": {"steps": 2}},
+                      provenance=Provenance.capture("cpu"),
+                      specs={name: {"out_norm": "head_layer" if name == "b" else "none", "softmax_p": i + 1.0}
+                             for i, name in enumerate(seeds)}, variants=variants)
+
+
+# ------------------------------------------------------------------ the rule
+
+
+def test_separated_seeds_name_a_winner_with_the_permutation_p():
+    found = verdict({"a": [0.80, 0.85, 0.90], "b": [0.50, 0.60, 0.70], "c": [0.2, 0.3, 0.4]}, True, chance=0.1)
+    assert found.status == "separated" and found.winner == "a" and found.p == pytest.approx(1 / 20)
+    assert "runner-up b" in found.reason and found.short() == "a (p = 0.05)"
+    four = verdict({"a": [0.8, 0.9, 0.9, 0.9], "b": [0.5, 0.6, 0.7]}, True)       # 1 / C(7, 4) = 1/35
+    assert four.winner == "a" and four.p == pytest.approx(1 / 35)
+
+
+def test_separated_with_too_few_seeds_names_no_winner():
+    two = verdict({"a": [0.8, 0.9], "b": [0.5, 0.6]}, True)
+    assert two.status == "too few seeds" and two.winner is None and two.p == pytest.approx(1 / 6)
+    assert "p = 0.17 against the runner-up b, above 0.05" in two.reason and two.short() == "too few seeds"
+
+
+def test_overlapping_seeds_name_no_winner():
+    found = verdict({"a": [0.60, 0.95], "b": [0.70, 0.80]}, True, chance=0.1)
+    assert found.status == "not separated" and found.winner is None and found.best == "a"
+    assert "overlap those of b" in found.reason
+    # a variant with a lower mean but a wide spread also blocks the winner
+    wide = verdict({"a": [0.80, 0.90], "b": [0.70, 0.75], "c": [0.2, 0.95]}, True)
+    assert wide.winner is None and "c" in wide.reason and "b" not in wide.reason.split("those of")[1]
+
+
+def test_one_seed_never_names_a_winner():
+    found = verdict({"a": [0.99], "b": [0.1]}, True, chance=0.01)
+    assert found.status == "one seed" and found.winner is None and found.best == "a"
+    assert "every variant has a single seed" in found.reason
+    mixed = verdict({"a": [0.99, 0.98], "b": [0.1]}, True)
+    assert mixed.status == "one seed" and "b has a single seed" in mixed.reason
+
+
+def test_no_winner_at_or_below_chance():
+    # separated, but one seed of the best is at the chance level
+    found = verdict({"a": [0.50, 0.52], "b": [0.30, 0.40]}, True, chance=0.50)
+    assert found.status == "at chance" and found.winner is None and found.at_chance == ["a", "b"]
+    assert verdict({"a": [0.51, 0.52, 0.53], "b": [0.3, 0.4, 0.4]}, True, chance=0.50).winner == "a"
+    # lower is better: a loss at or above the chance loss is at chance
+    assert verdict({"a": [1.0, 1.1], "b": [2.0, 2.1]}, False, chance=1.05).status == "at chance"
+    assert verdict({"a": [1.0, 1.1, 1.1], "b": [2.0, 2.1, 2.2]}, False, chance=1.2).winner == "a"
+    assert above_chance([0.2, 0.3], 0.1, True) and not above_chance([0.2, math.nan], 0.1, True)
+
+
+def test_nan_seeds_cannot_win_and_a_lone_variant_is_not_compared():
+    assert verdict({"a": [math.nan, 0.9], "b": [0.5, 0.6]}, True).status == "not separated"
+    found = verdict({"a": [math.nan, 0.4, 0.3, 0.2], "b": [0.5, 0.6, 0.7]}, True)    # a's NaN seed is ignored
+    assert found.winner == "b" and found.p == pytest.approx(1 / 20) and found.at_chance == ["a"]
+    assert verdict({"a": [math.nan], "b": [math.nan]}, True).status == "no value"
+    assert verdict({"a": [0.5, 0.6]}, True).status == "one variant"
+
+
+# ------------------------------------------------------------------ tables and report.md
+
+
+def test_report_names_the_winner_only_when_separated():
+    separated = comparison({"a": [0.80, 0.85, 0.90], "b": [0.50, 0.60, 0.70]})
+    text = markdown_report(separated)
+    assert "At 64 tokens (4x the training length) **a** has the highest accuracy" in text
+    assert "| best (rule) | not separated | not separated | a (p = 0.05) |" in text   # 0.9 for all at 16 and 32
+    assert "| a | 0.9 [0.9, 0.9] (1x) |" in text and "0.85 [0.8, 0.9] (0.944x)" in text
+    assert "| chance | 0.1 | 0.1 | 0.1 |" in text
+    assert terminal_table(separated).splitlines()[-1].startswith("At 64 tokens (4x the training length) a has")
+    overlapping = comparison({"a": [0.60, 0.95], "b": [0.70, 0.80]})
+    assert "no variant is named best (not separated)" in markdown_report(overlapping)
+    assert "no variant is named best (not separated)" in terminal_table(overlapping)
+
+
+def test_report_with_one_seed_says_why_there_is_no_winner():
+    text = markdown_report(comparison({"a": [0.9], "b": [0.2]}))
+    assert "no variant is named best (one seed): every variant has a single seed" in text
+    assert "**a**" not in text and "| a | 0.9 (1x) |" in text
+
+
+def test_values_at_chance_are_marked_and_never_win():
+    results = comparison({"a": [0.10, 0.11], "b": [0.05, 0.08]}, chance=0.1)
+    text, terminal = markdown_report(results), terminal_table(results)
+    assert verdicts(results)[64].status == "at chance"
+    assert "0.105 [0.1, 0.11]° (0.117x)" in text and "0.065 [0.05, 0.08]°" in text
+    assert "Not better than chance (0.1) in every seed: a, b." in text
+    assert "° = not better than the chance level in every seed" in terminal
+
+
+def test_report_summarizes_the_setup_and_defines_both_means():
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    text = markdown_report(results)
+    assert "at length L = mean over positions [L/2, L)" in text
+    assert "## accuracy, mean over all positions [0, L)" in text and "| 0.86 [0.81, 0.91] |\n" in text
+    assert "1,000 parameters" in text and "4,096 tokens in all" in text and "2 steps" in text
+    assert "| variant | out_norm | softmax_p |" in text          # the attention fields that differ
+    assert "- **Seeds**: 0, 1 (2 seeds per variant)" in text and "lengths 16 (1x), 32 (2x), 64 (4x)" in text
+    assert "![accuracy by evaluated length and by position](extrapolation.png)" in text
+    assert "![attention diagnostics by position](diagnostics.png)" in text
+
+
+def test_write_report_writes_every_embedded_plot(tmp_path):
+    paths = write_report(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}), tmp_path)
+    assert [p.name for p in paths] == ["report.md", "extrapolation.png", "diagnostics.png"]
+    for path in paths[1:]:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({path.name})" in paths[0].read_text()
+
+
+# ------------------------------------------------------------------ plots
+
+
+def _lines(fig) -> dict[str, list]:
+    """Curve name (gid) -> its lines, over every axis."""
+    out: dict[str, list] = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            if line.get_gid():
+                out.setdefault(line.get_gid(), []).append(line)
+    return out
+
+
+def _assert_readable(fig) -> None:
+    """Labelled axes, and a legend that covers no axis."""
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+        assert not box.overlaps(ax.get_window_extent(renderer))
+
+
+def test_one_colour_per_variant_in_every_panel_and_figure():
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6], "c": [0.3, 0.4]})
+    styles = variant_styles(results.variants)
+    assert len({s["color"] for s in styles.values()}) == len({s["marker"] for s in styles.values()}) == 3
+    for fig in (extrapolation_figure(results), diagnostics_figure(results)):
+        _assert_readable(fig)
+        lines = _lines(fig)
+        for variant, style in styles.items():
+            assert len(lines[variant]) == 2                          # in both panels
+            assert {(line.get_color(), line.get_marker()) for line in lines[variant]} == {
+                (style["color"], style["marker"])}
+        legend = {t.get_text() for t in fig.legends[0].get_texts()}
+        assert {"a", "b", "c", "training length 16"} <= legend and "min-max over seeds (up to 2)" in legend
+    assert _lines(diagnostics_figure(results))["b after out-norm"][0].get_linestyle() == "--"
+
+
+def test_seed_bands_and_chance_lines():
+    fig = extrapolation_figure(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}))
+    assert all(len(ax.collections) == 2 for ax in fig.axes)          # one min-max band per variant and panel
+    chance = [line for ax in fig.axes for line in ax.get_lines() if line.get_color() == "black"]
+    assert len(chance) == 2 and list(chance[0].get_ydata()) == [0.1, 0.1, 0.1]
+    assert "chance (trivial baseline)" in {t.get_text() for t in fig.legends[0].get_texts()}
+    single = extrapolation_figure(comparison({"a": [0.9], "b": [0.5]}, chance=None))
+    assert all(not ax.collections for ax in single.axes)
+    assert not any(line.get_color() == "black" for ax in single.axes for line in ax.get_lines())
+
+
+def test_per_query_metrics_are_plotted_by_length_only():
+    sparse = extrapolation_figure(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}, dense=False))
+    (ax,) = sparse.axes
+    assert ax.get_xlabel() == "evaluated length L (tokens)" and len(_lines(sparse)["a"][0].get_xdata()) == 3
+    assert len(extrapolation_figure(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})).axes) == 2
