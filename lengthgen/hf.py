@@ -52,19 +52,15 @@ from lengthgen.attention import functional as fn
 from lengthgen.attention.core import attend
 from lengthgen.attention.spec import BASE, AttentionSpec, resolve_spec
 from lengthgen.eval import LongDocuments, RunEval, evaluate
+from lengthgen.optional import require
 
 NAME = "lengthgen"
-_INSTALL = "lengthgen's Hugging Face integration needs transformers: pip install 'lengthgen[hf]'"
 # Causal LMs whose logits are exactly lm_head(final hidden states): `token_losses` can chunk the vocabulary matmul.
 _PLAIN_LM_HEADS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError(f"{_INSTALL} ({err})") from err
-    return transformers
+    return require("transformers", "lengthgen's Hugging Face integration", "'lengthgen[hf]'")
 
 
 # ---------------------------------------------------------------------------------------------------

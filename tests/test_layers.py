@@ -16,7 +16,7 @@ LAYERS = ("cli", "experiments", "hf", "report", "train", "eval", "model", "data"
 #: modules whose layer is not their package's, by module name (so that moving one keeps its layer)
 BY_NAME = {"__main__": "cli", "compare": "experiments", "retrofit": "experiments", "theory": "experiments",
            "bench": "experiments", "needle": "experiments", "position_eval": "eval"}
-BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.version")
+BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.optional", "lengthgen.version")
 
 
 def layer(module: str) -> str:
