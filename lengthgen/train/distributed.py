@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 #: long enough for rank 0's periodic evaluation or checkpoint while the others wait in a collective
 TIMEOUT = datetime.timedelta(hours=2)
+T = TypeVar("T")
 
 
 def env_world() -> tuple[int, int, int]:
@@ -56,10 +58,26 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def on_main(decide: Callable[[], T]) -> T:
+    """Rank 0 runs ``decide()``; every rank returns its result or raises the exception it raised (so the other
+    ranks stop with rank 0 instead of waiting for it in a collective)."""
+    outcome: list = [None, None]
+    if not active() or dist.get_rank() == 0:
+        try:
+            outcome[0] = decide()
+        except Exception as err:  # noqa: BLE001 - handed to every rank, raised below
+            outcome[1] = err
+    if active():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
 def cleanup() -> None:
     """Leave the process group (call once at the end of a torchrun launch)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-__all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "cleanup", "env_world", "setup"]
+__all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "cleanup", "env_world", "on_main", "setup"]
