@@ -30,7 +30,6 @@ from lengthgen.experiments.eval_run import eval_run
 from lengthgen.model import GPT
 from lengthgen.optional import MissingPackageError
 from lengthgen.train import load_run, train
-from lengthgen.train.checkpoint import CheckpointError
 from lengthgen.train.config import RunConfig
 from lengthgen.train.run_folder import LOCK, RunFolderError, RunFolderWarning, lock
 from lengthgen.train.setup import resolve

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 

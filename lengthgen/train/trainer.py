@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lengthgen.config import ConfigError
 from lengthgen.data.config import step_generator
 from lengthgen.eval import RunEval, eval_source, evaluate
 from lengthgen.model import GPT
