@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/lengthgen compare --out runs/demo
+	$(BIN)/lengthgen compare --out runs/demo --resume
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 tests

@@ -16,8 +16,8 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        os.chmod(tmp, _creation_mode())   # mkstemp makes the file private; give it open()'s permissions
         write(tmp)
+        os.chmod(tmp, _creation_mode())   # open()'s permissions: mkstemp's (and safetensors') files are private
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

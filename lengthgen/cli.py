@@ -12,13 +12,32 @@ docstring is its help and whose ``add_arguments`` callback declares its options:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 
 class CommandError(Exception):
     """A bad command-line argument; printed as a one-line error (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (``lengthgen train: error: ...``), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give a positive integer")
+    return value
 
 
 Handler = Callable[[argparse.Namespace], int]
@@ -44,8 +63,13 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def _train_args(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
-    p.add_argument("--out", "-o", help="run folder (default runs/<config name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--out", "-o", help="run folder (default runs/<config name>); it must be empty unless --resume "
+                                       "or --overwrite")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest readable "
+                   "checkpoint (refused if the config changes the training trajectory)")
+    p.add_argument("--extend", action="store_true", help="with --resume: allow a new train.steps, e.g. to train a "
+                   "finished run longer (recorded in metrics.jsonl)")
+    p.add_argument("--overwrite", action="store_true", help="delete the run in --out and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -56,11 +80,16 @@ def train_command(args: argparse.Namespace) -> int:
     from lengthgen.report import run_summary
     from lengthgen.train import distributed, train
 
+    if args.resume and args.overwrite:
+        raise CommandError("--resume continues the run in --out, --overwrite deletes it: give one of them")
+    if args.extend and not args.resume:
+        raise CommandError("--extend changes train.steps of a resumed run: add --resume")
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
     try:
-        result = train(cfg, out, progress=not args.no_progress, resume=args.resume)
+        result = train(cfg, out, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,
+                       extend=args.extend)
     finally:
         rank = distributed.env_world()[0]
         distributed.cleanup()
@@ -95,14 +124,18 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", help="task name (counting, mqar, set_complement, ...); sets data.task")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated attention presets (default {','.join(DEFAULT_VARIANTS)})")
-    p.add_argument("--train-length", type=int, help="training length (sets data.length)")
+    p.add_argument("--train-length", type=_positive_int, help="training length (sets data.length)")
     p.add_argument("--eval-lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
-    p.add_argument("--steps", type=int, help="training steps per variant (sets train.steps)")
-    p.add_argument("--seeds", type=int, default=1, help="seeds per variant (mean and spread are reported)")
-    p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--steps", type=_positive_int, help="training steps per variant (sets train.steps)")
+    p.add_argument("--seeds", type=_positive_int, default=1, help="seeds per variant (mean and spread are reported)")
+    p.add_argument("--eval-tokens", type=_positive_int, default=8192, help="tokens per evaluated length")
     p.add_argument("--metric", help="the report's headline: loss or the source's metric (default: the source's; "
                                     "loss for the embedded default)")
-    p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare)")
+    p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare); it must be "
+                                                                 "empty unless --resume or --overwrite")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted comparison in --out: reuse its "
+                   "finished runs, resume the others (each checked against the config)")
+    p.add_argument("--overwrite", action="store_true", help="delete the comparison in --out and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -113,12 +146,12 @@ def compare_command(args: argparse.Namespace) -> int:
     from lengthgen.report import terminal_table
     from lengthgen.data.config import make_source
 
+    if args.resume and args.overwrite:
+        raise CommandError("--resume continues the comparison in --out, --overwrite deletes it: give one of them")
     overrides = list(args.overrides)
-    overrides += [f"data.task={args.task}"] if args.task else []
-    overrides += [f"data.length={args.train_length}"] if args.train_length else []
-    overrides += [f"train.steps={args.steps}"] if args.steps else []
-    if args.seeds < 1:
-        raise CommandError(f"--seeds {args.seeds}: give a positive number of seeds")
+    overrides += [f"data.task={args.task}"] if args.task is not None else []
+    overrides += [f"data.length={args.train_length}"] if args.train_length is not None else []
+    overrides += [f"train.steps={args.steps}"] if args.steps is not None else []
     cfg = base_config(args.config, overrides)
     try:
         variants = parse_variants(args.variants)
@@ -126,7 +159,8 @@ def compare_command(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CommandError(f"{err}") from None
     results = run_compare(cfg, args.out, variants=variants, eval_lengths=args.eval_lengths, metric=metric,
-                          seeds=list(range(args.seeds)), eval_tokens=args.eval_tokens, progress=not args.no_progress)
+                          seeds=list(range(args.seeds)), eval_tokens=args.eval_tokens, progress=not args.no_progress,
+                          resume=args.resume, overwrite=args.overwrite)
     print(terminal_table(results))
     print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json)")
     return 0
@@ -134,21 +168,30 @@ def compare_command(args: argparse.Namespace) -> int:
 
 def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", help="compare or retrofit folders (or results.json files) to report on")
-    p.add_argument("--out", "-o", help="write the report here (default: next to each results.json)")
+    p.add_argument("--out", "-o", help="write results.json and the report here (default: rebuild the report of a "
+                                       "single results.json beside it; required when merging several)")
 
 
 @command("report", _report_args)
 def report_command(args: argparse.Namespace) -> int:
-    """Rebuild report.md and the plots from existing results.json files (several are merged)."""
+    """Rebuild report.md and the plots from existing results.json files (several are merged into --out)."""
     from lengthgen.eval import Comparison
     from lengthgen.report import terminal_table, write_report
+    from lengthgen.train.run_folder import lock
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
+    if len(paths) > 1 and not args.out:
+        raise CommandError("merging several results needs --out, a folder of its own for the merged report")
+    out = Path(args.out) if args.out else paths[0].parent
+    if len(paths) > 1 and any(out.resolve() == path.parent.resolve() for path in paths):
+        raise CommandError(f"--out {out} holds one of the merged results.json; give a folder of its own")
     merged = Comparison.load(paths[0])
     for path in paths[1:]:
         merged.merge(Comparison.load(path), str(path))
-    out = Path(args.out) if args.out else paths[0].parent
-    write_report(merged, out)
+    with lock(out):
+        if out.resolve() != paths[0].parent.resolve():
+            merged.save(out / "results.json")
+        write_report(merged, out)
     print(terminal_table(merged))
     print(f"report: {out / 'report.md'}")
     return 0
@@ -157,12 +200,12 @@ def report_command(args: argparse.Namespace) -> int:
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
     p.add_argument("--lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--tokens", type=_positive_int, default=8192, help="tokens per evaluated length")
     p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", default="stdlib", help="with --hf: text corpus (stdlib, a path, bin:GLOB)")
     p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
-    p.add_argument("--out", "-o", help="write the results JSON here")
+    p.add_argument("--out", "-o", help="write the results JSON here (in a lengthgen folder: under its lock)")
 
 
 @command("eval", _eval_args)
@@ -170,24 +213,37 @@ def eval_command(args: argparse.Namespace) -> int:
     """Evaluate a trained run (or a local HF model) by position at lengths far beyond training."""
     from lengthgen.report import run_summary
 
-    if args.hf:
-        from lengthgen.hf import evaluate_hf
+    if not (args.run or args.hf):
+        raise CommandError("give a run folder or checkpoint, or --hf PATH")
+    with _writing(Path(args.out)) if args.out else contextlib.nullcontext():
+        if args.hf:
+            from lengthgen.hf import evaluate_hf
 
-        result = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024], tokens=args.tokens,
-                             tokenizer=args.tokenizer)
-        train_length = None
-    else:
-        if not args.run:
-            raise CommandError("give a run folder or checkpoint, or --hf PATH")
-        from lengthgen.train.config import RunConfig
-        from lengthgen.experiments.eval_run import eval_run
+            result = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024],
+                                 tokens=args.tokens, tokenizer=args.tokenizer)
+            train_length = None
+        else:
+            from lengthgen.train.config import RunConfig
+            from lengthgen.experiments.eval_run import eval_run
 
-        result = eval_run(args.run, lengths=args.lengths, tokens=args.tokens, bema=args.bema)
-        train_length = max(RunConfig.from_dict(result.config).lengths())
+            result = eval_run(args.run, lengths=args.lengths, tokens=args.tokens, bema=args.bema)
+            train_length = max(RunConfig.from_dict(result.config).lengths())
+        if args.out:
+            result.save(args.out)
     print(run_summary(result, train_length=train_length))
-    if args.out:
-        result.save(args.out)
     return 0
+
+
+def _writing(path: Path) -> contextlib.AbstractContextManager:
+    """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses to
+    replace a run's own files other than its evaluations."""
+    from lengthgen.train.run_folder import LOCK, WRITTEN, lock
+
+    if not (path.parent / LOCK).exists():
+        return contextlib.nullcontext()
+    if path.name in WRITTEN - {"eval.json", "eval_bema.json"}:
+        raise CommandError(f"--out {path} would replace a file of the run; choose another file name")
+    return lock(path.parent)
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
@@ -237,10 +293,12 @@ def _retrofit_args(p: argparse.ArgumentParser) -> None:
                    help="config change to retrofit, e.g. --set model.attention.out_norm=head_layer or "
                         "--set model.attention.gate=elementwise --set model.attention.gate_act=2sigmoid "
                         "(also train.* keys, e.g. --set train.lr=1e-3)")
-    p.add_argument("--steps", type=int, required=True, help="finetuning steps (fresh optimizer)")
+    p.add_argument("--steps", type=_positive_int, required=True, help="finetuning steps (fresh optimizer)")
     p.add_argument("--eval-lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
-    p.add_argument("--eval-tokens", type=int, default=8192, help="tokens per evaluated length")
-    p.add_argument("--out", "-o", required=True, help="report folder (results.json, report.md, plots, finetune/)")
+    p.add_argument("--eval-tokens", type=_positive_int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--out", "-o", required=True, help="report folder (results.json, report.md, plots, finetune/); "
+                                                      "it must be empty unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="delete the retrofit in --out and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -250,11 +308,9 @@ def retrofit_command(args: argparse.Namespace) -> int:
     from lengthgen.report import terminal_table
     from lengthgen.experiments.retrofit import run_retrofit
 
-    if args.steps < 1:
-        raise CommandError(f"--steps {args.steps}: give a positive number of finetuning steps")
     results = run_retrofit(args.checkpoint, args.out, overrides=args.overrides, steps=args.steps,
                            eval_lengths=args.eval_lengths, eval_tokens=args.eval_tokens,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, overwrite=args.overwrite)
     print(terminal_table(results))
     print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json; "
           f"finetuning runs {Path(args.out) / 'finetune'} and the control {Path(args.out) / 'control'})")
@@ -262,7 +318,7 @@ def retrofit_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lengthgen", description="Length generalization of attention.")
+    parser = _Parser(prog="lengthgen", description="Length generalization of attention.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (add_arguments, handler) in COMMANDS.items():
         help_text = (handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None
@@ -273,16 +329,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``lengthgen`` script. Configuration errors exit with status 2 and a one-line message."""
+    """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
+    checkpoints, missing optional packages) exit with status 2 and a one-line message; run folder warnings are
+    one line too."""
     from lengthgen.config import ConfigError
     from lengthgen.eval import ResultsError
+    from lengthgen.optional import MissingPackageError
+    from lengthgen.train.checkpoint import CheckpointError
+    from lengthgen.train.run_folder import RunFolderError, RunFolderWarning
 
     args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except (CommandError, ConfigError, ResultsError, FileNotFoundError, FileExistsError) as err:
-        print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def one_line(message, category, *rest):
+            if not issubclass(category, RunFolderWarning):
+                return show(message, category, *rest)
+            print(f"lengthgen {args.command}: warning: {message}", file=sys.stderr)
+
+        warnings.showwarning = one_line
+        try:
+            return args.handler(args)
+        except (CommandError, ConfigError, ResultsError, RunFolderError, CheckpointError, MissingPackageError,
+                FileNotFoundError) as err:
+            print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

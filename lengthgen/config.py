@@ -12,7 +12,7 @@ Errors are `ConfigError` naming the key: ``TrainConfig.lr=nan is not valid; it m
 
 `build` makes a config from a TOML/JSON dict (unknown keys are errors), `set_key` sets one dotted key of
 such a dict (``--set`` overrides), `parse_value` reads an override's value, `describe` lists a config's
-keys with their types, defaults and meanings.
+keys with their types, defaults and meanings, `differences` compares two such dicts key by key.
 
 Python 3.10 has no ``tomllib``: install ``tomli`` there (it is used as a drop-in fallback).
 """
@@ -238,6 +238,15 @@ def build(cls: type, data: Any) -> Any:
     return cls(**data)
 
 
+def differences(a: Any, b: Any, key: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value in a, value in b)`` wherever the config dicts ``a`` and ``b`` differ (a key missing
+    from one is None there)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str)
+                for d in differences(a.get(k), b.get(k), f"{key}.{k}" if key else str(k))]
+    return [] if a == b else [(key, a, b)]
+
+
 def to_plain(value: Any) -> Any:
     """A config as JSON/TOML data: dataclasses become dicts, tuples lists (``from_dict`` reads it back)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -317,5 +326,5 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-__all__ = ["ConfigError", "build", "check", "check_value", "describe", "expected", "hints", "invalid",
+__all__ = ["ConfigError", "build", "check", "check_value", "describe", "differences", "expected", "hints", "invalid",
            "load_toml", "option", "parse_assignment", "parse_value", "set_key", "to_plain", "unknown_key"]

@@ -20,7 +20,7 @@ from lengthgen.eval import RunEval, measure_gpt  # noqa: E402
 from lengthgen.hf.model import LengthgenConfig, LengthgenForCausalLM  # noqa: E402
 from lengthgen.model import GPT  # noqa: E402
 from lengthgen.train import load_run, train  # noqa: E402
-from lengthgen.train.checkpoint import save_checkpoint  # noqa: E402
+from lengthgen.train.checkpoint import rng_state, save_checkpoint  # noqa: E402
 from lengthgen.train.config import RunConfig  # noqa: E402
 
 # Every parameterized attention knob at once, and each norm placement, with the GPT options around them.
@@ -52,7 +52,7 @@ def written_run(folder, model: dict, seed: int = 0, data: dict | None = None):
         for name, t in gpt.state_dict().items():
             if t.is_floating_point():
                 t.add_(torch.randn_like(t) * 0.2)
-    save_checkpoint(folder, 1, gpt, [], {"config": cfg.to_dict()})
+    save_checkpoint(folder, 1, gpt, [], {"config": cfg.to_dict(), "history": [0.0], "rng": rng_state()})
     return folder
 
 

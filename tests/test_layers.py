@@ -17,7 +17,7 @@ LAYERS = ("cli", "experiments", "hf", "report", "train", "eval", "model", "data"
 #: package's modules are hf whatever their name (``lengthgen.hf.retrofit`` retrofits transformers models)
 BY_NAME = {"__main__": "cli", "compare": "experiments", "retrofit": "experiments", "theory": "experiments",
            "bench": "experiments", "needle": "experiments", "position_eval": "eval"}
-BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.version")
+BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.optional", "lengthgen.version")
 
 
 def layer(module: str) -> str:

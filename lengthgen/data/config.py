@@ -64,13 +64,13 @@ SOURCES: dict[str, Callable[[DataConfig], Any]] = {"task": _task_source, "text":
 
 def make_source(data: DataConfig) -> Any:
     """The data source of a `DataConfig`; a `ConfigError` naming the key (``data.task_kwargs.vocab_size``) for
-    a bad argument."""
+    a bad argument or a file it names that is not there."""
     key = "data.task_kwargs" if data.kind == "task" else "data.text"
     try:
         return SOURCES[data.kind](data)
     except ConfigError as err:
         raise err.under(key) from None
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, FileNotFoundError) as err:
         raise ConfigError(f"{key}: {err}", key) from None
 
 

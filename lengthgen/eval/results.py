@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lengthgen.atomic import atomic_write_text
+from lengthgen.config import differences
 from lengthgen.version import __version__
 
 #: version of the file format; files of another version are refused
@@ -165,12 +166,27 @@ class Comparison:
     retrofit: dict[str, Any] | None = None
 
     def merge(self, other: "Comparison", name: str = "another comparison") -> None:
-        """Add ``other``'s variants (ResultsError when its lengths or metric differ)."""
-        if other.eval_lengths != self.eval_lengths or other.metric != self.metric:
-            raise ResultsError(f"{name}: its eval lengths/metric ({other.eval_lengths}, {other.metric}) differ "
-                               f"from ({self.eval_lengths}, {self.metric}); cannot merge")
-        self.variants.update(other.variants)
-        self.specs.update(other.specs)
+        """Add ``other``'s runs: new variants, and new seeds of a variant both hold. `ResultsError` (naming
+        ``name`` and what differs) when the source, training length, eval lengths or metric differ, or when a
+        variant both hold differs in its spec or its runs' configs (apart from ``train.seed``) or repeats a seed."""
+        for field_name in ("source", "train_length", "eval_lengths", "metric"):
+            if getattr(other, field_name) != getattr(self, field_name):
+                raise ResultsError(f"{name}: its {field_name} {getattr(other, field_name)!r} differs from "
+                                   f"{getattr(self, field_name)!r}; cannot merge")
+        for variant, runs in other.variants.items():
+            mine = self.variants.get(variant, [])
+            found = differences(self.specs.get(variant), other.specs.get(variant), "spec") if mine else []
+            found += [d for a in mine[:1] for b in runs for d in differences(_unseeded(a.config), _unseeded(b.config))]
+            if found:
+                key, a, b = found[0]
+                raise ResultsError(f"{name}: variant {variant!r} was run differently ({key}: {a!r} here, {b!r} "
+                                   "there); cannot merge it under one name")
+            repeated = sorted({a.seed for a in mine} & {b.seed for b in runs}, key=str)
+            if repeated:
+                raise ResultsError(f"{name}: variant {variant!r} holds seed(s) {repeated} in both; cannot merge")
+        for variant, runs in other.variants.items():
+            self.variants.setdefault(variant, []).extend(runs)
+            self.specs.setdefault(variant, other.specs.get(variant, {}))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Comparison":
@@ -184,6 +200,12 @@ class Comparison:
     @classmethod
     def load(cls, path: str | Path) -> "Comparison":
         return _load(cls, "comparison", path)
+
+
+def _unseeded(config: dict[str, Any]) -> dict[str, Any]:
+    """A run's config without ``train.seed`` (what differs between the seeds of one variant)."""
+    train = {k: v for k, v in config.get("train", {}).items() if k != "seed"}
+    return {**config, "train": train}
 
 
 def _save(obj: Any, kind: str, path: str | Path) -> Path:

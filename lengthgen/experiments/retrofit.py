@@ -23,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, check_value
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
 from lengthgen.report import write_report
@@ -35,7 +35,8 @@ from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import load_run, train
 from lengthgen.data.config import make_source
 from lengthgen.train.config import RunConfig
-from lengthgen.train.setup import autocast_dtype, device_type
+from lengthgen.train.run_folder import RunFolderError, check_fresh, load_newest, lock
+from lengthgen.train.setup import autocast_dtype, check_length, device_type
 from lengthgen.train.weights import load_initial_weights
 
 
@@ -56,15 +57,17 @@ def finetune_config(base: RunConfig, checkpoint: str | Path, steps: int, overrid
 
 def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str] | tuple[str, ...] = (),
                  steps: int = 100, eval_lengths: list[int] | None = None, eval_tokens: int = 8192,
-                 diagnostics: bool = True, progress: bool = True, log: Callable[[str], None] = print
-                 ) -> Comparison:
+                 diagnostics: bool = True, progress: bool = True, overwrite: bool = False,
+                 log: Callable[[str], None] = print) -> Comparison:
     """Retrofit ``checkpoint`` (a run folder or checkpoint) with the config ``overrides``, finetune it and the
     control ``steps`` steps, evaluate all three at ``eval_lengths`` (default the training length x `MULTIPLES`)
     with the one evaluator (seeded with the finetuning run's ``train.seed``, under its device and autocast) and
-    write the report into ``out``. Returns the `Comparison` (variants ``before``, ``control``, ``after``)."""
+    write the report into ``out``, which must be empty (``overwrite``: emptied first). Returns the `Comparison`
+    (variants ``before``, ``control``, ``after``)."""
     out = Path(out)
-    ckpt = ckpt_io.find_checkpoint(checkpoint)
-    base_cfg, before_model = load_run(ckpt)
+    ckpt, (base_cfg, before_model) = load_newest(checkpoint, load_run)
+    if out.resolve() in (ckpt.resolve(), *ckpt.resolve().parents):
+        raise RunFolderError(f"{out} holds the checkpoint {ckpt} that is retrofitted; choose another --out")
     cfg = finetune_config(base_cfg, ckpt, steps, overrides)
     control_cfg = dataclasses.replace(cfg, model=base_cfg.model, name=f"{base_cfg.name or 'run'}-control")
     kind = device_type(cfg.train)
@@ -73,40 +76,41 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     load_initial_weights(GPT(cfg.model), ckpt)
     train_length = max(cfg.lengths())
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
-    for folder in ("finetune", "control"):
-        if (out / folder / ckpt_io.LATEST).exists():
-            raise FileExistsError(f"{out / folder} already holds a finetuning run; choose another --out")
+    eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1)
     source = make_source(cfg.data)
+    for length in eval_lengths:
+        check_length(source, "eval_lengths", length)
     evaluated_on = eval_source(cfg.data, source)
-
     def evaluate_model(model: torch.nn.Module) -> RunEval:
         return evaluate(model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=cfg.train.seed,
                         autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics)
 
-    log(f"[before] evaluating {ckpt} at {', '.join(map(str, eval_lengths))}")
-    state = ckpt_io.read_state(ckpt)
-    history = state.get("history", [])
-    before = dataclasses.replace(evaluate_model(before_model.to(kind)), config=base_cfg.to_dict(),
-                                 seed=base_cfg.train.seed, run_dir=str(ckpt), train_tokens=state.get("tokens"),
-                                 final_train_loss=history[-1] if history else None)
-    control, _ = _finetune("control", control_cfg, out / "control", evaluate_model, progress, log)
-    log(f"[after] retrofitting with {', '.join(overrides) if overrides else 'the same config'}")
-    after, added = _finetune("after", cfg, out / "finetune", evaluate_model, progress, log)
-    name = getattr(source, "name", cfg.data.task)
-    attention = {"before": base_cfg.model.attention, "control": base_cfg.model.attention,
-                 "after": cfg.model.attention}
-    results = Comparison(
-        title=f"lengthgen retrofit: {name}", source=name, metric=source.metric,
-        higher_is_better=source.higher_is_better, train_length=train_length, eval_lengths=eval_lengths,
-        config=cfg.to_dict(), provenance=after.provenance,
-        specs={variant: spec.to_dict() for variant, spec in attention.items()},
-        variants={"before": [before], "control": [control], "after": [after]},
-        description=_description(ckpt, overrides, steps, train_length, added),
-        retrofit={"checkpoint": str(ckpt), "overrides": list(overrides), "steps": steps,
-                  "added_parameters": added, "finetune_run": str(out / "finetune"),
-                  "control_run": str(out / "control")})
-    results.save(out / "results.json")
-    write_report(results, out)
+    with lock(out):
+        check_fresh(out, overwrite=overwrite, resumable=False)
+        log(f"[before] evaluating {ckpt} at {', '.join(map(str, eval_lengths))}")
+        state = ckpt_io.read_state(ckpt)
+        history = state.get("history", [])
+        before = dataclasses.replace(evaluate_model(before_model.to(kind)), config=base_cfg.to_dict(),
+                                     seed=base_cfg.train.seed, run_dir=str(ckpt), train_tokens=state.get("tokens"),
+                                     final_train_loss=history[-1] if history else None)
+        control, _ = _finetune("control", control_cfg, out / "control", evaluate_model, progress, log)
+        log(f"[after] retrofitting with {', '.join(overrides) if overrides else 'the same config'}")
+        after, added = _finetune("after", cfg, out / "finetune", evaluate_model, progress, log)
+        name = getattr(source, "name", cfg.data.task)
+        attention = {"before": base_cfg.model.attention, "control": base_cfg.model.attention,
+                     "after": cfg.model.attention}
+        results = Comparison(
+            title=f"lengthgen retrofit: {name}", source=name, metric=source.metric,
+            higher_is_better=source.higher_is_better, train_length=train_length, eval_lengths=eval_lengths,
+            config=cfg.to_dict(), provenance=after.provenance,
+            specs={variant: spec.to_dict() for variant, spec in attention.items()},
+            variants={"before": [before], "control": [control], "after": [after]},
+            description=_description(ckpt, overrides, steps, train_length, added),
+            retrofit={"checkpoint": str(ckpt), "overrides": list(overrides), "steps": steps,
+                      "added_parameters": added, "finetune_run": str(out / "finetune"),
+                      "control_run": str(out / "control")})
+        results.save(out / "results.json")
+        write_report(results, out)
     return results
 
 

@@ -18,6 +18,7 @@ from lengthgen.config import ConfigError
 from lengthgen.data.text import make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
 from lengthgen.train import load_run
+from lengthgen.train.run_folder import RunFolderError
 
 
 def byte_tokenizer() -> Any:
@@ -54,14 +55,14 @@ def _tokenizer(cfg: Any) -> tuple[Any | None, str]:
 
 def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[str]:
     """Write the run folder or checkpoint ``run`` (its BEMA weights with ``bema``) as a transformers model folder
-    ``out`` (new or empty); returns what was written, one line each. FileExistsError if ``out`` holds files;
+    ``out`` (new or empty); returns what was written, one line each. `RunFolderError` if ``out`` holds files;
     `ConfigError` for a run whose head is not ``lm``."""
     register()
     from lengthgen.hf.model import LengthgenForCausalLM
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"export folder {out} is not empty: choose a new folder")
+        raise RunFolderError(f"export folder {out} is not empty: choose a new folder")
     cfg, gpt = load_run(run, bema=bema)
     if gpt.head_kind != "lm":
         raise ConfigError(f"{run}: model.head={gpt.head_kind!r} cannot be exported; transformers models are causal "

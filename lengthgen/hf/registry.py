@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from lengthgen.optional import require
+
 #: the attention implementation, mask and model type names lengthgen registers
 NAME = "lengthgen"
-_INSTALL = "lengthgen's Hugging Face integration needs transformers: pip install 'lengthgen[hf]'"
 
 
 def require_transformers() -> Any:
-    """The ``transformers`` module, or an ImportError that says how to install it."""
-    try:
-        import transformers
-    except ImportError as err:
-        raise ImportError(f"{_INSTALL} ({err})") from err
-    return transformers
+    """The ``transformers`` module, or a `MissingPackageError` that says how to install it."""
+    return require("transformers", "lengthgen's Hugging Face integration", "'lengthgen[hf]'")
 
 
 def register() -> None:

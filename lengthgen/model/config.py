@@ -94,7 +94,13 @@ class GPTConfig:
             raise invalid("GPTConfig.heads", self.heads, f"a divisor of dim={self.dim} (or set head_dim)")
         if self.head == "classify" and self.num_classes < 2:
             raise invalid("GPTConfig.num_classes", self.num_classes, "an integer >= 2 for the classify head")
-        self.layer_specs()  # validates layer_attention
+        for spec in self.layer_specs():  # validates layer_attention, then what each layer's attention needs
+            key = "GPTConfig.attention" if spec is self.attention else "GPTConfig.layer_attention"
+            if self.heads % (spec.kv_heads or self.heads):
+                raise invalid(f"{key}.kv_heads", spec.kv_heads, f"a divisor of heads={self.heads}")
+            if self.resolved_head_dim % 2 and spec.position != "nope":
+                raise invalid("GPTConfig.head_dim", self.resolved_head_dim, f"even (dim // heads when unset) for "
+                              f"position={spec.position!r}, which rotates pairs of dimensions")
 
     # -- derived -------------------------------------------------------------------------------------
     @property

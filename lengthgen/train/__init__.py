@@ -1,5 +1,6 @@
 """Training: `train(config, out_dir)` -> `TrainResult`, `load_run(path)` -> (config, model), and the pieces
-(schedules, BEMA, optimizers with Muon and QK-clip, atomic checkpoints, per-step data seeding)."""
+(schedules, BEMA, optimizers with Muon and QK-clip, atomic checkpoints, the run folder's lock and resume rules,
+per-step data seeding)."""
 
 from lengthgen.train.bema import BEMA, bema_coefficients
 from lengthgen.train.optim import attention_max_logits, build_optimizers, muon_param_names, qk_clip_

@@ -13,27 +13,42 @@ A run folder::
 
 Every file is written to a temporary name and moved with ``os.replace``; a checkpoint folder is assembled
 as ``step_N.tmp-*`` and renamed when complete, and only then does ``latest.json`` point at it. A failure
-at any point leaves the previous checkpoint and ``latest.json`` untouched and no partial files behind.
+at any point leaves the previous checkpoint and ``latest.json`` untouched and no partial files behind. So a
+folder named ``step_N`` is a complete checkpoint (`complete_checkpoints`); ``latest.json`` says which is the newest
+for people and other tools. Reading a file that is missing or damaged raises `CheckpointError` naming it.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
+import pickle
+import re
+import secrets
 import shutil
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from lengthgen.atomic import atomic_write, atomic_write_text
+from lengthgen.config import ConfigError
+from lengthgen.train.config import RunConfig
 
 LATEST = "latest.json"
 CHECKPOINTS = "checkpoints"
+#: the name of a complete checkpoint folder (``step_N.tmp-*`` is one being written)
+COMPLETE = re.compile(r"step_\d+")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing or cannot be read back; the message names the file."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,7 +95,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
+    tmp_dir = root / f"{final.name}.tmp-{secrets.token_hex(4)}"
+    tmp_dir.mkdir()      # not tempfile.mkdtemp: its folders are private to their owner, not the umask's
     try:
         atomic_write(tmp_dir / "model.safetensors", lambda p: save_model(model, p))
         if bema_tensors:
@@ -96,55 +112,80 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     atomic_write_text(run_dir / LATEST, json.dumps({"step": step, "checkpoint": f"{CHECKPOINTS}/{final.name}"}))
-    old = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and ".tmp-" not in p.name)
-    for stale in old[:-keep]:
+    for stale in complete_checkpoints(run_dir)[keep:]:
         if stale != final:
             shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint folder for a run folder (its latest), a checkpoint folder or a file inside one."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no run folder or checkpoint at {path}")
-    if path.is_file():
-        path = path.parent
-    if (path / "state.json").exists():
-        return path
-    latest = path / LATEST
-    if latest.exists():
-        ckpt = path / json.loads(latest.read_text())["checkpoint"]
-        if (ckpt / "state.json").exists():
-            return ckpt
-        raise FileNotFoundError(f"{latest} points at {ckpt}, which is not a complete checkpoint")
-    raise FileNotFoundError(f"no checkpoint in {path} (expected {LATEST} of a run folder or state.json of a "
-                            "checkpoint folder)")
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoint folders of a run folder, newest (highest step) first."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = [p for p in root.glob("step_*") if COMPLETE.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Turn a failure to read ``path`` into a one-line `CheckpointError` naming it."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError,
+            SafetensorError) as err:
+        detail = (str(err).strip().splitlines() or [""])[0][:160]
+        raise CheckpointError(f"{path} is unreadable ({type(err).__name__}: {detail})") from None
 
 
 def read_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((Path(ckpt) / "state.json").read_text())
+    """The checkpoint's ``state.json``: step, config, RNG states, loss history, ..."""
+    path = Path(ckpt) / "state.json"
+    with _reading(path):
+        state = json.loads(path.read_text())
+        if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("config"), dict)
+                and isinstance(state.get("history"), list) and isinstance(state.get("rng"), dict)):
+            raise ValueError("not a lengthgen checkpoint state (step, config, history, rng)")
+    return state
+
+
+def saved_config(data: Any, where: Path) -> RunConfig:
+    """The `RunConfig` saved as ``data`` in ``where`` (a checkpoint's state.json, a run's config.json)."""
+    try:
+        return RunConfig.from_dict(data)
+    except ConfigError as err:
+        raise CheckpointError(f"{where}: its config does not load ({err})") from None
 
 
 def load_weights(model: nn.Module, ckpt: Path, device: str | torch.device = "cpu") -> None:
-    missing, unexpected = load_model(model, str(Path(ckpt) / "model.safetensors"), strict=True, device=str(device))
-    if missing or unexpected:  # pragma: no cover - strict raises first
-        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing}, unexpected {unexpected}")
+    path = Path(ckpt) / "model.safetensors"
+    with _reading(path):
+        load_model(model, str(path), strict=True, device=str(device))
+
+
+def load_tensors(ckpt: Path, name: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of the checkpoint's safetensors file ``name``."""
+    path = Path(ckpt) / name
+    with _reading(path):
+        return load_file(str(path), device=str(device))
 
 
 def load_bema_tensors(ckpt: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor] | None:
-    path = Path(ckpt) / "bema.safetensors"
-    return load_file(str(path), device=str(device)) if path.exists() else None
+    """BEMA's tensors; None when the checkpoint has none (BEMA off, or not started: step < tau)."""
+    return load_tensors(ckpt, "bema.safetensors", device) if (Path(ckpt) / "bema.safetensors").exists() else None
 
 
 def read_optimizers(ckpt: Path, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
     """The optimizers' state dicts of a checkpoint."""
-    return torch.load(Path(ckpt) / "optimizer.pt", map_location=device, weights_only=True)["optimizers"]
+    path = Path(ckpt) / "optimizer.pt"
+    with _reading(path):
+        return torch.load(path, map_location=device, weights_only=True)["optimizers"]
 
 
 def load_optimizers(optimizers: list[torch.optim.Optimizer], ckpt: Path, device: str | torch.device) -> None:
     states = read_optimizers(ckpt, device)
-    if len(states) != len(optimizers):
-        raise RuntimeError(f"checkpoint {ckpt} has {len(states)} optimizer states, the run has {len(optimizers)}")
-    for opt, st in zip(optimizers, states):
-        opt.load_state_dict(st)
+    with _reading(Path(ckpt) / "optimizer.pt"):
+        if len(states) != len(optimizers):
+            raise ValueError(f"{len(states)} optimizer states, the run has {len(optimizers)}")
+        for opt, st in zip(optimizers, states):
+            opt.load_state_dict(st)

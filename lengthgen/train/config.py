@@ -109,6 +109,10 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check(self)
+        tokens = self.train.tokens_per_step
+        if tokens is not None and tokens < max(self.lengths()):
+            raise invalid("RunConfig.train.tokens_per_step", tokens, f"at least the longest training length "
+                          f"({max(self.lengths())}: data.length and train.stages), so every step has a sequence")
 
     # -- derived -------------------------------------------------------------------------------------
     def length_at(self, step: int) -> int:
@@ -124,8 +128,8 @@ class RunConfig:
         return self.train.tokens_per_step or self.train.batch_size * self.data.length
 
     def batch_size_at(self, step: int) -> int:
-        """Sequences per step: tokens_per_step // length (at least 1)."""
-        return max(1, self.tokens_per_step // self.length_at(step))
+        """Sequences per step: tokens_per_step // length (at least one: checked when the config is made)."""
+        return self.tokens_per_step // self.length_at(step)
 
     def lengths(self) -> list[int]:
         return sorted({self.data.length, *(s[1] for s in self.train.stages)})

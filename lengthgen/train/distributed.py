@@ -22,7 +22,7 @@ import contextlib
 import datetime
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ import torch.nn as nn
 
 #: long enough for rank 0's periodic evaluation or checkpoint while the others wait in a collective
 TIMEOUT = datetime.timedelta(hours=2)
+T = TypeVar("T")
 
 
 def env_world() -> tuple[int, int, int]:
@@ -178,6 +179,22 @@ def _by_name(state: dict, names: list[str]) -> dict:
     return {"state": {names[i]: s for i, s in state["state"].items()}, "param_groups": groups}
 
 
+def on_main(decide: Callable[[], T]) -> T:
+    """Rank 0 runs ``decide()``; every rank returns its result or raises the exception it raised (so the other
+    ranks stop with rank 0 instead of waiting for it in a collective)."""
+    outcome: list = [None, None]
+    if not active() or dist.get_rank() == 0:
+        try:
+            outcome[0] = decide()
+        except Exception as err:  # noqa: BLE001 - handed to every rank, raised below
+            outcome[1] = err
+    if active():
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
 def cleanup() -> None:
     """Leave the process group (call once at the end of a torchrun launch)."""
     if dist.is_available() and dist.is_initialized():
@@ -185,4 +202,4 @@ def cleanup() -> None:
 
 
 __all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "cleanup", "env_world", "gather_full",
-           "gradient_sync", "is_sharded", "load_full", "parallelize", "setup"]
+           "gradient_sync", "is_sharded", "load_full", "on_main", "parallelize", "setup"]

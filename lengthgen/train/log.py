@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lengthgen.atomic import atomic_write_text
 
 
 class MetricsLog:
@@ -34,15 +33,6 @@ class MetricsLog:
             self.writer.close()
 
 
-def truncate_log(run_dir: Path, step: int) -> None:
-    """Drop the entries of ``run_dir/metrics.jsonl`` after ``step`` (a resumed run logs them again)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if path.exists():
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
-
-
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -61,4 +51,4 @@ def _tensorboard(run_dir: Path) -> Any:
     return SummaryWriter(str(run_dir / "tb"))
 
 
-__all__ = ["MetricsLog", "truncate_log"]
+__all__ = ["MetricsLog"]

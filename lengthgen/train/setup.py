@@ -1,5 +1,6 @@
 """What a run resolves and checks before its first step: the config completed from its data source, the lengths
-and DDP shares it can use, its device and its autocast dtype. Everything here fails with `ConfigError`."""
+and DDP shares it can use, its device and its autocast dtype, and what a resumed run may change. Everything here
+fails with `ConfigError`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 import torch
 
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, differences
+from lengthgen.data.config import make_source
 from lengthgen.train.config import RunConfig, load_config
 
 
@@ -46,18 +48,34 @@ def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
         raise err.under("model") from None
 
 
+def resolve(config: RunConfig | dict | str | Path) -> tuple[RunConfig, Any]:
+    """(the config completed from its data source, the source), every length checked: all a run's checks that
+    need no device. Raises `ConfigError` only."""
+    cfg = as_config(config)
+    source = make_source(cfg.data)
+    cfg = fill_model_from_source(cfg, source)
+    check_lengths(cfg, source)
+    return cfg, source
+
+
 def check_lengths(cfg: RunConfig, source: Any) -> None:
-    """Every training and eval length must be one the data can generate (checked by sampling one sequence)."""
-    max_length = getattr(source, "max_length", None)
+    """Every training and eval length must be one the data can generate (`check_length`)."""
     for key, lengths in (("data.length", [cfg.data.length]), ("train.stages", [s[1] for s in cfg.train.stages]),
                          ("train.eval_lengths", cfg.train.eval_lengths)):
         for length in lengths:
-            if max_length is not None and length > max_length:
-                raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}")
-            try:
-                source.sample(1, length, torch.Generator().manual_seed(0))
-            except ValueError as err:
-                raise ConfigError(f"{key}: length {length}: {err}") from None
+            check_length(source, key, length)
+
+
+def check_length(source: Any, key: str, length: int) -> None:
+    """``length`` must be within the source's ``max_length`` and sample (one sequence is drawn); else a
+    `ConfigError` naming ``key``."""
+    max_length = getattr(source, "max_length", None)
+    if max_length is not None and length > max_length:
+        raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}", key)
+    try:
+        source.sample(1, length, torch.Generator().manual_seed(0))
+    except ValueError as err:
+        raise ConfigError(f"{key}: length {length}: {err}", key) from None
 
 
 def check_world(cfg: RunConfig, world: int) -> None:
@@ -78,15 +96,31 @@ def check_world(cfg: RunConfig, world: int) -> None:
                               "train.batch_size / train.tokens_per_step or train.grad_accum")
 
 
-def config_difference(saved: Any, now: Any, prefix: str) -> str | None:
-    """The first key at which two config dicts differ, as ``"key: checkpoint X, now Y"`` (None: equal)."""
-    if isinstance(saved, dict) and isinstance(now, dict):
-        for key in sorted(set(saved) | set(now)):
-            found = config_difference(saved.get(key), now.get(key), f"{prefix}.{key}")
-            if found:
-                return found
+#: keys a resumed run may change: they leave its training trajectory as it is (evaluation, checkpoints, logging,
+#: speed); every other difference between a checkpoint's config and the resumed run's is refused
+MAY_CHANGE_ON_RESUME = frozenset({
+    "name", "train.eval_every", "train.eval_lengths", "train.eval_batches", "train.eval_batch_size",
+    "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.compile", "train.threads"})
+
+
+def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, extend: bool = False
+                 ) -> dict[str, Any] | None:
+    """Refuse (`ConfigError` naming every key) to resume at ``step`` from the config ``old`` (``where``'s) with
+    ``now`` when they differ outside `MAY_CHANGE_ON_RESUME`; ``extend`` lets ``train.steps`` grow past ``step``.
+    Returns the ``metrics.jsonl`` entry recording such an extension (None: none)."""
+    allowed = MAY_CHANGE_ON_RESUME | ({"train.steps"} if extend else set())
+    changed = [f"{key}: {where.name} {a!r}, now {b!r}" for key, a, b in differences(old.to_dict(), now.to_dict())
+               if key not in allowed]
+    if changed:
+        hint = " (--extend changes train.steps)" if any(d.startswith("train.steps:") for d in changed) else ""
+        raise ConfigError(f"cannot resume {where.parent}: {'; '.join(changed)}{hint}; these set the training "
+                          "trajectory: resume with the same values, or start over with --overwrite or another --out")
+    if old.train.steps == now.train.steps:
         return None
-    return None if saved == now else f"{prefix}: checkpoint {saved!r}, now {now!r}"
+    if now.train.steps <= step:
+        raise ConfigError(f"train.steps={now.train.steps}: --extend needs more steps than the checkpoint's {step}",
+                          "train.steps")
+    return {"step": step, "extended": {"train.steps": [old.train.steps, now.train.steps]}}
 
 
 def device_type(train: Any) -> str:
@@ -106,5 +140,5 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
     return None
 
 
-__all__ = ["as_config", "autocast_dtype", "check_lengths", "check_world", "config_difference", "device_type",
-           "fill_model_from_source"]
+__all__ = ["MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths", "check_resume",
+           "check_world", "device_type", "fill_model_from_source", "resolve"]

@@ -11,10 +11,11 @@ reproduces the losses of an uninterrupted run exactly.
 ``train.eval_lengths`` go beyond the training length, the end also writes the by-position evaluation to
 ``eval.json`` (``eval_bema.json`` with BEMA weights), a `lengthgen.eval.RunEval`.
 
-Beside the loop: `setup` (config, lengths, device, dtype), `weights` (``train.init_from``, `load_run`),
-`checkpoint`, `log` (``metrics.jsonl``), `optim` (optimizers, QK-clip). Under ``torchrun`` the model is wrapped
-in DDP or sharded with FSDP2 (``train.parallel``) and each rank trains on its contiguous share of the global
-batch (`distributed`); only rank 0 logs, checkpoints (full weights) and writes ``eval.json``.
+Beside the loop: `setup` (config, lengths, device, dtype, what a resume may change), `weights`
+(``train.init_from``, `load_run`), `checkpoint`, `run_folder` (its lock and rules: fresh or resume, checkpoint
+fallback), `log` (``metrics.jsonl``), `optim` (optimizers, QK-clip). Under ``torchrun`` the model is wrapped in DDP
+or sharded with FSDP2 (``train.parallel``) and each rank trains on its contiguous share of the global batch
+(`distributed`); only rank 0 holds the folder's lock, logs, checkpoints (full weights) and writes ``eval.json``.
 """
 
 from __future__ import annotations
@@ -32,20 +33,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lengthgen.config import ConfigError
-from lengthgen.data.config import make_source, step_generator
+from lengthgen.data.config import step_generator
 from lengthgen.eval import RunEval, eval_source, evaluate
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
-from lengthgen.train import distributed
+from lengthgen.train import distributed, run_folder
 from lengthgen.train.bema import BEMA
 from lengthgen.train.config import RunConfig, save_config
 from lengthgen.train.data import split_batch
-from lengthgen.train.log import MetricsLog, truncate_log
+from lengthgen.train.log import MetricsLog
 from lengthgen.train.optim import build_optimizers, capture_logits, clip_captured_logits, set_lr
 from lengthgen.train.schedule import lr_multiplier
-from lengthgen.train.setup import (as_config, autocast_dtype, check_lengths, check_world, config_difference,
-                                   device_type, fill_model_from_source)
+from lengthgen.train.setup import autocast_dtype, check_resume, check_world, device_type, resolve
 from lengthgen.train.weights import load_initial_weights
 
 
@@ -69,16 +68,16 @@ class TrainResult:
 class Trainer:
     """Holds the model, optimizers, BEMA and bookkeeping of one run. `train` is the usual entry point.
 
-    Everything that can fail on the configuration (data source, task kwargs, lengths, model) fails in the
-    constructor, before any step.
+    Everything that can fail on the configuration (data source, task kwargs, lengths, model) or on the run folder
+    (in use, holding another run, a resume that would change the trajectory) fails in the constructor, before any
+    step. The trainer holds the folder's lock until `close` (`train` closes it).
     """
 
     def __init__(self, config: RunConfig | dict | str | Path, out_dir: str | Path, *, progress: bool = True,
-                 resume: bool = False) -> None:
-        cfg = as_config(config)
-        self.source = make_source(cfg.data)
-        cfg = fill_model_from_source(cfg, self.source)
-        check_lengths(cfg, self.source)
+                 resume: bool = False, overwrite: bool = False, extend: bool = False) -> None:
+        if resume and overwrite:
+            raise ValueError("resume or overwrite a run folder, not both")
+        cfg, self.source = resolve(config)
         self.config, tc = cfg, cfg.train
         self.run_dir = Path(out_dir)
         kind = device_type(tc)
@@ -95,63 +94,98 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.model = GPT(cfg.model).to(self.device)
         self.initialized_from: dict[str, Any] | None = None
-        existing = (self.run_dir / ckpt_io.LATEST).exists()
-        if tc.init_from and not (resume and existing):
-            self.initialized_from = load_initial_weights(self.model, tc.init_from, self.device)
-        # DDP wrapper or the FSDP2-sharded model itself (None in one process)
-        self.parallel: nn.Module | None = None
-        if self.world > 1:
-            self.parallel = distributed.parallelize(self.model, tc.parallel, self.device)
-        self.forward_model: nn.Module = self.model if self.parallel is None else self.parallel
-        if tc.compile:
-            self.forward_model = torch.compile(self.forward_model)
-        self.optimizers = build_optimizers(self.model, tc)
-        b = tc.bema
-        self.bema = (BEMA(self.model, kappa=b.kappa, eta=b.eta, rho=b.rho, gamma=b.gamma, tau=b.tau)
-                     if b.enabled else None)
         self.step, self.tokens = 0, 0
         self.history: list[float] = []
         self.metrics: dict[str, Any] = {}
         self.last_checkpoint: Path | None = None
         self._saved_step: int | None = None
         self.evaluation: RunEval | None = None
-
-        if resume and existing:
-            self._resume()
-        elif existing:
-            raise FileExistsError(f"{self.run_dir} already holds a run (latest.json); resume it or use "
-                                  "another output folder")
-        elif self.bema is not None:
+        self.folder: run_folder.FolderLock | None = None
+        self.extended: dict[str, Any] | None = None     # the log entry of a resume with --extend
+        self._read: tuple | None = None                 # a checkpoint read by `_read_checkpoint`, until restored
+        try:
+            ckpt = distributed.on_main(lambda: self._open_folder(resume, overwrite, extend))
+            if ckpt is None and tc.init_from:
+                self.initialized_from = load_initial_weights(self.model, tc.init_from, self.device)
+            # DDP wrapper or the FSDP2-sharded model itself (None in one process); optimizers after sharding
+            self.parallel: nn.Module | None = None
+            if self.world > 1:
+                self.parallel = distributed.parallelize(self.model, tc.parallel, self.device)
+            self.forward_model: nn.Module = self.model if self.parallel is None else self.parallel
+            if tc.compile:
+                self.forward_model = torch.compile(self.forward_model)
+            self.optimizers = build_optimizers(self.model, tc)
+            b = tc.bema
+            self.bema = (BEMA(self.model, kappa=b.kappa, eta=b.eta, rho=b.rho, gamma=b.gamma, tau=b.tau)
+                         if b.enabled else None)
+            if ckpt is not None:
+                if not self.is_main:
+                    self._read_checkpoint(ckpt, extend)
+                self._restore(ckpt)
+        except BaseException:
+            self.close()
+            raise
+        self.start_step = self.step     # the resumed checkpoint's step, else 0
+        if ckpt is None and self.bema is not None:
             self.bema.update(0)
 
-    # -- checkpoints ---------------------------------------------------------------------------------
-    def _resume(self) -> None:
-        ckpt = ckpt_io.find_checkpoint(self.run_dir)
+    def close(self) -> None:
+        """Release the run folder's lock."""
+        if self.folder is not None:
+            self.folder.release()
+
+    # -- the run folder and checkpoints --------------------------------------------------------------
+    def _open_folder(self, resume: bool, overwrite: bool, extend: bool) -> Path | None:
+        """Rank 0: lock the folder and apply `run_folder`'s rules. A new run needs an empty folder (or
+        ``overwrite``); a resumed one loads the newest readable checkpoint (else starts at step 0, if the folder's
+        ``config.json`` agrees) and cuts ``metrics.jsonl`` back to its step. Returns the checkpoint or None."""
+        self.folder = run_folder.lock(self.run_dir)
+        if not resume:
+            run_folder.check_fresh(self.run_dir, overwrite=overwrite)
+            return None
+        try:
+            ckpt, step = run_folder.load_newest(self.run_dir, lambda c: self._read_checkpoint(c, extend),
+                                                set_aside=True)
+        except FileNotFoundError:       # no checkpoint yet: step 0, if the folder's config.json agrees
+            ckpt, step, saved = None, 0, run_folder.saved_run_config(self.run_dir)
+            if saved is not None:
+                check_resume(saved, self.config, self.run_dir / "config.json", step=0, extend=extend)
+        run_folder.cut_metrics(self.run_dir, step)
+        return ckpt
+
+    def _read_checkpoint(self, ckpt: Path, extend: bool) -> int:
+        """Read checkpoint ``ckpt`` (full weights into a CPU model, optimizer and BEMA states) once `check_resume`
+        accepts its config; returns its step. `_restore` puts it into the run."""
         state = ckpt_io.read_state(ckpt)
-        now = self.config.to_dict()
-        for section in ("model", "data"):
-            difference = config_difference(state["config"][section], now[section], section)
-            if difference:
-                raise ConfigError(f"cannot resume {self.run_dir}: the config differs from the checkpoint's "
-                                  f"({difference})")
-        if distributed.is_sharded(self.model):
+        where = ckpt / "state.json"
+        self.extended = check_resume(ckpt_io.saved_config(state["config"], where), self.config, where,
+                                     step=state["step"], extend=extend)
+        with torch.random.fork_rng(devices=[]):      # building the copy must not move the run's RNG
             full = GPT(self.config.model)
-            ckpt_io.load_weights(full, ckpt)
-            distributed.load_full(self.model, self.optimizers, full.state_dict(), ckpt_io.read_optimizers(ckpt))
+        ckpt_io.load_weights(full, ckpt)
+        self._read = (state, full.state_dict(), ckpt_io.read_optimizers(ckpt), ckpt_io.load_bema_tensors(ckpt))
+        return state["step"]
+
+    def _restore(self, ckpt: Path) -> None:
+        """Every rank: the checkpoint read by `_read_checkpoint` becomes the run's weights (sharded with FSDP2),
+        optimizer and BEMA states, step, history and RNG state."""
+        state, weights, optimizer_states, bema_tensors = self._read
+        self._read = None
+        if distributed.is_sharded(self.model):
+            distributed.load_full(self.model, self.optimizers, weights, optimizer_states)
         else:
-            ckpt_io.load_weights(self.model, ckpt, self.device)
-            ckpt_io.load_optimizers(self.optimizers, ckpt, self.device)
-        if self.bema is not None:
-            tensors = ckpt_io.load_bema_tensors(ckpt, self.device)  # None: BEMA had not started (step < tau)
-            self.bema.load(tensors or {}, state.get("bema", {"step": state["step"]}))
+            self.model.load_state_dict(weights)
+            for opt, opt_state in zip(self.optimizers, optimizer_states, strict=True):
+                opt.load_state_dict(opt_state)
+        if self.bema is not None:     # no tensors: BEMA had not started (step < tau)
+            self.bema.load({k: v.to(self.device) for k, v in (bema_tensors or {}).items()},
+                           state.get("bema", {"step": state["step"]}))
         self.step = state["step"]
         self.history = list(state["history"])
         self.tokens = state.get("tokens", 0)
         self.metrics = state.get("metrics", {})
         self.last_checkpoint, self._saved_step = ckpt, self.step
         ckpt_io.set_rng_state(state["rng"])
-        if self.is_main:
-            truncate_log(self.run_dir, self.step)
 
     def save_checkpoint(self) -> Path | None:
         """Write a checkpoint (every rank calls it: FSDP2 gathers the full state on rank 0, which writes it;
@@ -317,6 +351,9 @@ class Trainer:
             save_config(cfg, self.run_dir)
         end = tc.steps if stop_at is None else min(tc.steps, stop_at)
         log = MetricsLog(self.run_dir, enabled=self.is_main)
+        if self.extended:
+            log.append(self.extended)
+            self.extended = None
         bar = _progress(total=tc.steps, initial=self.step, disable=not self.progress,
                         desc=cfg.name or self.run_dir.name)
         start_time, start_tokens = time.perf_counter(), self.tokens
@@ -360,12 +397,20 @@ def _progress(**kwargs: Any) -> Any:
 
 
 def train(config: RunConfig | dict | str | Path, out_dir: str | Path, *, progress: bool = True,
-          resume: bool = False, stop_at: int | None = None) -> TrainResult:
+          resume: bool = False, overwrite: bool = False, extend: bool = False, stop_at: int | None = None
+          ) -> TrainResult:
     """Train a run described by ``config`` (a `RunConfig`, its dict, or a TOML path) into ``out_dir``.
 
-    ``resume=True`` continues from the folder's latest checkpoint (starting fresh if there is none).
+    ``out_dir`` must be empty unless ``overwrite`` (delete the run there first) or ``resume``: continue from the
+    folder's newest readable checkpoint (from step 0 if there is none), refused if the config changes the
+    training trajectory; ``extend`` lets it change ``train.steps`` (recorded in ``metrics.jsonl``).
     ``stop_at`` ends after that many steps with a checkpoint, as if interrupted (the schedule still
-    spans ``train.steps``). Raises `ConfigError` before training for a bad config and `NonFiniteLossError`
-    (naming the step and the last good checkpoint) when the loss turns NaN or infinite.
+    spans ``train.steps``). Raises `ConfigError` before training for a bad config, `RunFolderError` for a folder
+    in use or holding another run, and `NonFiniteLossError` (naming the step and the last good checkpoint) when
+    the loss turns NaN or infinite.
     """
-    return Trainer(config, out_dir, progress=progress, resume=resume).fit(stop_at=stop_at)
+    trainer = Trainer(config, out_dir, progress=progress, resume=resume, overwrite=overwrite, extend=extend)
+    try:
+        return trainer.fit(stop_at=stop_at)
+    finally:
+        trainer.close()

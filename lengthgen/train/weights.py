@@ -16,6 +16,7 @@ from lengthgen.attention.module import is_spec_parameter
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train.bema import BEMA
+from lengthgen.train.run_folder import load_newest
 
 def _addable(name: str) -> bool:
     """A parameter an attention spec can add without changing the others (kept at its init)."""
@@ -47,10 +48,7 @@ def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch
     Anything else that differs (a missing non-attention parameter, an unexpected checkpoint tensor, a shape
     change) raises `ConfigError` listing all of it. Returns {"checkpoint", "added"}.
     """
-    from safetensors.torch import load_file
-
-    ckpt = ckpt_io.find_checkpoint(path)
-    stored = load_file(str(Path(ckpt) / "model.safetensors"), device=str(device))
+    ckpt, stored = load_newest(path, lambda c: ckpt_io.load_tensors(c, "model.safetensors", device))
     own = model.state_dict()
     alias, groups = _aliases(own, stored)
     problems, added, load = [], [], {}
@@ -77,25 +75,25 @@ def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch
 
 def load_run(path: str | Path, *, bema: bool = False, device: str | torch.device = "cpu"
              ) -> tuple[RunConfig, GPT]:
-    """(config, model in eval mode) from a run folder (its latest checkpoint), a checkpoint folder or a file
-    in one. ``bema=True`` loads the BEMA weights (ValueError if the run has none). FileNotFoundError names a
-    missing path."""
-    ckpt = ckpt_io.find_checkpoint(path)
+    """(config, model in eval mode) from a run folder (its newest readable checkpoint, see
+    `lengthgen.train.run_folder.load_newest`), a checkpoint folder or a file in one. ``bema=True`` loads the BEMA
+    weights (`ConfigError` if the run has none). FileNotFoundError names a missing path, `CheckpointError` a
+    damaged file."""
+    return load_newest(path, lambda ckpt: _load_checkpoint(ckpt, bema, device))[1]
+
+
+def _load_checkpoint(ckpt: Path, bema: bool, device: str | torch.device) -> tuple[RunConfig, GPT]:
     state = ckpt_io.read_state(ckpt)
-    cfg = RunConfig.from_dict(state["config"])
+    cfg = ckpt_io.saved_config(state["config"], ckpt / "state.json")
+    if bema and not cfg.train.bema.enabled:
+        raise ConfigError(f"{ckpt} has no BEMA weights: its run was trained with train.bema.enabled = false; "
+                          "evaluate it without BEMA")
     model = GPT(cfg.model)
     ckpt_io.load_weights(model, ckpt, device)
     model.to(device)
-    if bema:
-        tensors = ckpt_io.load_bema_tensors(ckpt, device)
-        if tensors is None:
-            raise ValueError(f"checkpoint {ckpt} has no BEMA weights (train.bema.enabled was false)")
-        tracker = BEMA(model)
-        meta = state.get("bema", {})
-        for key in ("kappa", "eta", "rho", "gamma", "tau"):
-            if key in meta:
-                setattr(tracker, key, meta[key])
-        tracker.load(tensors, meta)
+    if bema:     # no BEMA tensors: BEMA had not started (step < tau), its weights are the model's
+        tracker = BEMA(model, **{k: v for k, v in state.get("bema", {}).items() if k != "step"})
+        tracker.load(ckpt_io.load_bema_tensors(ckpt, device) or {}, state.get("bema", {}))
         model.load_state_dict(tracker.state_dict_for_model())
     return cfg, model.eval()
 

@@ -14,6 +14,7 @@ import numpy as np
 from lengthgen.config import check_value, invalid
 from lengthgen.data.text.corpus import Corpus, CorpusError, check_split_options, stat_fingerprint
 from lengthgen.data.text.shards import read_bin_shard
+from lengthgen.optional import require
 
 TEXT_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 _GLOB_CHARS = ("*", "?", "[")
@@ -179,13 +180,8 @@ class FileCorpus(Corpus):
 
 
 def _import_pyarrow(path: Path):
-    try:
-        import pyarrow
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(f"reading the parquet file {path} needs the 'pyarrow' package, which is not "
-                          f"installed: pip install pyarrow (or pip install 'lengthgen[data]')") from e
-    return pyarrow, pq
+    needed_for, install = f"reading the parquet file {path}", "pyarrow (or pip install 'lengthgen[data]')"
+    return require("pyarrow", needed_for, install), require("pyarrow.parquet", needed_for, install)
 
 
 # --------------------------------------------------------------------------------------------------

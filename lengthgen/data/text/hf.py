@@ -6,6 +6,7 @@ from typing import Iterator
 
 from lengthgen.config import check_value
 from lengthgen.data.text.corpus import Corpus, CorpusError, Split
+from lengthgen.optional import require
 
 
 class HFCorpus(Corpus):
@@ -17,12 +18,7 @@ class HFCorpus(Corpus):
 
     def __init__(self, dataset: str, config: str | None = None, split: str = "train", *,
                  text_field: str = "text", hf_split: str | None = None, streaming: bool = True):
-        try:
-            import datasets  # noqa: F401
-        except ImportError as e:
-            raise ImportError(f"corpus 'hf:{dataset}' needs the Hugging Face 'datasets' package, which "
-                              f"is not installed: pip install datasets (or pip install "
-                              f"'lengthgen[data]')") from e
+        require("datasets", f"corpus 'hf:{dataset}'", "datasets (or pip install 'lengthgen[data]')")
         if not dataset:
             raise ValueError("hf corpus: empty dataset name; use 'hf:<dataset>[:config]'")
         self.dataset, self.config = dataset, config

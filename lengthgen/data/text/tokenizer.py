@@ -19,8 +19,10 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from lengthgen.optional import require
 
-class ResourceUnavailableError(RuntimeError):
+
+class ResourceUnavailableError(FileNotFoundError):
     """A tokenizer's files or encodings are not available locally (and nothing is downloaded)."""
 
 
@@ -157,12 +159,8 @@ class TiktokenTokenizer(Tokenizer):
 
     def __init__(self, encoding: str = "gpt2", *, allow_download: bool = False,
                  num_threads: int | None = None):
-        try:
-            import tiktoken
-        except ImportError as e:
-            raise ImportError(
-                f"TiktokenTokenizer({encoding!r}) needs the 'tiktoken' package, which is not "
-                f"installed: pip install tiktoken (or pip install 'lengthgen[data]')") from e
+        tiktoken = require("tiktoken", f"TiktokenTokenizer({encoding!r})",
+                           "tiktoken (or pip install 'lengthgen[data]')")
         known = list(tiktoken.list_encoding_names())
         if encoding not in known:
             raise ValueError(f"TiktokenTokenizer: unknown encoding {encoding!r}; tiktoken knows "
@@ -207,12 +205,8 @@ class HFTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str | os.PathLike, *, bos_token: str | None = None):
-        try:
-            from tokenizers import Tokenizer as _HFTok
-        except ImportError as e:
-            raise ImportError(
-                f"HFTokenizer({str(path)!r}) needs the 'tokenizers' package, which is not installed: "
-                f"pip install tokenizers (or pip install 'lengthgen[hf]')") from e
+        _HFTok = require("tokenizers", f"HFTokenizer({str(path)!r})",
+                         "tokenizers (or pip install 'lengthgen[hf]')").Tokenizer
         p = Path(path).expanduser()
         if p.is_dir():
             if not (p / "tokenizer.json").is_file():

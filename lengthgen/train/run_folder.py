@@ -1,0 +1,219 @@
+"""The run folder: one writer at a time, and one rule for its files.
+
+A run folder is what `lengthgen train` writes (``config.json``, ``metrics.jsonl``, ``latest.json``,
+``checkpoints/``, ``eval.json``); compare, retrofit and report folders follow the same rules, and everything that
+writes one (train, compare, retrofit, eval --out, report) holds its lock while it does.
+
+* One writer: `lock` takes an exclusive ``fcntl.flock`` on the folder's ``.lengthgen.lock`` and writes the holder
+  (pid, host, command, start) into it; a second writer gets `RunFolderError` naming the holder. flock rather than
+  an ``O_EXCL`` file with a pid check: the kernel releases the lock when its process ends (``kill -9``
+  included), so no lock is ever stale and no pid (perhaps reused, perhaps on another host) has to be judged alive.
+  The file stays (deleting it would let two processes lock two different files). Under torchrun rank 0 holds it.
+* Stale temporaries of an interrupted write (``checkpoints/step_N.tmp-*``, ``.NAME.*.tmp``) go when it is locked.
+* Fresh or resume: a new run into a folder holding anything is refused (`check_fresh`) unless asked to overwrite,
+  which deletes the files lengthgen writes first (and refuses a folder holding anything else).
+* Checkpoints are found by scanning: the newest complete ``checkpoints/step_N`` first, so a missing or damaged
+  ``latest.json`` loses nothing. `load_newest` loads the newest one that reads back; a damaged one gives a
+  `RunFolderWarning` naming the file, and a resuming writer keeps it aside as ``step_N.corrupt``.
+* Metrics: on resume ``metrics.jsonl`` is cut back to the checkpoint's step (`cut_metrics`; a partial last line
+  of an interrupted write goes too).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import socket
+import sys
+import warnings
+from pathlib import Path
+from typing import IO, Any, Callable, TypeVar
+
+from lengthgen.atomic import atomic_write_text
+from lengthgen.train.checkpoint import COMPLETE, CheckpointError, complete_checkpoints, saved_config
+from lengthgen.train.config import RunConfig
+
+LOCK = ".lengthgen.lock"
+METRICS = "metrics.jsonl"
+#: what lengthgen writes in its folders (run, compare, retrofit, report); overwriting deletes only these
+WRITTEN = frozenset({"config.json", METRICS, "latest.json", "checkpoints", "eval.json", "eval_bema.json", "tb",
+                     "results.json", "report.md", "extrapolation.png", "diagnostics.png", "runs", "finetune",
+                     "control"})
+T = TypeVar("T")
+
+
+class RunFolderError(Exception):
+    """A folder that cannot be used as asked (in use, holding another run, no readable checkpoint); the message
+    names the folder or file and what to do."""
+
+
+class RunFolderWarning(UserWarning):
+    """Something in a run folder was skipped or set aside (a damaged checkpoint); the message names it."""
+
+
+class FolderLock:
+    """The exclusive lock on a folder, held until `release` (or the process ends); a context manager."""
+
+    def __init__(self, folder: Path, file: IO[str] | None) -> None:
+        self.folder, self._file = folder, file
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()          # closing the file releases the flock
+            self._file = None
+
+    def __enter__(self) -> "FolderLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def lock(folder: str | Path) -> FolderLock:
+    """Lock ``folder`` (created if needed) for this process and remove its stale temporaries. `RunFolderError`
+    names the holder when another process has it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    file = os.fdopen(os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o666), "r+")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = file.read()
+        file.close()
+        raise RunFolderError(f"{folder} is in use by another lengthgen process ({_holder(holder)}); wait for it "
+                             "to end or choose another folder") from None
+    except OSError as err:      # a file system without locks (some network mounts): go on unguarded
+        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        warnings.warn(f"{folder}: the file system cannot lock ({err.strerror}); a second writer would not be "
+                      "refused", RunFolderWarning, stacklevel=2)
+    file.truncate(0)
+    file.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": shlex.join(sys.argv),
+                           "since": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
+    file.flush()
+    remove_temporaries(folder)
+    return FolderLock(folder, file)
+
+
+def _holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']} since {h['since']}: {h['command']}"
+    except (ValueError, TypeError, KeyError):
+        return "holder unknown"
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Delete what an interrupted atomic write left: ``.NAME.*.tmp`` files and ``checkpoints/step_N.tmp-*``."""
+    for path in [*folder.glob(".*.tmp"), *folder.glob("checkpoints/.*.tmp"), *folder.glob("checkpoints/*.tmp-*")]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool = True) -> None:
+    """A new run may start in ``folder`` only if it holds nothing; ``overwrite`` first deletes what lengthgen
+    wrote there (`RunFolderError` if it holds anything else, or anything at all without ``overwrite``)."""
+    folder = Path(folder)
+    held = sorted(p.name for p in folder.iterdir() if p.name != LOCK) if folder.is_dir() else []
+    if held and not overwrite:
+        resume = "--resume to continue it, " if resumable else ""
+        raise RunFolderError(f"{folder} already holds {_names(held)}; pass {resume}--overwrite to delete it and "
+                             "start over, or choose another folder")
+    foreign = [name for name in held if name not in WRITTEN]
+    if foreign:
+        raise RunFolderError(f"{folder} holds files lengthgen did not write ({_names(foreign)}); --overwrite "
+                             "deletes only lengthgen's files: move them or choose another folder")
+    for name in held:
+        path = folder / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def checkpoints_at(path: str | Path) -> tuple[list[Path], bool]:
+    """(the checkpoints ``path`` names, newest first; whether it is a run folder): a checkpoint folder or a file in
+    one names itself, a run folder its complete checkpoints. FileNotFoundError when there are none."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no run folder or checkpoint at {path}")
+    if path.is_file():
+        path = path.parent
+    if COMPLETE.fullmatch(path.name) or (path / "state.json").exists():
+        return [path], False
+    found = complete_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {path} (expected checkpoints/step_N of a run folder, or a "
+                                "checkpoint folder)")
+    return found, True
+
+
+def load_newest(path: str | Path, load: Callable[[Path], T], *, set_aside: bool = False) -> tuple[Path, T]:
+    """``(checkpoint, load(checkpoint))`` for the newest checkpoint at ``path`` that ``load`` reads without a
+    `CheckpointError`. Older ones are tried only for a run folder; each damaged newer one is named in a
+    `RunFolderWarning` and, with ``set_aside`` (a writer resuming), renamed ``step_N.corrupt``."""
+    candidates, is_run = checkpoints_at(path)
+    errors: list[CheckpointError] = []
+    for ckpt in candidates:
+        try:
+            value = load(ckpt)
+        except CheckpointError as err:
+            if not is_run:
+                raise
+            errors.append(err)
+            continue
+        for bad, err in zip(candidates, errors):
+            kept = ""
+            if set_aside:
+                os.replace(bad, _free(bad.with_name(bad.name + ".corrupt")))
+                kept = f"; kept aside as {bad.name}.corrupt"
+            warnings.warn(f"{err}; using the older checkpoint {ckpt.name}{kept}", RunFolderWarning, stacklevel=2)
+        return ckpt, value
+    raise CheckpointError(f"no readable checkpoint in {path}: " + "; ".join(map(str, errors)))
+
+
+def _free(path: Path) -> Path:
+    """``path``, or ``path.2``, ``path.3``, ... : the first name not taken."""
+    n, free = 1, path
+    while free.exists():
+        n += 1
+        free = path.with_name(f"{path.name}.{n}")
+    return free
+
+
+def cut_metrics(folder: str | Path, step: int) -> None:
+    """Keep the entries of ``metrics.jsonl`` up to ``step`` (a resumed run logs the later ones again); lines that
+    are not JSON entries (a partial last line) go too."""
+    path = Path(folder) / METRICS
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step:
+            kept.append(line + "\n")
+    atomic_write_text(path, "".join(kept))
+
+
+def saved_run_config(folder: str | Path) -> RunConfig | None:
+    """The run config in the folder's ``config.json`` (None when there is none); `RunFolderError` names a
+    damaged one."""
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        return None
+    try:
+        return saved_config(json.loads(path.read_text()), path)
+    except (ValueError, OSError) as err:      # CheckpointError is a ValueError
+        raise RunFolderError(f"{path} is unreadable ({err}); pass --overwrite to start over") from None
+
+
+__all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "checkpoints_at",
+           "cut_metrics", "load_newest", "lock", "remove_temporaries", "saved_run_config"]

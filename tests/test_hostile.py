@@ -1,0 +1,525 @@
+"""A hostile but realistic user (issue 12): every case that lost data, was silently wrong or ended in a traceback,
+one test each, named after it; then concurrent writers, kill -9 and a fuzz over configs.
+
+A user error ends in one line ``lengthgen <cmd>: error: ...`` naming the key or file, exit status 2, with nothing
+written or lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lengthgen.cli import main
+from lengthgen.config import ConfigError, describe, set_key
+from lengthgen.eval import Comparison, ResultsError
+from lengthgen.experiments.compare import run_compare
+from lengthgen.experiments.eval_run import eval_run
+from lengthgen.model import GPT
+from lengthgen.optional import MissingPackageError
+from lengthgen.train import load_run, train
+from lengthgen.train.config import RunConfig
+from lengthgen.train.run_folder import LOCK, RunFolderError, RunFolderWarning, lock
+from lengthgen.train.setup import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.dim=16", "model.layers=1", "model.heads=2", "model.mlp_ratio=2.0", "train.steps=4", "train.lr=3e-3",
+        "train.batch_size=4", "train.eval_batches=0", "data.task=counting", "data.task_kwargs={vocab_size = 4}",
+        "data.length=8", "train.threads=1"]
+
+
+def config(*overrides: str) -> RunConfig:
+    return RunConfig().override(*TINY, *overrides)
+
+
+def sets(*overrides: str) -> list[str]:
+    return [a for o in (*TINY, *overrides) for a in ("--set", o)]
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """(exit status, the error line) of ``lengthgen ARGS``; asserts that an error is one line."""
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exit_:          # argparse
+        code = exit_.code
+    err = [line for line in capsys.readouterr().err.splitlines() if ": warning: " not in line]
+    if code:
+        assert len(err) == 1 and err[0].startswith(f"lengthgen {args[0]}: error: "), err
+    return code, err[0] if err else ""
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (but the lock file) and its content."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK}
+
+
+def losses(folder: Path) -> list[tuple[int, float]]:
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [(e["step"], e["loss"]) for e in map(json.loads, lines) if "loss" in e]
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> tuple[Path, list[float]]:
+    """A run of 4 steps stopped after step 3 (checkpoints at steps 2 and 3) and the losses of the whole run."""
+    root = tmp_path_factory.mktemp("stopped")
+    full = train(config(), root / "full", progress=False)
+    train(config("train.checkpoint_every=1"), root / "run", progress=False, stop_at=3)
+    return root / "run", full.history
+
+
+def copy(run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def resume(run: Path, *overrides: str, **kwargs: Any):
+    return train(config("train.checkpoint_every=1", *overrides), run, progress=False, resume=True, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# data loss
+
+
+def test_two_concurrent_writers_cannot_share_a_folder(tmp_path, capsys, stopped):
+    run = copy(stopped[0], tmp_path)
+    before = files(run)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from lengthgen.train.run_folder import lock; "
+         "held = lock(sys.argv[1]); print('locked', flush=True); time.sleep(120)", str(run)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for args in (["train", *sets(), "--out", run, "--resume"], ["train", *sets(), "--out", run, "--overwrite"],
+                     ["compare", "--variants", "baseline", "--out", run, "--resume", *sets()],
+                     ["retrofit", stopped[0], "--steps", "1", "--out", run, "--overwrite"],
+                     ["eval", stopped[0], "--out", run / "eval2.json"]):
+            code, err = cli(capsys, *args)
+            assert code == 2 and f"{run} is in use by another lengthgen process (pid {holder.pid} on " in err, err
+        assert files(run) == before
+    finally:
+        holder.kill()            # kill -9: the kernel drops its lock, nothing is stale
+        holder.wait()
+    assert resume(run).step == 4
+    with lock(run), pytest.raises(RunFolderError, match=f"pid {os.getpid()}"):
+        resume(run)              # a second writer in this process is refused too
+
+
+def test_second_training_into_a_used_folder_is_refused_and_loses_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli(capsys, "train", *sets(), "--out", out, "--no-progress")[0] == 0
+    before = files(out)
+    code, err = cli(capsys, "train", *sets("train.seed=1"), "--out", out, "--no-progress")
+    assert code == 2 and "already holds" in err and "--resume" in err and "--overwrite" in err
+    assert files(out) == before
+    assert cli(capsys, "train", *sets("train.seed=1", "train.steps=3"), "--out", out, "--overwrite",
+               "--no-progress")[0] == 0
+    assert [s for s, _ in losses(out)] == [1, 2, 3]          # only the new run's entries
+    assert json.loads((out / "config.json").read_text())["train"]["seed"] == 1
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000003"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# silently wrong: the run folder
+
+
+def _killed_before_first_checkpoint(tmp_path: Path) -> Path:
+    """A run folder as a run killed before its first checkpoint leaves it: config.json and 2 metrics entries."""
+    run = tmp_path / "run"
+    train(config(), run, progress=False, stop_at=2)
+    shutil.rmtree(run / "checkpoints")
+    (run / "latest.json").unlink()
+    return run
+
+
+def test_resume_before_the_first_checkpoint_cuts_stale_metrics(tmp_path, stopped):
+    run = _killed_before_first_checkpoint(tmp_path)
+    result = resume(run)
+    assert result.history == stopped[1]
+    assert losses(run) == list(enumerate(stopped[1], start=1))
+
+
+def test_restart_with_another_config_before_the_first_checkpoint_is_refused(tmp_path):
+    run = _killed_before_first_checkpoint(tmp_path)
+    before = files(run)
+    with pytest.raises(RunFolderError, match="already holds config.json, metrics.jsonl"):
+        train(config("train.seed=1"), run, progress=False)
+    with pytest.raises(ConfigError, match=r"train\.seed: config\.json 0, now 1"):
+        resume(run, "train.seed=1")
+    assert files(run) == before
+    train(config("train.seed=1"), run, progress=False, overwrite=True)
+    assert [s for s, _ in losses(run)] == [1, 2, 3, 4]
+
+
+TRAJECTORY = ["train.seed=1", "train.batch_size=8", "train.tokens_per_step=64", "train.stages=[[0, 8], [3, 16]]",
+              "train.optimizer=muon", "train.schedule=wsd", "train.steps=6", "train.lr=1e-3", "train.grad_accum=2",
+              "model.attention=l2", "data.task_kwargs={vocab_size = 5}"]
+
+
+@pytest.mark.parametrize("change", TRAJECTORY)
+def test_resume_refuses_a_change_of_the_trajectory_and_keeps_config_json(tmp_path, stopped, change):
+    run = copy(stopped[0], tmp_path)
+    before = files(run)
+    key = change.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"cannot resume .*{key.replace('.', '[.]')}"):
+        resume(run, change)
+    assert files(run) == before                       # config.json still claims the run's own values
+
+
+def test_resume_accepts_changes_that_keep_the_trajectory(tmp_path, stopped):
+    run = copy(stopped[0], tmp_path)
+    result = resume(run, "train.eval_every=1", "train.keep_checkpoints=3", "train.threads=2", "name=renamed")
+    assert result.history == stopped[1]
+
+
+def test_more_steps_need_extend_and_the_extension_is_recorded(tmp_path, stopped, capsys):
+    run = copy(stopped[0], tmp_path)
+    resume(run)
+    with pytest.raises(ConfigError, match=r"train\.steps: state\.json 4, now 6 \(--extend changes train\.steps\)"):
+        resume(run, "train.steps=6")
+    with pytest.raises(ConfigError, match="needs more steps than the checkpoint's 4"):
+        resume(run, "train.steps=3", extend=True)
+    assert cli(capsys, "train", *sets("train.steps=6"), "--out", run, "--extend")[0] == 2     # needs --resume
+    result = resume(run, "train.steps=6", extend=True)
+    assert result.step == 6 and len(result.history) == 6
+    entries = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {"step": 4, "extended": {"train.steps": [4, 6]}} in entries
+    assert json.loads((run / "config.json").read_text())["train"]["steps"] == 6
+
+
+def test_resume_without_latest_json_continues_from_the_newest_checkpoint(tmp_path, stopped):
+    run = copy(stopped[0], tmp_path)
+    (run / "latest.json").unlink()
+    assert resume(run).history == stopped[1]
+    # pruning then keeps this run's newest checkpoints
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
+    assert json.loads((run / "latest.json").read_text())["step"] == 4
+
+
+def test_garbage_latest_json_is_ignored(tmp_path, stopped):
+    run = copy(stopped[0], tmp_path)
+    (run / "latest.json").write_text("{garbage")
+    assert load_run(run)[0].train.steps == 4
+    assert resume(run).history == stopped[1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# silently wrong: arguments
+
+
+@pytest.mark.parametrize("argument", [["--steps", "0"], ["--train-length", "0"], ["--eval-tokens", "0"],
+                                      ["--seeds", "0"], ["--steps", "-3"]])
+def test_compare_zero_or_negative_arguments_are_errors_before_anything_is_written(tmp_path, capsys, argument):
+    code, err = cli(capsys, "compare", "--variants", "baseline", "--out", tmp_path / "c", *argument)
+    assert code == 2 and f"argument {argument[0]}" in err
+    assert not (tmp_path / "c").exists()
+
+
+def test_compare_checks_eval_lengths_and_variants_before_training(tmp_path):
+    cfg = config("data.task=mqar", "data.task_kwargs={vocab_size = 16}", "data.length=16")
+    with pytest.raises(ConfigError, match="eval_lengths: length 64 exceeds the data's maximum length 35"):
+        run_compare(cfg, tmp_path / "c", variants=["baseline"], eval_lengths=[16, 64], progress=False)
+    with pytest.raises(ValueError, match="unknown variant 'bogus'"):
+        run_compare(cfg, tmp_path / "c", variants=["baseline", "bogus"], eval_lengths=[16], progress=False)
+    with pytest.raises(ConfigError, match="eval_tokens=0"):
+        run_compare(cfg, tmp_path / "c", variants=["baseline"], eval_lengths=[16], eval_tokens=0, progress=False)
+    with pytest.raises(ConfigError, match="seeds"):
+        run_compare(cfg, tmp_path / "c", variants=["baseline"], eval_lengths=[16], seeds=[], progress=False)
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("tokens", ["0", "-100", "x"])
+def test_eval_tokens_zero_or_negative_is_an_error(stopped, capsys, tokens):
+    code, err = cli(capsys, "eval", stopped[0], "--tokens", tokens)
+    assert code == 2 and "argument --tokens" in err
+    with pytest.raises(ConfigError, match="tokens=-100"):
+        eval_run(stopped[0], tokens=-100)
+
+
+def test_tokens_per_step_below_one_sequence_is_an_error():
+    with pytest.raises(ConfigError, match=r"^train\.tokens_per_step=7 is not valid; it must be at least the longest "
+                                          r"training length \(8"):
+        config("train.tokens_per_step=7")
+    with pytest.raises(ConfigError, match=r"train\.tokens_per_step=12 .*\(16"):
+        config("train.tokens_per_step=12", "train.stages=[[0, 8], [2, 16]]")
+    assert config("train.tokens_per_step=16", "train.stages=[[0, 8], [2, 16]]").batch_size_at(3) == 1
+
+
+def _compare(out: Path, *overrides: str, seeds=(0,), variants=("baseline",)) -> Comparison:
+    return run_compare(config("train.steps=2", *overrides), out, variants=list(variants), seeds=list(seeds),
+                       eval_lengths=[8, 16], eval_tokens=16, progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def two_compares(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """Compares of the same variant: A (seed 0), B (seed 1, same config), C (seed 1, another lr)."""
+    root = tmp_path_factory.mktemp("compares")
+    _compare(root / "a")
+    _compare(root / "b", seeds=(1,))
+    _compare(root / "c", "train.lr=1e-2", seeds=(1,))
+    return root / "a", root / "b", root / "c"
+
+
+def test_report_refuses_to_merge_different_configs_under_one_variant(tmp_path, capsys, two_compares):
+    a, _, c = two_compares
+    before = files(a)
+    code, err = cli(capsys, "report", a, c, "--out", tmp_path / "m")
+    assert code == 2 and "variant 'baseline' was run differently (train.lr: 0.003 here, 0.01 there)" in err
+    assert files(a) == before and not (tmp_path / "m" / "report.md").exists()
+
+
+def test_report_of_several_folders_writes_to_its_own_out(tmp_path, capsys, two_compares):
+    a, b, _ = two_compares
+    before = files(a)
+    assert "needs --out" in cli(capsys, "report", a, b)[1]
+    assert "holds one of the merged" in cli(capsys, "report", a, b, "--out", a)[1]
+    assert cli(capsys, "report", a, b, "--out", tmp_path / "m")[0] == 0
+    assert files(a) == before
+    merged = Comparison.load(tmp_path / "m" / "results.json")
+    assert [run.seed for run in merged.variants["baseline"]] == [0, 1]
+    assert (tmp_path / "m" / "report.md").is_file()
+    with pytest.raises(ResultsError, match="seed"):
+        merged.merge(Comparison.load(b / "results.json"), "b")
+
+
+def test_compare_rerun_after_moving_a_finished_variant_away_never_appends(tmp_path, capsys):
+    out = tmp_path / "c"
+    args = ["compare", "--variants", "baseline,l2", "--eval-lengths", "8,16", "--eval-tokens", "16", "--out", out,
+            "--no-progress", *sets("train.steps=2")]
+    assert cli(capsys, *args)[0] == 0
+    shutil.move(out / "runs" / "baseline-seed0", tmp_path / "moved")
+    shutil.rmtree(out / "runs" / "l2-seed0" / "checkpoints")        # l2 as if killed before its checkpoint
+    (out / "runs" / "l2-seed0" / "latest.json").unlink()
+    code, err = cli(capsys, *args)
+    assert code == 2 and "already holds" in err and "--resume" in err
+    assert cli(capsys, *args, "--resume")[0] == 0
+    for name in ("baseline-seed0", "l2-seed0"):
+        assert [s for s, _ in losses(out / "runs" / name)] == [1, 2], name
+
+
+# ---------------------------------------------------------------------------------------------------
+# tracebacks: configs, checkpoints, metrics, results files, optional packages
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_lr_nan_or_inf_is_a_config_error(tmp_path, capsys, value):
+    code, err = cli(capsys, "train", *sets(f"train.lr={value}"), "--out", tmp_path / "run")
+    assert code == 2 and f"train.lr={value} is not valid; it must be a finite number" in err
+    assert not (tmp_path / "run").exists()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
+
+
+DAMAGE = {"model.safetensors": _truncate, "optimizer.pt": _truncate, "state.json": lambda p: p.write_text("not json {")}
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.pt", "state.json"])
+def test_a_damaged_checkpoint_falls_back_to_the_older_one(tmp_path, stopped, damaged):
+    run = copy(stopped[0], tmp_path)
+    DAMAGE[damaged](run / "checkpoints" / "step_00000003" / damaged)
+    if damaged != "optimizer.pt":                                   # load_run reads the weights only
+        with pytest.warns(RunFolderWarning, match=rf"step_00000003/{damaged} is unreadable.*step_00000002"):
+            assert load_run(run)[0].train.steps == 4               # reading: falls back, changes nothing
+        assert (run / "checkpoints" / "step_00000003").is_dir()
+    with pytest.warns(RunFolderWarning, match=rf"{damaged} is unreadable.*kept aside as step_00000003.corrupt"):
+        result = resume(run)
+    assert result.history == stopped[1]                            # exact, from step 2
+    assert [s for s, _ in losses(run)] == [1, 2, 3, 4]
+    assert (run / "checkpoints" / "step_00000003.corrupt" / damaged).is_file()
+
+
+def test_every_checkpoint_damaged_is_a_one_line_error(tmp_path, stopped, capsys):
+    run = copy(stopped[0], tmp_path)
+    for step in (2, 3):
+        _truncate(run / "checkpoints" / f"step_0000000{step}" / "model.safetensors")
+    before = files(run)
+    code, err = cli(capsys, "train", *sets("train.checkpoint_every=1"), "--out", run, "--resume")
+    assert code == 2 and "no readable checkpoint in" in err and "step_00000002/model.safetensors" in err
+    code, err = cli(capsys, "eval", run / "checkpoints" / "step_00000003")
+    assert code == 2 and "step_00000003/model.safetensors is unreadable" in err
+    assert files(run) == before
+
+
+def test_partial_last_metrics_line_does_not_block_resume(tmp_path, stopped):
+    run = copy(stopped[0], tmp_path)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')
+    assert resume(run).history == stopped[1]
+    assert [s for s, _ in losses(run)] == [1, 2, 3, 4]
+
+
+def test_resume_with_another_optimizer_names_it(tmp_path, stopped, capsys):
+    run = copy(stopped[0], tmp_path)
+    code, err = cli(capsys, "train", *sets("train.checkpoint_every=1", "train.optimizer=muon"), "--out", run,
+                    "--resume")
+    assert code == 2 and "train.optimizer: state.json 'adamw', now 'muon'" in err
+
+
+def test_eval_bema_on_a_run_without_bema(stopped, capsys, tmp_path):
+    code, err = cli(capsys, "eval", stopped[0], "--bema")
+    assert code == 2 and "train.bema.enabled = false" in err
+    # BEMA on but not started (step < tau): its weights are the model's
+    run = train(config("train.bema.enabled=true", "train.bema.tau=100"), tmp_path / "b", progress=False).run_dir
+    torch.testing.assert_close(load_run(run, bema=True)[1].state_dict(), load_run(run)[1].state_dict())
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"schema": 1, "kind": "comparison", "ti', "truncated or not JSON"), ("", "truncated or not JSON"),
+    ('{"schema": 1, "kind": "comparison"}', "malformed comparison result"), ("{}", "no schema version")])
+def test_report_of_a_truncated_empty_or_keyless_results_file(tmp_path, capsys, content, message):
+    (tmp_path / "results.json").write_text(content)
+    code, err = cli(capsys, "report", tmp_path)
+    assert code == 2 and str(tmp_path / "results.json") in err and message in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_compare_seeds_zero_writes_nothing(tmp_path, capsys):
+    code, err = cli(capsys, "compare", "--seeds", "0", "--out", tmp_path / "c")
+    assert code == 2 and "--seeds" in err and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("module, text, hint", [
+    ("pyarrow", '{corpus = "CORPUS", cache = false}', "pip install pyarrow"),
+    ("tiktoken", '{tokenizer = "gpt2", cache = false}', "pip install tiktoken")])
+def test_optional_packages_give_an_install_hint(tmp_path, capsys, monkeypatch, module, text, hint):
+    monkeypatch.setitem(sys.modules, module, None)            # import fails as if it were not installed
+    monkeypatch.setitem(sys.modules, f"{module}.parquet", None)
+    (tmp_path / "a.parquet").write_bytes(b"")
+    text = text.replace("CORPUS", str(tmp_path / "a.parquet"))
+    code, err = cli(capsys, "train", *sets('data.kind="text"', f"data.text={text}"), "--out", tmp_path / "run")
+    assert code == 2 and hint in err
+
+
+# ---------------------------------------------------------------------------------------------------
+# an interrupted compare, kill -9, stale temporaries, permissions
+
+
+def test_interrupted_compare_continues_with_resume(tmp_path, monkeypatch):
+    import lengthgen.experiments.compare as compare
+
+    reference = _compare(tmp_path / "reference", variants=("baseline", "l2"))
+    original = compare.train
+
+    class Killed(BaseException):
+        pass
+
+    def interrupted(cfg, run_dir, **kwargs):      # l2 stops after step 1 (with a checkpoint), as if killed
+        if run_dir.name.startswith("l2"):
+            original(cfg, run_dir, **kwargs, stop_at=1)
+            raise Killed
+        return original(cfg, run_dir, **kwargs)
+
+    monkeypatch.setattr(compare, "train", interrupted)
+    with pytest.raises(Killed):
+        _compare(tmp_path / "c", variants=("baseline", "l2"))
+    monkeypatch.setattr(compare, "train", original)
+    finished = files(tmp_path / "c" / "runs" / "baseline-seed0")
+    results = run_compare(config("train.steps=2"), tmp_path / "c", variants=["baseline", "l2"], eval_lengths=[8, 16],
+                          eval_tokens=16, progress=False, log=lambda _: None, resume=True)
+    assert files(tmp_path / "c" / "runs" / "baseline-seed0") == finished          # reused, not retrained
+    for variant in ("baseline", "l2"):
+        got, want = results.variants[variant][0], reference.variants[variant][0]
+        assert got.final_train_loss == want.final_train_loss and got.lengths == want.lengths, variant
+    assert results.variants["baseline"][0].train_seconds is None          # not trained by this call
+    assert Comparison.load(tmp_path / "c" / "results.json") == results
+
+
+def test_kill_9_then_resume_is_bit_exact(tmp_path):
+    cfg = ["train.steps=60", "train.checkpoint_every=1"]
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "lengthgen", "train", *sets(*cfg), "--out", str(run),
+                             "--no-progress"], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None and len(list((run / "checkpoints").glob("step_*"))) < 2:
+            time.sleep(0.005)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    full = train(config("train.steps=60"), tmp_path / "full", progress=False)
+    resumed = train(config("train.steps=60"), run, progress=False, resume=True)   # checkpoint_every may change
+    assert resumed.history == full.history
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert losses(run) == list(enumerate(full.history, start=1))
+    assert not list(run.rglob("*.tmp*"))
+
+
+def test_stale_temporaries_are_removed_at_start(tmp_path, stopped):
+    run = copy(stopped[0], tmp_path)
+    (run / "checkpoints" / "step_00000004.tmp-dead").mkdir()
+    (run / "checkpoints" / "step_00000004.tmp-dead" / "model.safetensors").write_bytes(b"half")
+    (run / ".latest.json.x1y2.tmp").write_text("{")
+    resume(run)
+    assert not list(run.rglob("*.tmp*"))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
+
+
+def test_run_files_follow_the_umask(tmp_path):
+    saved = os.umask(0o002)
+    try:
+        result = train(config("train.eval_lengths=[8, 16]", "train.eval_batches=1"), tmp_path / "run",
+                       progress=False)
+    finally:
+        os.umask(saved)
+    paths = [p for p in result.run_dir.rglob("*")]
+    names = {p.name for p in paths}
+    assert {"model.safetensors", "optimizer.pt", "state.json", "latest.json", "eval.json", LOCK} <= names
+    for path in paths:
+        assert path.stat().st_mode & 0o777 == (0o775 if path.is_dir() else 0o664), path
+
+
+# ---------------------------------------------------------------------------------------------------
+# fuzz: any invalid config raises ConfigError naming a key, never another exception, before training
+
+
+def _choices(hint: Any) -> set[str]:
+    if typing.get_origin(hint) is typing.Literal:
+        return {a for a in typing.get_args(hint) if isinstance(a, str)}
+    return set().union(*map(_choices, typing.get_args(hint)))
+
+
+KEYS = [(key, what) for key, what, _, _ in describe(RunConfig) if what != "a table"]
+WORDS = sorted({w for _, what in KEYS if what.startswith("one of") for w in what[7:].replace(",", "").split()}
+               | {"l2", "avnorm", "none", "", "counting", "mqar", "dyck", "byte", "gpt2", "hf:/nope", "bin:/nope/*.bin",
+                  "/nope.parquet"})
+SMALL = st.one_of(st.none(), st.booleans(), st.integers(-2, 40), st.floats(-2, 1e3), st.sampled_from(WORDS),
+                  st.lists(st.integers(-1, 40), max_size=3), st.lists(st.lists(st.integers(-1, 40), max_size=3),
+                                                                       max_size=2),
+                  st.dictionaries(st.sampled_from(["vocab_size", "length", "num_keys", "x", "corpus", "tokenizer",
+                                                   "split"]), st.integers(-2, 40) | st.sampled_from(WORDS),
+                                  max_size=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([k for k, _ in KEYS]), SMALL), min_size=1, max_size=3))
+def test_fuzz_configs_raise_only_config_errors(assignments):
+    """Everything a run checks before its first step (`resolve`, the model) fails only with `ConfigError` naming
+    an assigned key (or with the install hint of a missing optional package). Text data starts from a corpus
+    that is not there, so that no fuzzed config tokenizes a real one."""
+    data = config().to_dict()
+    data["data"]["text"] = {"corpus": "/nonexistent/corpus.txt", "cache": False}
+    for key, value in assignments:
+        data = set_key(data, key, value, RunConfig)
+    try:
+        cfg, _ = resolve(data)
+        GPT(cfg.model)
+    except ConfigError as err:
+        assert (err.key and str(err).startswith(err.key)) or any(k in str(err) for k, _ in assignments), \
+            (assignments, str(err))
+    except MissingPackageError as err:
+        assert "pip install" in str(err)
