@@ -92,7 +92,7 @@ def load_run(path: str | Path, *, bema: bool = False, device: str | torch.device
             raise ValueError(f"checkpoint {ckpt} has no BEMA weights (train.bema.enabled was false)")
         tracker = BEMA(model)
         meta = state.get("bema", {})
-        for key in ("kappa", "eta", "rho", "gamma", "tau"):
+        for key in ("kappa", "eta", "rho", "gamma", "tau", "update_every"):
             if key in meta:
                 setattr(tracker, key, meta[key])
         tracker.load(tensors, meta)
