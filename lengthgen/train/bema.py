@@ -14,8 +14,8 @@ the authors' code (abblock/bema, its offline stabilizer, with which the paper's 
 ``update_every`` is its ``update_freq``): gamma scales time in the EMA weight only. The paper writes both weights
 as ``(rho + gamma t)^-kappa`` and ``(rho + gamma t)^-eta`` (the same for gamma = 1, the default, up to one step
 of lag); the repository's online training callback uses a third form, ``gamma (1 + t')^-kappa`` and
-``gamma (1 + t')^-eta`` with ``t' = max(step - rho, 0)``. The state (``theta_0``, ``ema`` and the last ``theta_bema`` per
-parameter) lives beside the weights (float32, same device) and is saved in checkpoints.
+``gamma (1 + t')^-eta`` with ``t' = max(step - rho, 0)``. The state (``theta_0``, ``ema`` and the last
+``theta_bema`` per parameter) lives beside the weights (float32, same device) and is saved in checkpoints.
 """
 
 from __future__ import annotations
