@@ -102,12 +102,15 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    """A whole run: ``model``, ``train``, ``data`` and an optional ``name``."""
+    """A whole run: ``model``, ``train``, ``data``, an optional ``name`` and the settings of `lengthgen compare`
+    (``compare``: its variants, bases, seeds and evaluation, checked by `lengthgen.experiments.compare`)."""
 
     model: GPTConfig = option(GPTConfig(), "the model")
     train: TrainConfig = option(TrainConfig(), "optimization, schedule, evaluation and checkpoints")
     data: DataConfig = option(DataConfig(), "the training data")
     name: str = option("", "the run's name")
+    compare: dict[str, Any] = option({}, "lengthgen compare's experiment (variants, bases, pretrain_steps, seeds, "
+                                     "eval_lengths, eval_tokens, metric); ignored by lengthgen train")
 
     def __post_init__(self) -> None:
         check(self)
