@@ -289,7 +289,7 @@ PATHS = st.sampled_from(KEYS) | st.builds(lambda k, x: f"{k}.{x}", st.sampled_fr
 LIKELY = st.sampled_from([(key, v) for key, what, default, _ in describe(RunConfig) if what != "a table"
                           for v in [default, *(w for w in WORDS if what.startswith("one of") and w in what)]])
 ASSIGNMENTS = st.lists(st.tuples(PATHS, VALUES) | LIKELY, min_size=1, max_size=4)
-SECTIONS = ("model", "train", "data", "name")
+SECTIONS = ("model", "train", "data", "name", "compare")
 
 
 def _assert_names_a_key(err: ConfigError, keys: list[str]) -> None:
