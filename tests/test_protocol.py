@@ -94,3 +94,17 @@ def test_unknown_names_exit_2_before_training(tmp_path, capsys):
     assert main(args + ["--variants", "post"]) == 2
     assert "unknown variant 'post'; choose among baseline" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_each_run_is_evaluated_on_its_own_data(tmp_path):
+    """Bases may change the data (e.g. one Tomita grammar each): a run's numbers are `lengthgen eval`'s."""
+    from lengthgen.experiments.eval_run import eval_run
+
+    cfg = base_config(None, TINY + ["compare.bases={two = {data.task_kwargs.vocab_size = 2}, "
+                                    "eight = {data.task_kwargs.vocab_size = 8}}"])
+    results = run_compare(cfg, tmp_path, variants=["baseline"], **QUIET)
+    for base in ("two", "eight"):
+        (run,) = results.variants[f"{base}/baseline"]
+        assert run.config["data"]["task_kwargs"]["vocab_size"] == {"two": 2, "eight": 8}[base]
+        again = eval_run(run.run_dir, lengths=[8, 16], tokens=32)
+        assert [r.at_length for r in again.lengths] == [r.at_length for r in run.lengths]

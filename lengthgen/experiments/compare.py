@@ -22,13 +22,14 @@ fails alike beyond the training length, or none learns the task in a few hundred
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import ConfigError, build, check, invalid, option
+from lengthgen.config import ConfigError, build, check, invalid, option, to_plain
 from lengthgen.data.config import make_source
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
 from lengthgen.experiments.retrofit import finetune_config
@@ -202,9 +203,9 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     eval_lengths = sorted(set(cc.eval_lengths or [train_length * m for m in MULTIPLES]))
     source = make_source(cfg.data)
     metric = check_metric(source, cc.metric)
-    evaluated_on = eval_source(cfg.data, source)      # text: single long validation documents
     pretrained = _pretrain(runs, out / "pretrain", progress, log) if cc.pretrain_steps else {}
     results: dict[str, list[RunEval]] = {}
+    sources: dict[str, Any] = {}     # what each data config is evaluated on, made once
     for name, (base, _) in runs.runs.items():
         for seed in range(cc.seeds):
             run_cfg = runs.config(name, seed, pretrained.get((base, seed)))
@@ -213,7 +214,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
             trained = train(run_cfg, out / "runs" / f"{name}-seed{seed}", progress=progress)
             train_s = round(time.perf_counter() - start, 2)
             log(f"[{name} seed {seed}] evaluating at {', '.join(map(str, eval_lengths))}")
-            for key, evaluation in _evaluate(trained, name, evaluated_on, eval_lengths, cc.eval_tokens):
+            for key, evaluation in _evaluate(trained, name, sources, eval_lengths, cc.eval_tokens):
                 results.setdefault(key, []).append(dataclasses.replace(evaluation, train_seconds=train_s))
     source_name = getattr(source, "name", cfg.data.task)
     comparison = Comparison(
@@ -238,14 +239,21 @@ def _pretrain(runs: Plan, out: Path, progress: bool, log: Callable[[str], None])
     return folders
 
 
-def _evaluate(trained, name: str, source, lengths: list[int], tokens: int) -> list[tuple[str, RunEval]]:
+def _evaluate(trained, name: str, sources: dict[str, Any], lengths: list[int], tokens: int
+              ) -> list[tuple[str, RunEval]]:
     """(variant name, evaluation) of a trained run's weights and, with BEMA on, of its BEMA weights
-    (``name+bema``), with the one evaluator under the run's autocast, seeded with its seed."""
+    (``name+bema``), with the one evaluator under the run's autocast, seeded with its seed, in forward passes of
+    the run's ``eval_batch_size`` x training length tokens. ``sources``: data config JSON -> what it is
+    evaluated on (text: single long validation documents), filled as needed."""
     cfg, trainer = trained.config, trained.trainer
+    key = json.dumps(to_plain(cfg.data), sort_keys=True)
+    if key not in sources:
+        sources[key] = eval_source(cfg.data, trainer.source)
 
     def one(bema: bool) -> RunEval:
-        evaluation = evaluate(trained.model, source, lengths, tokens_per_length=tokens, seed=cfg.train.seed,
-                              autocast=trainer.autocast_dtype)
+        evaluation = evaluate(trained.model, sources[key], lengths, tokens_per_length=tokens, seed=cfg.train.seed,
+                              autocast=trainer.autocast_dtype,
+                              forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
         return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,
                                    run_dir=str(trained.run_dir), final_train_loss=trained.history[-1])
 
