@@ -268,6 +268,7 @@ def test_regress_and_classify_heads_run_in_float32_under_autocast():
     (dict(value_embeds=[0, 0], no_attention_layers=[1]), "-1 at layers without attention"),
     (dict(skips=[[1, 1]]), "from < to < layers=2"),
     (dict(block="parallel", norm_placement="hybrid"), "block='parallel'"),
+    (dict(block="parallel", no_attention_layers=[0]), "keeps its attention branch"),
     (dict(mlp_ratio=-1.0), "mlp_ratio=-1.0"),
     (dict(init="xavier"), "init='xavier'.*normal, uniform, torch"),
     (dict(logit_cap_form="softcap"), "tanh, sigmoid"),

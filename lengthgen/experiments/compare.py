@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
 from lengthgen.config import ConfigError, build, check, invalid, option, to_plain
 from lengthgen.data.config import make_source
@@ -242,8 +244,8 @@ def _pretrain(runs: Plan, out: Path, progress: bool, log: Callable[[str], None])
 def _evaluate(trained, name: str, sources: dict[str, Any], lengths: list[int], tokens: int
               ) -> list[tuple[str, RunEval]]:
     """(variant name, evaluation) of a trained run's weights and, with BEMA on, of its BEMA weights
-    (``name+bema``), with the one evaluator under the run's autocast, seeded with its seed, in forward passes of
-    the run's ``eval_batch_size`` x training length tokens. ``sources``: data config JSON -> what it is
+    (``name+bema``), with the one evaluator under the run's autocast and CPU threads, seeded with its seed, in
+    forward passes of the run's ``eval_batch_size`` x training length tokens. ``sources``: data config JSON -> what it is
     evaluated on (text: single long validation documents), filled as needed."""
     cfg, trainer = trained.config, trained.trainer
     key = json.dumps(to_plain(cfg.data), sort_keys=True)
@@ -251,9 +253,14 @@ def _evaluate(trained, name: str, sources: dict[str, Any], lengths: list[int], t
         sources[key] = eval_source(cfg.data, trainer.source)
 
     def one(bema: bool) -> RunEval:
-        evaluation = evaluate(trained.model, sources[key], lengths, tokens_per_length=tokens, seed=cfg.train.seed,
-                              autocast=trainer.autocast_dtype,
-                              forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
+        saved = torch.get_num_threads()
+        torch.set_num_threads(cfg.train.threads or saved)     # the run's CPU threads, as in training
+        try:
+            evaluation = evaluate(trained.model, sources[key], lengths, tokens_per_length=tokens,
+                                  seed=cfg.train.seed, autocast=trainer.autocast_dtype,
+                                  forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
+        finally:
+            torch.set_num_threads(saved)
         return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,
                                    run_dir=str(trained.run_dir), final_train_loss=trained.history[-1])
 

@@ -141,9 +141,7 @@ class ParallelBlock(nn.Module):
     def __init__(self, cfg: GPTConfig, spec: AttentionSpec, index: int, placement: str,
                  multiplier: nn.Parameter | None = None, attention: bool = True, value_embed: bool = False) -> None:
         super().__init__()
-        if not attention:
-            raise ValueError("a parallel block needs its attention branch (GPTConfig.no_attention_layers is for "
-                             "sequential blocks)")
+        assert attention, "a parallel block keeps its attention branch (GPTConfig checks no_attention_layers)"
         self.placement = placement
         hidden = mlp_width(cfg)
         self.attn = make_attention(cfg, spec, index, multiplier, out_proj=False)

@@ -140,6 +140,9 @@ class GPTConfig:
         """The per-layer options name existing layers, and every layer keeps attention or an MLP."""
         n = self.layers
         attention = self.attention_layers()
+        if self.block == "parallel" and not all(attention):
+            raise invalid("GPTConfig.no_attention_layers", self.no_attention_layers, "empty for block='parallel' "
+                          "(a parallel block keeps its attention branch)")
         if self.mlp_ratio == 0 and not all(attention):
             raise invalid("GPTConfig.no_attention_layers", self.no_attention_layers,
                           "empty when mlp_ratio = 0 (a layer would have neither attention nor an MLP)")
