@@ -190,6 +190,22 @@ def test_output_gate_reads_the_first_gate_width_channels():
         OutputGate(AttentionSpec(gate="head", gate_width=9), dim=8, heads=2, head_dim=4)
 
 
+def test_seed_000_gate_multiplies_the_avnorm_output_per_head():
+    """y = GroupNorm_heads(attention) * sigmoid(h[..., :12] W^T) per head, then the output projection."""
+    torch.manual_seed(0)
+    spec = dict(position="nope", out_norm="head_layer", gate="head", gate_width=12, base_scale=0.1)
+    layer = Attention(16, 2, spec).double()
+    with torch.no_grad():
+        layer.gate.weight.normal_()
+    h = torch.randn(2, 7, 16, dtype=torch.float64)
+    q, k, v = (m(h).view(2, 7, 2, 8).transpose(1, 2) for m in (layer.q_proj, layer.k_proj, layer.v_proj))
+    scores = (q @ k.transpose(-1, -2) * 0.1).masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(14, 16)
+    y = F.group_norm(y, 2, eps=1e-5).view(2, 7, 2, 8)                                   # AVNorm (seed 000)
+    y = y * torch.sigmoid(h[..., :12] @ layer.gate.weight.T)[..., None]                   # the gate after it
+    torch.testing.assert_close(layer(h), layer.o_proj(y.reshape(2, 7, 16)), **F64)
+
+
 def test_half_truncated_rope_schedule():
     """Seed 000: 32 of 64 pairs rotate, frequencies log-spaced from 1 down to 1/1024; the rest do not rotate."""
     freqs = fn.rope_frequencies(128, 10000.0, 0.5, min_freq=1 / 1024)
