@@ -288,6 +288,8 @@ def test_regress_and_classify_heads_run_in_float32_under_autocast():
     (dict(mlp_ratio=-1.0), "mlp_ratio=-1.0"),
     (dict(init="xavier"), "init='xavier'.*normal, uniform, torch"),
     (dict(logit_cap_form="softcap"), "tanh, sigmoid"),
+    (dict(init_overrides={"head.weight": "big"}), r"init_overrides.head.weight='big' is not valid; it must be a "
+                                                  "finite number >= 0"),
 ])
 def test_bad_model_options_name_the_key(changes, match):
     with pytest.raises(ConfigError, match=match):

@@ -133,6 +133,8 @@ class GPTConfig:
         if self.block == "parallel" and self.norm_placement.startswith("hybrid"):
             raise invalid("GPTConfig.norm_placement", self.norm_placement, "pre, post, peri or mix for "
                           "block='parallel' (hybrid placements norm attention and MLP differently)")
+        for pattern, std in self.init_overrides.items():
+            self.init_overrides[pattern] = check_value(f"GPTConfig.init_overrides.{pattern}", std, float, ge=0)
         self.check_layers()
         self.layer_specs()  # validates layer_attention
 
