@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the ~124M modded-nanogpt-like model: seed 000's preset with GPT-2's vocabulary padded to 50304
-MODEL_CONFIG = ROOT / "configs" / "avnorm_lm.toml"
+#: the ~124M modded-nanogpt-like model, with GPT-2's vocabulary padded to 50304
+MODEL_CONFIG = ROOT / "benchmarks" / "gpt124m.toml"
 SEED_KERNEL = ROOT.parent / "shared" / "seed-code" / "001-attention-norm" / "kernel.py"
 
 GPU = dict(

@@ -122,15 +122,20 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
 
     add_config_arguments(p)
     p.add_argument("--task", help="task name (counting, mqar, set_complement, ...); sets data.task")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help=f"comma-separated attention presets (default {','.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--variants", help="comma-separated variants: names in the config's compare.variants or "
+                                      f"attention presets (default: the config's, else {','.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--bases", help="comma-separated names in the config's compare.bases (default: all of them)")
     p.add_argument("--train-length", type=_positive_int, help="training length (sets data.length)")
-    p.add_argument("--eval-lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
+    p.add_argument("--eval-lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training; "
+                                                          "sets compare.eval_lengths)")
     p.add_argument("--steps", type=_positive_int, help="training steps per variant (sets train.steps)")
-    p.add_argument("--seeds", type=_positive_int, default=1, help="seeds per variant (mean and spread are reported)")
-    p.add_argument("--eval-tokens", type=_positive_int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--pretrain-steps", type=_positive_int, help="pretrain each base this many steps, then finetune every "
+                                                      "variant from it (seed 000; sets compare.pretrain_steps)")
+    p.add_argument("--seeds", type=_positive_int, help="seeds per variant: 0, 1, ..., N-1; mean and spread are "
+                                                      "reported (sets compare.seeds)")
+    p.add_argument("--eval-tokens", type=_positive_int, help="tokens per evaluated length (sets compare.eval_tokens)")
     p.add_argument("--metric", help="the report's headline: loss or the source's metric (default: the source's; "
-                                    "loss for the embedded default)")
+                                    "loss for the embedded default; sets compare.metric)")
     p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare); it must be "
                                                                  "empty unless --resume or --overwrite")
     p.add_argument("--resume", action="store_true", help="continue an interrupted comparison in --out: reuse its "
@@ -141,25 +146,32 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
 
 @command("compare", _compare_args)
 def compare_command(args: argparse.Namespace) -> int:
-    """Train attention variants at a short length, evaluate far beyond it, write a report folder."""
-    from lengthgen.experiments.compare import base_config, check_metric, default_metric, parse_variants, run_compare
-    from lengthgen.report import terminal_table
+    """Train variants at a short length (or finetune them from pretrained bases), evaluate far beyond it, write a
+    report folder. A config's [compare] section holds a whole experiment (see the presets in configs/)."""
+    from lengthgen.config import ConfigError
     from lengthgen.data.config import make_source
+    from lengthgen.experiments.compare import base_config, check_metric, default_metric, plan, run_compare
+    from lengthgen.report import terminal_table
 
     if args.resume and args.overwrite:
         raise CommandError("--resume continues the comparison in --out, --overwrite deletes it: give one of them")
-    overrides = list(args.overrides)
-    overrides += [f"data.task={args.task}"] if args.task is not None else []
-    overrides += [f"data.length={args.train_length}"] if args.train_length is not None else []
-    overrides += [f"train.steps={args.steps}"] if args.steps is not None else []
-    cfg = base_config(args.config, overrides)
+    seeds = None if args.seeds is None else list(range(args.seeds))
+    flags = {"data.task": args.task, "data.length": args.train_length, "train.steps": args.steps,
+             "compare.seeds": seeds, "compare.eval_lengths": args.eval_lengths,
+             "compare.eval_tokens": args.eval_tokens, "compare.pretrain_steps": args.pretrain_steps,
+             "compare.metric": args.metric}
+    cfg = base_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None])
+    if not args.config and "metric" not in cfg.compare and default_metric(cfg):
+        cfg = cfg.override(f"compare.metric={default_metric(cfg)}")
+    variants, bases = ([v.strip() for v in text.split(",")] if text else None for text in (args.variants, args.bases))
     try:
-        variants = parse_variants(args.variants)
-        metric = check_metric(make_source(cfg.data), args.metric or (default_metric(cfg) if not args.config else None))
+        check_metric(make_source(cfg.data), cfg.compare.get("metric"))
+        plan(cfg, variants, bases)          # every run's config, checked before anything trains
+    except ConfigError:
+        raise
     except ValueError as err:
         raise CommandError(f"{err}") from None
-    results = run_compare(cfg, args.out, variants=variants, eval_lengths=args.eval_lengths, metric=metric,
-                          seeds=list(range(args.seeds)), eval_tokens=args.eval_tokens, progress=not args.no_progress,
+    results = run_compare(cfg, args.out, variants=variants, bases=bases, progress=not args.no_progress,
                           resume=args.resume, overwrite=args.overwrite)
     print(terminal_table(results))
     print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json)")

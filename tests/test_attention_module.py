@@ -244,7 +244,8 @@ BAD_VALUES = [
     ("rope_theta", -1.0), ("prope_fraction", -0.1), ("prope_fraction", 1.5), ("prope_fraction", "half"),
     ("prope_fraction", True), ("out_norm", "layer"), ("out_norm_eps", -1.0), ("gate", "yes"), ("gate", True),
     ("gate_act", "tanh"), ("doc_masking", "yes"), ("doc_masking", 1), ("qk_norm_affine", None),
-    ("out_norm_affine", 0),
+    ("out_norm_affine", 0), ("rope_min_freq", 0.0), ("rope_min_freq", 2.0), ("gate_width", 0),
+    ("gate_width", 1.5),
 ]
 CHOICES = {name: typing.get_args(hint) for name, hint in typing.get_type_hints(AttentionSpec).items()
            if typing.get_origin(hint) is typing.Literal}

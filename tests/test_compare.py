@@ -32,9 +32,8 @@ def test_parse_variants_errors_name_the_choices():
 @pytest.fixture(scope="module")
 def tiny_compare(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
-    cfg = base_config(None, TINY + ["data.length=8"])
-    results = run_compare(cfg, out, variants=["baseline", "avnorm"], seeds=[0, 1], eval_tokens=64,
-                          progress=False, log=lambda _: None)
+    cfg = base_config(None, TINY + ["data.length=8", "compare.seeds=[0, 1]", "compare.eval_tokens=64"])
+    results = run_compare(cfg, out, variants=["baseline", "avnorm"], progress=False, log=lambda _: None)
     return out, results
 
 
@@ -115,8 +114,9 @@ def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path
 
     cfg = base_config(None, [s for s in TINY if not s.startswith("data.task")] + ["data.length=8"])
     assert cfg.data.task == "dyck" and default_metric(cfg) == "loss"
-    run_compare(cfg, tmp_path, variants=["baseline"], eval_lengths=[8, 16], eval_tokens=32,
-                metric=default_metric(cfg), progress=False, log=lambda _: None)
+    cfg = cfg.override("compare.eval_lengths=[8, 16]", "compare.eval_tokens=32",
+                       f"compare.metric={default_metric(cfg)}")
+    run_compare(cfg, tmp_path, variants=["baseline"], progress=False, log=lambda _: None)
     text = (tmp_path / "report.md").read_text()
     assert "## loss at length L" in text and "## legal_accuracy at length L" in text
 
@@ -150,7 +150,7 @@ def test_compare_evaluates_under_the_runs_autocast(tmp_path, monkeypatch):
         return original(self, tokens, doc_ids)
 
     monkeypatch.setattr(GPT, "forward", forward)
-    cfg = base_config(None, TINY + ["data.length=8", "train.steps=1", "train.dtype=bfloat16"])
-    run_compare(cfg, tmp_path, variants=["baseline"], eval_lengths=[8, 16], eval_tokens=32, progress=False,
-                log=lambda _: None)
+    cfg = base_config(None, TINY + ["data.length=8", "train.steps=1", "train.dtype=bfloat16",
+                                    "compare.eval_lengths=[8, 16]", "compare.eval_tokens=32"])
+    run_compare(cfg, tmp_path, variants=["baseline"], progress=False, log=lambda _: None)
     assert len(seen) == 3 and all(seen)        # two lengths and the diagnostics pass, all under bf16 autocast

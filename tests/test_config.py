@@ -200,7 +200,7 @@ def test_check_value_accepts_and_converts(value, hint, bounds, out):
     ({1: 2}, dict[str, Any], {}, "k={1: 2} is not valid; it must be a table"),
     ("s", list[int], {}, "k='s' is not valid; it must be a list, each item an integer"),
     ({"kappa": "x"}, BemaConfig, {}, "k.kappa='x' is not valid; it must be a finite number >= 0"),
-    ({"x": 1}, BemaConfig, {}, "k.x is not a valid key; valid keys: enabled, kappa, eta, rho, gamma, tau"),
+    ({"x": 1}, BemaConfig, {}, "k.x is not a valid key; valid keys: enabled, kappa, eta, rho, gamma, tau, update_every"),
 ])
 def test_check_value_rejects_naming_the_key(value, hint, bounds, message):
     with pytest.raises(ConfigError) as info:
@@ -289,7 +289,7 @@ PATHS = st.sampled_from(KEYS) | st.builds(lambda k, x: f"{k}.{x}", st.sampled_fr
 LIKELY = st.sampled_from([(key, v) for key, what, default, _ in describe(RunConfig) if what != "a table"
                           for v in [default, *(w for w in WORDS if what.startswith("one of") and w in what)]])
 ASSIGNMENTS = st.lists(st.tuples(PATHS, VALUES) | LIKELY, min_size=1, max_size=4)
-SECTIONS = ("model", "train", "data", "name")
+SECTIONS = ("model", "train", "data", "name", "compare")
 
 
 def _assert_names_a_key(err: ConfigError, keys: list[str]) -> None:

@@ -230,13 +230,14 @@ def test_compare_zero_or_negative_arguments_are_errors_before_anything_is_writte
 def test_compare_checks_eval_lengths_and_variants_before_training(tmp_path):
     cfg = config("data.task=mqar", "data.task_kwargs={vocab_size = 16}", "data.length=16")
     with pytest.raises(ConfigError, match="eval_lengths: length 64 exceeds the data's maximum length 35"):
-        run_compare(cfg, tmp_path / "c", variants=["baseline"], eval_lengths=[16, 64], progress=False)
+        run_compare(cfg.override("compare.eval_lengths=[16, 64]"), tmp_path / "c", variants=["baseline"],
+                    progress=False)
     with pytest.raises(ValueError, match="unknown variant 'bogus'"):
-        run_compare(cfg, tmp_path / "c", variants=["baseline", "bogus"], eval_lengths=[16], progress=False)
+        run_compare(cfg, tmp_path / "c", variants=["baseline", "bogus"], progress=False)
     with pytest.raises(ConfigError, match="eval_tokens=0"):
-        run_compare(cfg, tmp_path / "c", variants=["baseline"], eval_lengths=[16], eval_tokens=0, progress=False)
+        run_compare(cfg.override("compare.eval_tokens=0"), tmp_path / "c", variants=["baseline"], progress=False)
     with pytest.raises(ConfigError, match="seeds"):
-        run_compare(cfg, tmp_path / "c", variants=["baseline"], eval_lengths=[16], seeds=[], progress=False)
+        run_compare(cfg.override("compare.seeds=[]"), tmp_path / "c", variants=["baseline"], progress=False)
     assert not (tmp_path / "c").exists()
 
 
@@ -258,8 +259,9 @@ def test_tokens_per_step_below_one_sequence_is_an_error():
 
 
 def _compare(out: Path, *overrides: str, seeds=(0,), variants=("baseline",)) -> Comparison:
-    return run_compare(config("train.steps=2", *overrides), out, variants=list(variants), seeds=list(seeds),
-                       eval_lengths=[8, 16], eval_tokens=16, progress=False, log=lambda _: None)
+    cfg = config("train.steps=2", *overrides, f"compare.seeds={list(seeds)}", "compare.eval_lengths=[8, 16]",
+                 "compare.eval_tokens=16")
+    return run_compare(cfg, out, variants=list(variants), progress=False, log=lambda _: None)
 
 
 @pytest.fixture(scope="module")
@@ -428,8 +430,9 @@ def test_interrupted_compare_continues_with_resume(tmp_path, monkeypatch):
         _compare(tmp_path / "c", variants=("baseline", "l2"))
     monkeypatch.setattr(compare, "train", original)
     finished = files(tmp_path / "c" / "runs" / "baseline-seed0")
-    results = run_compare(config("train.steps=2"), tmp_path / "c", variants=["baseline", "l2"], eval_lengths=[8, 16],
-                          eval_tokens=16, progress=False, log=lambda _: None, resume=True)
+    cfg = config("train.steps=2", "compare.eval_lengths=[8, 16]", "compare.eval_tokens=16")
+    results = run_compare(cfg, tmp_path / "c", variants=["baseline", "l2"], progress=False, log=lambda _: None,
+                          resume=True)
     assert files(tmp_path / "c" / "runs" / "baseline-seed0") == finished          # reused, not retrained
     for variant in ("baseline", "l2"):
         got, want = results.variants[variant][0], reference.variants[variant][0]

@@ -23,7 +23,7 @@ def test_flops_per_token_by_hand():
 def test_124m_preset_is_about_124m():
     from lengthgen.train.config import load_config
 
-    cfg = load_config("configs/avnorm_lm.toml", ["model.vocab_size=50304"])
+    cfg = load_config("benchmarks/gpt124m.toml", ["model.vocab_size=50304"])
     with torch.device("meta"):
         model = GPT(cfg.model)
     assert 120e6 < mb.matmul_parameters(model) < 130e6                         # 12 x 768, untied head

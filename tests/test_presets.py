@@ -1,5 +1,6 @@
 """Every preset in configs/ loads as is, documents itself, and trains 2 steps + evaluates by position on CPU
-with tiny overrides (the GPU-sized ones included)."""
+with tiny overrides (the GPU-sized ones included, at their own depth); every [compare] experiment plans its runs,
+and seed 000's whole protocol runs tiny."""
 
 from __future__ import annotations
 
@@ -7,22 +8,29 @@ from pathlib import Path
 
 import pytest
 
-from lengthgen.train.config import load_config
-from lengthgen.eval import RunEval
+from lengthgen.eval import Comparison, RunEval
+from lengthgen.experiments.compare import base_config, plan, run_compare
 from lengthgen.train import train
+from lengthgen.train.config import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
+SEEDS = {"seed000_avnorm", "seed001_counting", "seed003_set_complement", "seed003_max_retrieval", "seed003_dyck",
+         "seed003_tomita", "seed004_logit_scaling"}
 
-TINY = ["model.head_dim=8", "model.heads=2", "model.dim=16", "model.layers=1", "model.mlp_ratio=2.0",
-        "train.steps=2", "train.batch_size=2", "train.tokens_per_step=none", "train.grad_accum=1", "train.stages=[]",
-        "train.warmup_steps=0", "train.eval_every=0", "train.checkpoint_every=0", "train.eval_batches=1",
-        "train.eval_batch_size=2", "train.compile=false", "train.device=cpu", "train.threads=1",
-        "data.length=16", "train.eval_lengths=[16, 32]"]
+TINY = ["model.head_dim=8", "model.heads=2", "model.dim=16", "train.steps=2", "train.batch_size=2",
+        "train.tokens_per_step=none", "train.grad_accum=1", "train.stages=[]", "train.warmup_steps=0",
+        "train.eval_every=0", "train.checkpoint_every=0", "train.eval_batches=1", "train.eval_batch_size=2",
+        "train.compile=false", "train.device=cpu", "train.threads=1", "data.length=16", "train.eval_lengths=[16, 32]"]
+
+
+def tiny(path: Path, *extra: str) -> list[str]:
+    text = ["data.text.max_documents=24"] if load_config(path).data.kind == "text" else []
+    return TINY + text + list(extra)
 
 
 def test_presets_exist():
     names = {p.stem for p in CONFIGS}
-    assert {"avnorm_lm", "l2_counting", "postnorm_set_complement", "logit_scaling_lm", "stdlib_small"} <= names
+    assert SEEDS | {"stdlib_small", "counting", "mqar"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -30,12 +38,39 @@ def test_preset_loads_and_trains_tiny_on_cpu(path, tmp_path):
     text = path.read_text()
     assert text.startswith("#") and "lengthgen " in text.split("\nname")[0], \
         f"{path.name} needs a top comment saying what it reproduces and how to run it"
+    if path.stem in SEEDS:
+        assert "Remaining deviations" in text and "GPU time" in text, path.name
     full = load_config(path)                       # the preset itself is valid
     assert full.name == path.stem
-    extra = ["data.text.max_documents=24"] if full.data.kind == "text" else []
-    cfg = load_config(path, TINY + extra)
+    cfg = load_config(path, tiny(path))
     result = train(cfg, tmp_path / path.stem, progress=False)
     assert result.step == 2 and len(result.history) == 2
     rows = RunEval.load(tmp_path / path.stem / "eval.json").lengths
     assert [r.length for r in rows] == [16, 32]
-    assert "loss" in rows[-1].buckets and rows[-1].buckets["loss"][-1].hi == 32
+    if result.config.model.head == "classify":    # per-sequence values (Tomita): no position buckets
+        assert "loss" in rows[-1].at_length and not rows[-1].buckets
+    else:
+        assert "loss" in rows[-1].buckets and rows[-1].buckets["loss"][-1].hi == 32
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem in SEEDS], ids=lambda p: p.stem)
+def test_seed_preset_compare_plans_every_run(path):
+    """Every run of the preset's experiment has a valid config, and no two runs are the same experiment."""
+    runs = plan(base_config(path))
+    assert len(runs.runs) >= 3
+    configs = {name: runs.config(name, 0, "pretrained" if runs.compare.pretrain_steps else None).to_json()
+               for name in runs.runs}
+    assert len(set(configs.values())) == len(configs)
+
+
+def test_seed000_protocol_runs_tiny(tmp_path):
+    """One command: pretrain the pe and nope bases, finetune 4 variants from each, evaluate."""
+    path = next(p for p in CONFIGS if p.stem == "seed000_avnorm")
+    cfg = base_config(path, tiny(path, "compare.pretrain_steps=2", "compare.eval_lengths=[16, 32]",
+                                 "compare.eval_tokens=64"))
+    results = run_compare(cfg, tmp_path, progress=False, log=lambda _: None)
+    assert list(results.variants) == [f"{b}/{v}" for b in ("pe", "nope")
+                                      for v in ("l1", "groupnorm", "rmsnorm", "layernorm")]
+    assert results.retrofit["pretrain_steps"] == 2 and Comparison.load(tmp_path / "results.json") == results
+    nope = results.variants["nope/rmsnorm"][0].config["model"]["attention"]
+    assert nope["position"] == "nope" and nope["out_norm"] == "head_rms" and nope["out_norm_eps"] == 1e-6

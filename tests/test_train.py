@@ -120,14 +120,16 @@ def test_schedules_match_their_formulas():
     assert lr_multiplier(50, total=100, schedule="constant", warmup=10) == 1.0
 
 
-def test_bema_matches_its_formula():
+@pytest.mark.parametrize("update_every", [1, 3])
+def test_bema_matches_its_formula(update_every):
+    """The authors' offline stabilizer (abblock/bema): gamma in the EMA weight only, updates update_every apart."""
     kappa, eta, rho, gamma, tau = 0.5, 0.2, 3, 0.5, 2
     p = torch.nn.Parameter(torch.zeros(3))
     module = torch.nn.Module()
     module.w = p
-    tracker = BEMA(module, kappa=kappa, eta=eta, rho=rho, gamma=gamma, tau=tau)
+    tracker = BEMA(module, kappa=kappa, eta=eta, rho=rho, gamma=gamma, tau=tau, update_every=update_every)
     g = torch.Generator().manual_seed(0)
-    thetas = [torch.randn(3, generator=g) for _ in range(9)]
+    thetas = [torch.randn(3, generator=g) for _ in range(12)]
     theta0 = ema = None
     for step, theta in enumerate(thetas):
         with torch.no_grad():
@@ -135,11 +137,11 @@ def test_bema_matches_its_formula():
         tracker.update(step)
         if step < tau:
             expected = theta
-        else:
+        elif (step - tau) % update_every == 0:
             if theta0 is None:
                 theta0, ema = theta.clone(), theta.clone()
             t = max(step - tau + rho, 1)
-            beta, alpha = (1 + gamma * t) ** -kappa, (1 + gamma * t) ** -eta
+            beta, alpha = (1 + gamma * t) ** -kappa, (1 + t) ** -eta
             ema = (1 - beta) * ema + beta * theta
             expected = alpha * (theta - theta0) + ema
         torch.testing.assert_close(tracker.weights()["w"], expected)

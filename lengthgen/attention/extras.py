@@ -73,7 +73,8 @@ class OutNorm(nn.Module):
 
 class OutputGate(nn.Module):
     """Gated attention (Qiu et al. 2025; seed 004): ``y * act(x W_g^T)`` with one gate per head
-    (``gate="head"``, W_g (H, dim)) or per channel (``"elementwise"``, W_g (H*D, dim), channel ``h * D + d``).
+    (``gate="head"``, W_g (H, w)) or per channel (``"elementwise"``, W_g (H*D, w), channel ``h * D + d``), where
+    the gate reads the first ``w = spec.gate_width`` channels of x (default all; seed 000's modded-nanogpt: 12).
 
     ``act = sigmoid`` starts from W_g ~ N(0, 0.02) (gates near 1/2); ``2sigmoid`` from W_g = 0, the identity at
     init (seed 004). ``weight`` is a plain parameter, not an ``nn.Linear``, so model-wide linear inits skip it."""
@@ -81,8 +82,11 @@ class OutputGate(nn.Module):
     def __init__(self, spec: AttentionSpec, dim: int, heads: int, head_dim: int, *, device=None, dtype=None) -> None:
         super().__init__()
         self.kind, self.act, self.heads, self.head_dim = spec.gate, spec.gate_act, heads, head_dim
+        self.width = spec.gate_width or dim
+        if self.width > dim:
+            raise ValueError(f"AttentionSpec.gate_width={self.width} exceeds the layer width {dim}")
         out = {"none": 0, "head": heads, "elementwise": heads * head_dim}[spec.gate]
-        self.weight = nn.Parameter(torch.empty(out, dim, device=device, dtype=dtype)) if out else None
+        self.weight = nn.Parameter(torch.empty(out, self.width, device=device, dtype=dtype)) if out else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -96,7 +100,7 @@ class OutputGate(nn.Module):
     def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
             return y
-        gate = torch.sigmoid(F.linear(x, self.weight))              # (B, L, H) or (B, L, H*D)
+        gate = torch.sigmoid(F.linear(x[..., :self.width], self.weight))   # (B, L, H) or (B, L, H*D)
         if self.act == "2sigmoid":
             gate = 2 * gate
         b, length = x.shape[:2]

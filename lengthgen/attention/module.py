@@ -39,6 +39,8 @@ class Attention(nn.Module):
         head_dim: default ``dim // heads``. backend: see `attend`.
         multiplier: a shared parameter for ``learnable_scaling="global"`` (one for the whole model, from
             `QueryScaling.new_parameter`); without it a global multiplier is owned by this layer.
+        out_proj: False leaves ``o_proj`` out (an identity): the layer returns the merged heads (B, L, H*D),
+            for a block that projects them together with another branch (seed 001's parallel block).
     Submodules: ``scaling`` (`QueryScaling`), ``out_norm`` (`OutNorm`), ``gate`` (`OutputGate`).
     Setting ``self.capture = {}`` makes the next forward store its internals there (for diagnostics and
     QK-clip): ``q``, ``k``, ``v`` (after QK-norm and RoPE, before query scaling), ``y`` (attention output
@@ -47,7 +49,7 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, heads: int, spec: AttentionSpec | str | dict[str, Any] | None = None, *,
                  layer_index: int = 0, head_dim: int | None = None, bias: bool = False, backend: str = "auto",
-                 multiplier: nn.Parameter | None = None) -> None:
+                 multiplier: nn.Parameter | None = None, out_proj: bool = True) -> None:
         super().__init__()
         self.spec = spec = resolve_spec(spec)
         self.heads, self.head_dim = heads, head_dim or dim // heads
@@ -61,7 +63,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(dim, inner, bias=bias)
         self.k_proj = nn.Linear(dim, kv_inner, bias=bias)
         self.v_proj = nn.Linear(dim, kv_inner, bias=bias)
-        self.o_proj = nn.Linear(inner, dim, bias=bias)
+        self.o_proj = nn.Linear(inner, dim, bias=bias) if out_proj else nn.Identity()
         affine_qk = spec.qk_norm != "none" and spec.qk_norm_affine
         self.q_norm_weight = nn.Parameter(torch.ones(self.head_dim)) if affine_qk else None
         self.k_norm_weight = nn.Parameter(torch.ones(self.head_dim)) if affine_qk else None
@@ -74,14 +76,17 @@ class Attention(nn.Module):
         """The ``rope_freqs`` buffer's value: RoPE / p-RoPE frequencies of the spec (all 0 for NoPE). The buffer is
         not saved: loaders that build the layer on the meta device (transformers) recompute it from this."""
         fraction = {"nope": 0.0, "rope": 1.0, "prope": self.spec.prope_fraction}[self.spec.position]
-        return fn.rope_frequencies(self.head_dim, self.spec.rope_theta, fraction)
+        return fn.rope_frequencies(self.head_dim, self.spec.rope_theta, fraction, min_freq=self.spec.rope_min_freq)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """``value``: an optional (B, L, Hkv*D) term added to the values (seed 000's value embeddings)."""
         b, length, _ = x.shape
         spec = self.spec
         q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x)
+        v = (v if value is None else v + value).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
         if spec.qk_norm != "none":
             q = fn.head_norm(q, spec.qk_norm, spec.qk_norm_eps, self.q_norm_weight)
             k = fn.head_norm(k, spec.qk_norm, spec.qk_norm_eps, self.k_norm_weight)

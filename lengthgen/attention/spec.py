@@ -58,6 +58,9 @@ class AttentionSpec:
                                 "highest-frequency pairs)")
     rope_theta: float = option(10000.0, "RoPE base", gt=0)
     prope_fraction: float = option(0.75, "p-RoPE: fraction of (highest-frequency) pairs rotated", ge=0, le=1)
+    rope_min_freq: float | None = option(None, "rotated pairs' frequencies log-spaced from 1 down to this, both "
+                                         "ends included (seed 000's half-truncated RoPE: 1/1024); none: "
+                                         "theta^(-i / pairs)", gt=0, le=1)
     out_norm: OutNorm = option("none", "norm of the attention output (AVNorm, seed 000), per head or over "
                                "all heads")
     out_norm_affine: bool = option(False, "learnable out-norm weight")
@@ -65,6 +68,8 @@ class AttentionSpec:
     gate: Gate = option("none", "output gate (Qiu et al. 2025): one per head or one per channel")
     gate_act: GateAct = option("sigmoid", "gate activation: sigmoid (normal init) or 2sigmoid "
                                "(W_g = 0: identity at init)")
+    gate_width: int | None = option(None, "the gate reads the first gate_width channels of the layer input "
+                                    "(seed 000's modded-nanogpt: 12); none: all", ge=1)
 
     def __post_init__(self) -> None:
         check(self)
@@ -114,7 +119,9 @@ def _check_names(changes: dict[Any, Any]) -> None:
 
 BASE = AttentionSpec()
 
-#: The seeds' variants by name. Each differs from `baseline` (softmax + RoPE) in the knobs its seed studies.
+#: The seeds' variants by name. Each differs from `baseline` (softmax + RoPE) in the knobs its seed studies;
+#: only ALiBi, which replaces position embeddings in its paper, changes the position (scale-invariant attention
+#: and seed 004's log bias were run on p-RoPE, so they keep the base's position).
 PRESETS: dict[str, AttentionSpec] = {
     "baseline": BASE,
     "l2": AttentionSpec(softmax_p=2.0),                                    # seed 001
@@ -122,9 +129,9 @@ PRESETS: dict[str, AttentionSpec] = {
     "avnorm_rms": AttentionSpec(out_norm="head_rms"),                      # seed 000
     "ssmax": AttentionSpec(query_scaling="log_n", learnable_scaling="head"),  # Scalable-Softmax
     "sqrt_log_n": AttentionSpec(query_scaling="sqrt_log_n", learnable_scaling="head", qk_norm="rms"),  # seed 004
-    "scale_invariant": AttentionSpec(distance="scale_invariant", position="nope"),  # Anson et al. 2025
+    "scale_invariant": AttentionSpec(distance="scale_invariant"),          # Anson et al. 2025 (with p-RoPE there)
     "alibi": AttentionSpec(distance="alibi", position="nope"),             # Press et al. 2022
-    "log_bias": AttentionSpec(distance="log_bias", position="nope"),       # seed 004
+    "log_bias": AttentionSpec(distance="log_bias"),                        # seed 004 (on its p-RoPE base)
     "gated": AttentionSpec(gate="elementwise", gate_act="2sigmoid"),       # seed 004 / Qiu et al. 2025
     "nope": AttentionSpec(position="nope"),
     "nope_avnorm": AttentionSpec(position="nope", out_norm="head_layer"),  # seed 000

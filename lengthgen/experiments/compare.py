@@ -1,5 +1,14 @@
-"""`lengthgen compare`: train several attention variants at a short length, evaluate them far beyond it,
-and write a report folder (``results.json``, ``report.md``, ``extrapolation.png``, ``diagnostics.png``).
+"""`lengthgen compare`: train several variants at a short length, evaluate them far beyond it, and write a report
+folder (``results.json``, ``report.md``, ``extrapolation.png``, ``diagnostics.png``).
+
+A variant is an attention preset applied on top of the config's attention spec, or a named table of config
+changes in the config's ``[compare]`` section (`CompareConfig`), which holds a whole experiment: its variants,
+optional *bases* (changes applied before each variant; every base x variant is one run, named
+``base/variant``), seeds, evaluation lengths and tokens. With ``pretrain_steps`` it is seed 000's retrofit
+protocol: per base and seed one run is pretrained for that many steps, then every variant is finetuned from it
+for ``train.steps`` steps with a fresh optimizer (`lengthgen.experiments.retrofit.finetune_config`); the variant
+without changes is the base continued the same number of steps. A run with BEMA on is also evaluated with its
+BEMA weights, as variant ``name+bema``.
 
 The embedded default needs no download and no GPU: next-token prediction on a Dyck language (2 bracket types,
 depth <= 8; the formal-language setting of "Post-Norm can Resharpen Attention", seed 003), trained at 64
@@ -13,14 +22,18 @@ fails alike beyond the training length, or none learns the task in a few hundred
 from __future__ import annotations
 
 import dataclasses
-import functools
+import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import ConfigError, check_value
+from lengthgen.config import ConfigError, build, check, invalid, option, to_plain
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
+from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.report import write_report
 from lengthgen.train import train
 from lengthgen.train.config import RunConfig, load_config
@@ -40,10 +53,51 @@ DEFAULT_CONFIG: dict[str, Any] = {
 DEFAULT_METRIC = "loss"
 
 
+@dataclass
+class CompareConfig:
+    """The ``[compare]`` section of a run config: everything `lengthgen compare` runs (see the module doc).
+
+    A change table maps config keys to values, nested (``{model.norm_placement = "post"}`` in TOML) and
+    merged into the run config: ``{model.attention.out_norm = "head_layer"}`` changes one attention field."""
+
+    variants: dict[str, Any] = option({}, "name -> config changes; empty: attention presets (DEFAULT_VARIANTS or "
+                                      "--variants)")
+    bases: dict[str, Any] = option({}, "name -> config changes applied before each variant's; runs are named "
+                                   "base/variant")
+    pretrain_steps: int = option(0, "> 0: pretrain each base this many steps, then finetune every variant from "
+                                 "it for train.steps steps with a fresh optimizer (seed 000)", ge=0)
+    seeds: list[int] = option([0], "train.seed of each run of a variant (--seeds N: 0, 1, ..., N-1)", ge=0)
+    eval_lengths: list[int] = option([], "evaluation lengths (default: the training length x 1, 2, 4, 8, 16)",
+                                     ge=1)
+    eval_tokens: int = option(8192, "tokens per evaluated length", ge=1)
+    metric: str | None = option(None, "the report's headline: loss or the source's metric (default: the "
+                                "source's)")
+
+    def __post_init__(self) -> None:
+        check(self)
+        if not self.seeds or len(set(self.seeds)) < len(self.seeds):
+            raise invalid("CompareConfig.seeds", self.seeds, "one or more different seeds, e.g. [0, 1, 2]")
+        for key in ("variants", "bases"):
+            for name, changes in getattr(self, key).items():
+                if not isinstance(changes, dict) or "/" in name:
+                    raise invalid(f"CompareConfig.{key}.{name}", changes, "a table of config changes, under a "
+                                  "name without '/'")
+
+
+def compare_config(cfg: RunConfig) -> CompareConfig:
+    """The run config's ``compare`` section, checked (errors name ``compare.<key>``)."""
+    try:
+        return build(CompareConfig, cfg.compare)
+    except ConfigError as err:
+        raise err.under("compare") from None
+
+
 def base_config(config: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The experiment's config: a TOML file, else the embedded default; then ``--set`` overrides."""
     cfg = load_config(config) if config else RunConfig.from_dict(DEFAULT_CONFIG)
-    return cfg.override(*overrides)
+    cfg = cfg.override(*overrides)
+    compare_config(cfg)
+    return cfg
 
 
 def default_metric(cfg: RunConfig) -> str | None:
@@ -51,12 +105,14 @@ def default_metric(cfg: RunConfig) -> str | None:
     return DEFAULT_METRIC if cfg.data.task == DEFAULT_CONFIG["data"]["task"] else None
 
 
-def parse_variants(text: str | list[str] | tuple[str, ...]) -> list[str]:
-    """Comma-separated preset names, validated (ValueError names the bad one and the choices)."""
+def parse_variants(text: str | list[str] | tuple[str, ...], defined: dict[str, Any] | None = None) -> list[str]:
+    """Comma-separated names of ``defined`` changes or attention presets, validated (ValueError names the bad
+    one and the choices)."""
+    choices = [*(defined or {}), *PRESETS]
     names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
     for name in names:
-        if name not in PRESETS:
-            raise ValueError(f"unknown variant {name!r}; choose among the attention presets: {', '.join(PRESETS)}")
+        if name not in choices:
+            raise ValueError(f"unknown variant {name!r}; choose among {', '.join(choices)}")
     if not names:
         raise ValueError("no variants given; e.g. --variants baseline,l2")
     return names
@@ -80,68 +136,176 @@ def variant_spec(base: AttentionSpec, variant: str) -> AttentionSpec:
     return base.replace(**changes)
 
 
-def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] = list(DEFAULT_VARIANTS),
-                eval_lengths: list[int] | None = None, seeds: list[int] = (0,), eval_tokens: int = 8192,
-                metric: str | None = None, progress: bool = True, resume: bool = False, overwrite: bool = False,
+def _merge(into: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(into)
+    for key, value in changes.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if both else value
+    return out
+
+
+def apply_variant(cfg: RunConfig, name: str, changes: dict[str, Any] | None, key: str) -> RunConfig:
+    """``cfg`` with a variant's change table merged in, or (``changes`` None) the attention preset ``name``
+    applied by `variant_spec`. Errors name ``key`` (``compare.variants.<name>``)."""
+    if changes is None:
+        return dataclasses.replace(cfg, model=cfg.model.replace(attention=variant_spec(
+            resolve_spec(cfg.model.attention), name)))
+    try:
+        return RunConfig.from_dict(_merge(cfg.to_dict(), changes))
+    except ConfigError as err:
+        raise ConfigError(f"{key}: {err}", key) from None
+
+
+@dataclass
+class Plan:
+    """The runs of a comparison: run name -> (base name or None, variant name), and each base's config."""
+    compare: CompareConfig
+    runs: dict[str, tuple[str | None, str]]
+    bases: dict[str | None, RunConfig]
+
+    def config(self, run: str, seed: int, pretrained: str | Path | None = None) -> RunConfig:
+        """The config of ``run`` with ``seed``: its base's, finetuned from ``pretrained`` when given, with the
+        variant applied last."""
+        base, variant = self.runs[run]
+        cfg = self.bases[base].override(f"train.seed={seed}")
+        if pretrained is not None:
+            cfg = finetune_config(cfg, pretrained, cfg.train.steps)
+        return apply_variant(cfg, variant, self.compare.variants.get(variant), f"compare.variants.{variant}")
+
+    def pretrain_config(self, base: str | None, seed: int) -> RunConfig:
+        return self.bases[base].override(f"train.seed={seed}", f"train.steps={self.compare.pretrain_steps}")
+
+
+def plan(cfg: RunConfig, variants: list[str] | None = None, bases: list[str] | None = None) -> Plan:
+    """Every run of the comparison, each config checked before anything trains."""
+    cc = compare_config(cfg)
+    variants = parse_variants(variants or list(cc.variants) or list(DEFAULT_VARIANTS), cc.variants)
+    base_names: list[str | None] = list(bases or cc.bases) or [None]
+    for name in base_names:
+        if name is not None and name not in cc.bases:
+            raise ValueError(f"unknown base {name!r}; the config's compare.bases: {', '.join(cc.bases) or 'none'}")
+    base_cfgs = {name: cfg if name is None else apply_variant(cfg, name, cc.bases[name], f"compare.bases.{name}")
+                 for name in base_names}
+    runs = {(variant if base is None else f"{base}/{variant}"): (base, variant)
+            for base in base_names for variant in variants}
+    result = Plan(cc, runs, base_cfgs)
+    for run in runs:
+        result.config(run, 0, "pretrained" if cc.pretrain_steps else None)
+    return result
+
+
+def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None = None,
+                bases: list[str] | None = None, progress: bool = True, resume: bool = False, overwrite: bool = False,
                 log: Callable[[str], None] = print) -> Comparison:
-    """Train every (variant, seed) on ``cfg`` into ``out/runs/<variant>-seed<seed>`` and evaluate it at
-    ``eval_lengths`` (default: the training length times `MULTIPLES`) with the one evaluator, under the run's
-    own device and autocast. ``metric``: the report's headline (default: the source's; ``loss`` always works).
-    ``out`` must be empty (``overwrite``: emptied first) unless ``resume``: then finished runs there are reused
-    and interrupted ones continued, each after `lengthgen.train.train` checks its config. Every argument, variant
-    and evaluation length is checked before anything is trained. Writes ``results.json`` and the report into
-    ``out``; returns the `Comparison`."""
-    seeds = check_value("seeds", list(seeds), list[int], ge=0)
-    if not seeds or len(set(seeds)) < len(seeds):
-        raise ConfigError(f"seeds={seeds} is not valid; give one or more different seeds, e.g. [0, 1]", "seeds")
-    eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1)
-    out = Path(out)
+    """Train every (base, variant, seed) of ``cfg``'s `CompareConfig` into ``out/runs/<run>-seed<seed>`` (with
+    ``pretrain_steps``: finetuned from ``out/pretrain/<base>-seed<seed>``) and evaluate it at the eval lengths
+    with the one evaluator, under the run's own device and autocast. ``variants`` / ``bases``: which to run
+    (default: all the config defines; attention presets for variants it does not). Every run's config and every
+    evaluation length are checked before anything trains. ``out`` must be empty (``overwrite``: emptied first)
+    unless ``resume``: then finished runs there are reused and interrupted ones continued, each after
+    `lengthgen.train.train` checks its config. Writes ``results.json`` and the report into ``out``; returns the
+    `Comparison`."""
+    out, runs = Path(out), plan(cfg, variants, bases)
+    cc = runs.compare
     cfg, source = resolve(cfg)
     train_length = max(cfg.lengths())
-    eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
+    eval_lengths = sorted(set(cc.eval_lengths or [train_length * m for m in MULTIPLES]))
     for length in eval_lengths:
-        check_length(source, "eval_lengths", length)
-    metric = check_metric(source, metric)
-    base = resolve_spec(cfg.model.attention)
-    specs = {variant: variant_spec(base, variant) for variant in parse_variants(variants)}
-    configs = {(variant, seed): dataclasses.replace(cfg.override(f"train.seed={seed}"),
-                                                    model=cfg.model.replace(attention=spec))
-               for variant, spec in specs.items() for seed in seeds}
-    evaluate_run = functools.partial(_train_and_evaluate, evaluated_on=eval_source(cfg.data, source),
-                                     eval_lengths=eval_lengths, eval_tokens=eval_tokens, progress=progress, log=log)
+        check_length(source, "compare.eval_lengths", length)
+    metric = check_metric(source, cc.metric)
     with lock(out):
         if not resume:
             check_fresh(out, overwrite=overwrite)
-        runs = {variant: [evaluate_run(configs[variant, seed], out / "runs" / f"{variant}-seed{seed}", resume,
-                                       f"[{variant} seed {seed}]") for seed in seeds] for variant in specs}
-        name = getattr(source, "name", cfg.data.task)
-        results = Comparison(
-            title=f"lengthgen compare: {name}", source=name, metric=metric,
+        pretrained = _pretrain(runs, out / "pretrain", resume, progress, log) if cc.pretrain_steps else {}
+        results: dict[str, list[RunEval]] = {}
+        sources: dict[str, Any] = {}     # what each data config is evaluated on, made once
+        for name, (base, _) in runs.runs.items():
+            for seed in cc.seeds:
+                run_cfg = runs.config(name, seed, pretrained.get((base, seed)))
+                trained, train_s = _train(run_cfg, out / "runs" / f"{name}-seed{seed}", resume, progress,
+                                          f"[{name} seed {seed}]", log)
+                log(f"[{name} seed {seed}] evaluating at {', '.join(map(str, eval_lengths))}")
+                for key, evaluation in _evaluate(trained, name, sources, eval_lengths, cc.eval_tokens):
+                    results.setdefault(key, []).append(dataclasses.replace(
+                        evaluation, train_seconds=train_s, train_tokens=trained.trainer.tokens))
+        source_name = getattr(source, "name", cfg.data.task)
+        comparison = Comparison(
+            title=f"lengthgen compare: {source_name}", source=source_name, metric=metric,
             higher_is_better=source.higher_is_better if metric == source.metric else False,
             train_length=train_length, eval_lengths=eval_lengths, config=cfg.to_dict(),
-            provenance=runs[next(iter(specs))][0].provenance,
-            specs={variant: spec.to_dict() for variant, spec in specs.items()}, variants=runs)
-        results.save(out / "results.json")
-        write_report(results, out)
-    return results
+            provenance=evaluation.provenance,
+            specs={key: evals[0].config["model"]["attention"] for key, evals in results.items()}, variants=results,
+            **_protocol(cc, runs, pretrained))
+        comparison.save(out / "results.json")
+        write_report(comparison, out)
+    return comparison
 
 
-def _train_and_evaluate(run_cfg: RunConfig, run_dir: Path, resume: bool, label: str, *, evaluated_on: Any,
-                        eval_lengths: list[int], eval_tokens: int, progress: bool, log: Callable[[str], None]
-                        ) -> RunEval:
-    """Train one run (resume: reuse or continue the one in ``run_dir``) and evaluate it. ``train_seconds`` is
-    that of a run trained from step 0 in this call, else None."""
-    seed, steps = run_cfg.train.seed, run_cfg.train.steps
-    log(f"{label} training {steps} steps at length {max(run_cfg.lengths())}" + (" (resuming)" if resume else ""))
+def _train(cfg: RunConfig, run_dir: Path, resume: bool, progress: bool, label: str, log: Callable[[str], None]):
+    """Train one run (``resume``: reuse or continue the one in ``run_dir``); returns it and its training seconds
+    (None for a run not trained from step 0 in this call)."""
+    steps = cfg.train.steps
+    log(f"{label} training {steps} steps at length {max(cfg.lengths())}" + (" (resuming)" if resume else ""))
     start = time.perf_counter()
-    trained = train(run_cfg, run_dir, progress=progress, resume=resume)
+    trained = train(cfg, run_dir, progress=progress, resume=resume)
     started = trained.trainer.start_step
-    train_s = round(time.perf_counter() - start, 2) if started == 0 else None
     if started:
         log(f"{label} {'reused the finished run' if started == steps else f'resumed at step {started}'} {run_dir}")
-    log(f"{label} evaluating at {', '.join(map(str, eval_lengths))}")
-    evaluation = evaluate(trained.model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=seed,
-                          autocast=trained.trainer.autocast_dtype)
-    return dataclasses.replace(evaluation, config=trained.config.to_dict(), seed=seed, run_dir=str(trained.run_dir),
-                               final_train_loss=trained.history[-1] if trained.history else None,
-                               train_seconds=train_s, train_tokens=trained.trainer.tokens)
+    return trained, (round(time.perf_counter() - start, 2) if started == 0 else None)
+
+
+def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, log: Callable[[str], None]) -> dict[tuple, Path]:
+    """Seed 000's pretraining: one run per (base, seed) of ``pretrain_steps`` steps; their folders."""
+    folders = {}
+    for base in runs.bases:
+        for seed in runs.compare.seeds:
+            cfg = runs.pretrain_config(base, seed)
+            label = f"[pretrain {base or 'base'} seed {seed}]"
+            folders[base, seed] = _train(cfg, out / f"{base or 'base'}-seed{seed}", resume, progress, label,
+                                         log)[0].run_dir
+    return folders
+
+
+def _evaluate(trained, name: str, sources: dict[str, Any], lengths: list[int], tokens: int
+              ) -> list[tuple[str, RunEval]]:
+    """(variant name, evaluation) of a trained run's weights and, with BEMA on, of its BEMA weights
+    (``name+bema``), with the one evaluator under the run's autocast and CPU threads, seeded with its seed, in
+    forward passes of the run's ``eval_batch_size`` x training length tokens. ``sources``: data config JSON -> what it is
+    evaluated on (text: single long validation documents), filled as needed."""
+    cfg, trainer = trained.config, trained.trainer
+    key = json.dumps(to_plain(cfg.data), sort_keys=True)
+    if key not in sources:
+        sources[key] = eval_source(cfg.data, trainer.source)
+
+    def one(bema: bool) -> RunEval:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(cfg.train.threads or saved)     # the run's CPU threads, as in training
+        try:
+            evaluation = evaluate(trained.model, sources[key], lengths, tokens_per_length=tokens,
+                                  seed=cfg.train.seed, autocast=trainer.autocast_dtype,
+                                  forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
+        finally:
+            torch.set_num_threads(saved)
+        return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,
+                                   run_dir=str(trained.run_dir), final_train_loss=trained.history[-1])
+
+    out = [(name, one(False))]
+    if trainer.bema is not None and trainer.bema.started:
+        with trainer.use_bema():
+            out.append((f"{name}+bema", one(True)))
+    return out
+
+
+def _protocol(cc: CompareConfig, runs: Plan, pretrained: dict[tuple, Path]) -> dict[str, Any]:
+    """The report's description and the results' ``retrofit`` record of seed 000's protocol (nothing without
+    pretraining)."""
+    if not cc.pretrain_steps:
+        return {}
+    bases = {base or "base": cc.bases.get(base, {}) for base in runs.bases}
+    steps = next(iter(runs.bases.values())).train.steps
+    text = (f"Seed 000's retrofit protocol: each base ({', '.join(f'`{b}`' for b in bases)}) pretrained "
+            f"{cc.pretrain_steps} steps per seed (`pretrain/`), then every variant finetuned {steps} steps from it "
+            "with a fresh optimizer; the variant without changes is the base continued.")
+    record = {"pretrain_steps": cc.pretrain_steps, "finetune_steps": steps, "bases": bases,
+              "base_runs": {f"{base or 'base'}-seed{seed}": str(path) for (base, seed), path in pretrained.items()}}
+    return {"description": text, "retrofit": record}

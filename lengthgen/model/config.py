@@ -31,9 +31,12 @@ from lengthgen.config import ConfigError, build, check, check_value, invalid, op
 from lengthgen.model.norms import Norm
 
 Placement = Literal["pre", "post", "peri", "hybrid", "hybrid_star", "mix"]
-Mlp = Literal["gelu", "relu2"]
+BlockKind = Literal["sequential", "parallel"]
+Mlp = Literal["gelu", "gelu_tanh", "relu2"]
 Head = Literal["lm", "regress", "classify"]
 Backend = Literal["auto", "dense", "tiled", "sdpa", "flex", "triton"]
+Init = Literal["normal", "uniform", "torch"]
+LogitCap = Literal["tanh", "sigmoid"]
 PLACEMENTS = typing.get_args(Placement)
 #: placements that end with a norm before the head (post ends normalized already)
 FINAL_NORM_PLACEMENTS = ("pre", "peri", "hybrid", "hybrid_star", "mix")
@@ -61,6 +64,12 @@ class GPTConfig:
     (`HeadNormLinear` replacing ``v_proj``); ``hybrid_star``: hybrid, and the first block also pre-norms its
     attention input; ``mix`` (Mix-LN, Li et al. 2024): post for the first ceil(mix_alpha * layers) layers,
     pre after. A final norm precedes the head for every placement except ``post``.
+
+    Blocks (`lengthgen.model.blocks`): ``sequential`` (attention, then MLP) or ``parallel`` (seed 001: one norm,
+    one input projection to q, k, v and an MLP branch, one output projection over [MLP branch, attention]);
+    ``mlp_ratio = 0`` gives attention-only blocks (seed 003's minimal models), ``no_attention_layers`` MLP-only
+    ones (seed 000). Seed 000's modded-nanogpt fork adds value embeddings (``value_embeds``), a U-net skip
+    (``skips``) and the sigmoid soft-cap (``logit_cap_form``).
     """
 
     vocab_size: int | None = option(None, "vocabulary size (default: the data's)", ge=1)
@@ -68,13 +77,33 @@ class GPTConfig:
     layers: int = option(2, "number of transformer blocks", ge=1)
     heads: int = option(4, "attention heads per layer", ge=1)
     head_dim: int | None = option(None, "width of one head (default dim // heads)", ge=1)
-    mlp_ratio: float = option(4.0, "MLP hidden width / dim", gt=0)
-    mlp: Mlp = option("gelu", "MLP activation: gelu or relu2 (squared ReLU)")
+    mlp_ratio: float = option(4.0, "MLP hidden width / dim; 0: attention-only blocks (seed 003)", ge=0)
+    mlp: Mlp = option("gelu", "MLP activation: gelu, gelu_tanh (tanh approximation, seed 001) or relu2 "
+                      "(squared ReLU)")
+    block: BlockKind = option("sequential", "sequential (attention, then MLP) or parallel (seed 001: both "
+                              "branches from one norm, one output projection)")
+    linear_bias: bool = option(False, "the blocks' linear layers have biases (seed 001)")
+    no_attention_layers: list[int] = option([], "layers without attention, MLP only (seed 000: [6]); negative "
+                                            "indices count from the end")
     dropout: float = option(0.0, "dropout probability on embeddings and residual branches", ge=0, lt=1)
     tie_embeddings: bool = option(True, "lm head shares the embedding matrix")
+    first_token_embedding: bool = option(False, "add a learned 2-entry embedding of 'position 0 or not' "
+                                         "(seed 001's NoPE models)")
+    scale_grad_by_freq: bool = option(False, "scale token-embedding gradients by the inverse frequency of "
+                                      "each token in the batch (nn.Embedding's option; seed 001)")
+    value_embeds: list[int] = option([], "per layer, the value-embedding table added to its values, -1: "
+                                     "none; layers with the same index share a table (seed 000: [1, 2, -1, -1, "
+                                     "-1, -1, -1, -1, 0, 1, 2]); empty: none", ge=-1)
+    skips: list[tuple[int, int]] = option([], "U-net skips [from, to]: block from's output is added, gated, "
+                                          "to block to's input (seed 000: [[3, 6]])", ge=0)
+    gate_width: int | None = option(None, "the value-embedding and skip gates read the first gate_width "
+                                    "channels (seed 000: 12); none: all", ge=1)
     norm: Norm = option("layer", "norm kind (batch: seed 001 only, it leaks statistics across positions)")
     norm_placement: Placement = option("pre", "where the norms sit in a block (see GPTConfig)")
     norm_eps: float = option(1e-5, "norm eps", gt=0)
+    norm_affine: bool = option(True, "the model's norms have learnable weights (seed 000's have none)")
+    embed_norm: bool = option(False, "normalize the embeddings (the model's norm kind) before the first block "
+                              "(seed 000's modded-nanogpt)")
     mix_alpha: float = option(0.25, "mix placement: fraction of post-norm layers", ge=0, le=1)
     attention: AttentionSpec = option(PRESETS["baseline"], "every layer's attention: a preset name or a "
                                       "table of AttentionSpec fields (with an optional preset)",
@@ -85,8 +114,15 @@ class GPTConfig:
     head: Head | None = option(None, "output head (default: the data's; lm without data)")
     num_classes: int = option(0, "classes of the classify head", ge=0)
     z_loss: float = option(0.0, "lm: coefficient of mean(logsumexp(logits)^2)", ge=0)
-    logit_cap: float | None = option(None, "lm: logits -> cap * tanh(logits / cap)", gt=0)
+    logit_cap: float | None = option(None, "lm: soft-cap of the logits (see logit_cap_form)", gt=0)
+    logit_cap_form: LogitCap = option("tanh", "tanh: cap * tanh(logits / cap) (Gemma 2); sigmoid: cap * "
+                                      "sigmoid((logits + 5) / 7.5) (seed 000's modded-nanogpt, cap 23)")
+    init: Init = option("normal", "weight init: normal(0, init_std) or uniform with std init_std (zero "
+                        "biases), or torch (every module's PyTorch default; seed 001)")
     init_std: float = option(0.02, "standard deviation of the weight init", ge=0)
+    init_overrides: dict[str, float] = option({}, "parameter-name pattern (fnmatch, e.g. 'blocks.*.mlp.proj."
+                                              "weight') -> init std, drawn like init (normal for torch); 0: "
+                                              "zeros. Later patterns win")
 
     def __post_init__(self) -> None:
         check(self)
@@ -94,6 +130,12 @@ class GPTConfig:
             raise invalid("GPTConfig.heads", self.heads, f"a divisor of dim={self.dim} (or set head_dim)")
         if self.head == "classify" and self.num_classes < 2:
             raise invalid("GPTConfig.num_classes", self.num_classes, "an integer >= 2 for the classify head")
+        if self.block == "parallel" and self.norm_placement.startswith("hybrid"):
+            raise invalid("GPTConfig.norm_placement", self.norm_placement, "pre, post, peri or mix for "
+                          "block='parallel' (hybrid placements norm attention and MLP differently)")
+        for pattern, std in self.init_overrides.items():
+            self.init_overrides[pattern] = check_value(f"GPTConfig.init_overrides.{pattern}", std, float, ge=0)
+        self.check_layers()
         for spec in self.layer_specs():  # validates layer_attention, then what each layer's attention needs
             key = "GPTConfig.attention" if spec is self.attention else "GPTConfig.layer_attention"
             if self.heads % (spec.kv_heads or self.heads):
@@ -101,6 +143,30 @@ class GPTConfig:
             if self.resolved_head_dim % 2 and spec.position != "nope":
                 raise invalid("GPTConfig.head_dim", self.resolved_head_dim, f"even (dim // heads when unset) for "
                               f"position={spec.position!r}, which rotates pairs of dimensions")
+
+    def check_layers(self) -> None:
+        """The per-layer options name existing layers, and every layer keeps attention or an MLP."""
+        n = self.layers
+        attention = self.attention_layers()
+        if self.block == "parallel" and not all(attention):
+            raise invalid("GPTConfig.no_attention_layers", self.no_attention_layers, "empty for block='parallel' "
+                          "(a parallel block keeps its attention branch)")
+        if self.mlp_ratio == 0 and not all(attention):
+            raise invalid("GPTConfig.no_attention_layers", self.no_attention_layers,
+                          "empty when mlp_ratio = 0 (a layer would have neither attention nor an MLP)")
+        if self.value_embeds and len(self.value_embeds) != n:
+            raise invalid("GPTConfig.value_embeds", self.value_embeds, f"empty or one entry per layer ({n})")
+        if any(t >= 0 and not attention[i] for i, t in enumerate(self.value_embeds)):
+            raise invalid("GPTConfig.value_embeds", self.value_embeds, "-1 at layers without attention")
+        for a, b in self.skips:
+            if not a < b < n:
+                raise invalid("GPTConfig.skips", self.skips, f"pairs [from, to] with from < to < layers={n}")
+
+    def attention_layers(self) -> list[bool]:
+        """Whether each layer has attention (`no_attention_layers`, negative indices from the end)."""
+        key, n = "GPTConfig.no_attention_layers", self.layers
+        without = {i % n for i in check_value(key, self.no_attention_layers, list[int], ge=-n, lt=n)}
+        return [i not in without for i in range(n)]
 
     # -- derived -------------------------------------------------------------------------------------
     @property

@@ -1,82 +1,36 @@
 """`GPT`: a decoder-only transformer whose attention layers are `lengthgen.attention.Attention`.
 
-There is no positional embedding: positions come from each layer's AttentionSpec (RoPE, p-RoPE, ALiBi, ...
-or none). Heads: ``lm`` (B, L, V) logits, ``regress`` (B, L) one scalar per position, ``classify`` (B, C)
-logits read at the last position.
+Positions come from each layer's AttentionSpec (RoPE, p-RoPE, ALiBi, ... or none), plus optionally seed 001's
+2-entry "position 0 or not" embedding. Heads: ``lm`` (B, L, V) logits, ``regress`` (B, L) one scalar per
+position, ``classify`` (B, C) logits read at the last position. The regress and classify heads run in float32
+even under autocast (a count of 5000.3 must not come out as bfloat16's 4992).
 """
 
 from __future__ import annotations
+
+import fnmatch
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lengthgen.attention import Attention, AttentionSpec
+from lengthgen.attention import Attention
 from lengthgen.attention.extras import QueryScaling
+from lengthgen.config import ConfigError
+from lengthgen.model.blocks import BLOCKS, SkipGate
 from lengthgen.model.config import FINAL_NORM_PLACEMENTS, GPTConfig
-from lengthgen.model.norms import HeadNormLinear, make_norm
+from lengthgen.model.norms import make_norm
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        hidden = max(1, int(round(cfg.mlp_ratio * cfg.dim)))
-        self.fc = nn.Linear(cfg.dim, hidden, bias=False)
-        self.proj = nn.Linear(hidden, cfg.dim, bias=False)
-        self.kind = cfg.mlp
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x)
-        h = F.gelu(h) if self.kind == "gelu" else F.relu(h).square()
-        return self.proj(h)
-
-
-def hybrid_spec(spec: AttentionSpec, norm: str) -> AttentionSpec:
-    """HybridNorm's attention: the spec's QK-norm, or the model's norm kind when the spec has none."""
-    if spec.qk_norm != "none":
-        return spec
-    return spec.replace(qk_norm="rms" if norm == "rms" else "layer")
-
-
-class Block(nn.Module):
-    """One transformer layer. ``placement``: pre | post | peri | hybrid | hybrid_first (see `GPTConfig`)."""
-
-    def __init__(self, cfg: GPTConfig, spec: AttentionSpec, index: int, placement: str,
-                 multiplier: nn.Parameter | None = None) -> None:
-        super().__init__()
-        self.placement = placement
-        hybrid = placement.startswith("hybrid")
-        if hybrid:
-            spec = hybrid_spec(spec, cfg.norm)
-        self.attn = Attention(cfg.dim, cfg.heads, spec, layer_index=index, head_dim=cfg.head_dim,
-                              backend=cfg.attention_backend, multiplier=multiplier)
-        if hybrid:  # the V part of QKV-norm
-            self.attn.v_proj = HeadNormLinear(self.attn.v_proj, self.attn.head_dim, spec.qk_norm,
-                                              spec.qk_norm_eps, spec.qk_norm_affine)
-        self.mlp = MLP(cfg)
-        norm = lambda: make_norm(cfg.norm, cfg.dim, cfg.norm_eps)  # noqa: E731
-        self.norm1 = norm() if placement in ("pre", "post", "peri", "hybrid_first") else None
-        self.norm2 = norm()
-        self.norm1_out = norm() if placement == "peri" else None
-        self.norm2_out = norm() if placement == "peri" else None
-        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
-
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        p = self.placement
-        if p == "pre":
-            x = x + self.drop(self.attn(self.norm1(x), doc_ids))
-            return x + self.drop(self.mlp(self.norm2(x)))
-        if p == "post":
-            x = self.norm1(x + self.drop(self.attn(x, doc_ids)))
-            return self.norm2(x + self.drop(self.mlp(x)))
-        if p == "peri":
-            x = x + self.drop(self.norm1_out(self.attn(self.norm1(x), doc_ids)))
-            return x + self.drop(self.norm2_out(self.mlp(self.norm2(x))))
-        # hybrid / hybrid_first: y = x + MHA_qkvnorm(x); z = N(y); x' = z + FFN(z)
-        h = self.norm1(x) if self.norm1 is not None else x
-        y = x + self.drop(self.attn(h, doc_ids))
-        z = self.norm2(y)
-        return z + self.drop(self.mlp(z))
+def draw_(weight: torch.Tensor, std: float, kind: str) -> None:
+    """Fill ``weight`` from normal(0, std) or (``kind="uniform"``) U(-sqrt(3) std, sqrt(3) std); std 0: zeros."""
+    if std == 0:
+        nn.init.zeros_(weight)
+    elif kind == "uniform":
+        nn.init.uniform_(weight, -math.sqrt(3) * std, math.sqrt(3) * std)
+    else:
+        nn.init.normal_(weight, mean=0.0, std=std)
 
 
 class GPT(nn.Module):
@@ -92,67 +46,119 @@ class GPT(nn.Module):
             raise ValueError("GPTConfig.vocab_size is None: set it (training runs fill it from the task)")
         self.config = cfg = config
         self.head_kind = cfg.resolved_head
-        specs = cfg.layer_specs()
+        specs, attention = cfg.layer_specs(), cfg.attention_layers()
+        self.value_index = list(cfg.value_embeds) or [-1] * cfg.layers
         # learnable_scaling="global": ONE multiplier shared by every layer that asks for a global one
         first_global = next((s for s in specs if s.learnable_scaling == "global"), None)
         self.scaling_multiplier = (QueryScaling.new_parameter(first_global, cfg.heads)
                                    if first_global is not None else None)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, scale_grad_by_freq=cfg.scale_grad_by_freq)
+        self.first_embed = nn.Embedding(2, cfg.dim) if cfg.first_token_embedding else None
+        self.embed_norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.norm_affine) if cfg.embed_norm else None
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        block = BLOCKS[cfg.block]
         self.blocks = nn.ModuleList(
-            Block(cfg, spec, i, cfg.placement(i),
-                  self.scaling_multiplier if spec.learnable_scaling == "global" else None)
+            block(cfg, spec, i, cfg.placement(i), self.scaling_multiplier if spec.learnable_scaling == "global"
+                  else None, attention=attention[i], value_embed=self.value_index[i] >= 0)
             for i, spec in enumerate(specs))
-        self.final_norm = (make_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+        self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, width) for width in self._value_widths())
+        self.skip_gates = nn.ModuleList(SkipGate(cfg.gate_width or cfg.dim) for _ in cfg.skips)
+        self.final_norm = (make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.norm_affine)
                            if cfg.norm_placement in FINAL_NORM_PLACEMENTS else None)
         if self.head_kind == "lm":
             self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        elif self.head_kind == "regress":
-            self.head = nn.Linear(cfg.dim, 1)
         else:
-            self.head = nn.Linear(cfg.dim, cfg.num_classes)
+            self.head = nn.Linear(cfg.dim, 1 if self.head_kind == "regress" else cfg.num_classes)
         self.reset_parameters()
         if self.head_kind == "lm" and cfg.tie_embeddings:
             self.head.weight = self.embed.weight
 
+    def _value_widths(self) -> list[int]:
+        """The width (key/value heads x head_dim) of each value-embedding table; its layers must agree."""
+        widths: dict[int, set[int]] = {}
+        for i, table in enumerate(self.value_index):
+            if table >= 0:
+                attn = self.blocks[i].attn
+                widths.setdefault(table, set()).add(attn.kv_heads * attn.head_dim)
+        if sorted(widths) != list(range(len(widths))) or any(len(w) > 1 for w in widths.values()):
+            raise ConfigError(f"model.value_embeds={self.value_index} is not valid; tables must be numbered 0, 1, "
+                              "... and the layers sharing one must have the same key/value width",
+                              "model.value_embeds")
+        return [widths[t].pop() for t in range(len(widths))]
+
     # -- init ----------------------------------------------------------------------------------------
     def reset_parameters(self) -> None:
-        """normal(0, init_std) for linear and embedding weights, zero biases, norms at identity; attention
-        gates (`OutputGate`, not linear layers) keep their own init: 2sigmoid gates start at zero weight."""
-        std = self.config.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        """``init``: normal(0, init_std) or uniform with that std for linear and embedding weights, zero biases;
+        or ``torch``: every module keeps PyTorch's default. Norms start at identity; attention gates
+        (`OutputGate`, not linear layers) keep their own init (2sigmoid gates: zero weight); value embeddings
+        start at zero (seed 000). Then ``init_overrides``, in order (patterns that match nothing are errors)."""
+        cfg = self.config
+        if cfg.init != "torch":
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    draw_(module.weight, cfg.init_std, cfg.init)
+                    if getattr(module, "bias", None) is not None:
+                        nn.init.zeros_(module.bias)
+        for table in self.value_embeds:
+            nn.init.zeros_(table.weight)
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for pattern, std in cfg.init_overrides.items():
+                names = fnmatch.filter(params, pattern)
+                if not names:
+                    raise ConfigError(f"model.init_overrides: pattern {pattern!r} matches no parameter; the "
+                                      f"parameters are {', '.join(params)}", "model.init_overrides")
+                for name in names:
+                    draw_(params[name], std, cfg.init)
 
     @property
     def attentions(self) -> list[Attention]:
-        return [block.attn for block in self.blocks]
+        return [block.attn for block in self.blocks if block.attn is not None]
 
     # -- forward -------------------------------------------------------------------------------------
     def features(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final hidden states (B, L, dim), after the final norm."""
         if tokens.dim() != 2:
             raise ValueError(f"GPT expects (batch, length) tokens, got shape {tuple(tokens.shape)}")
-        x = self.drop(self.embed(tokens))
-        for block in self.blocks:
-            x = block(x, doc_ids)
+        x = self.embed(tokens)
+        if self.first_embed is not None:   # seed 001: one vector for position 0, another for every later one
+            x = x + self.first_embed((torch.arange(tokens.shape[1], device=tokens.device) > 0).long())
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
+        x = x0 = self.drop(x)
+        ve = [table(tokens) for table in self.value_embeds]
+        skipped: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            for gate, (source, target) in zip(self.skip_gates, self.config.skips):
+                if target == i:   # U-net skip (seed 000): a gated copy of an earlier block's output
+                    x = x + gate(x0) * skipped[source]
+            table = self.value_index[i]
+            x = block(x, doc_ids, ve[table] if table >= 0 else None)
+            if any(source == i for source, _ in self.config.skips):
+                skipped[i] = x
         return self.final_norm(x) if self.final_norm is not None else x
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.features(tokens, doc_ids)
-        if self.head_kind == "classify":
-            return self.head(x[:, -1])
-        out = self.head(x)
-        if self.head_kind == "regress":
-            return out.squeeze(-1)
+        if self.head_kind == "lm":
+            return self.cap_logits(self.head(x))
+        with torch.autocast(x.device.type, enabled=False):   # float32 scalars and class logits
+            out = self.head((x[:, -1] if self.head_kind == "classify" else x).float())
+        return out.squeeze(-1) if self.head_kind == "regress" else out
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logit_cap`` c: ``c tanh(x / c)`` (Gemma 2) or ``c sigmoid((x + 5) / 7.5)`` (seed 000's
+        modded-nanogpt, c = 23; equal to (c/2)(tanh((x + 5) / 15) + 1))."""
         cap = self.config.logit_cap
-        return cap * torch.tanh(out / cap) if cap else out
+        if not cap:
+            return logits
+        if self.config.logit_cap_form == "sigmoid":
+            return cap * torch.sigmoid((logits + 5) / 7.5)
+        return cap * torch.tanh(logits / cap)
 
     # -- loss ----------------------------------------------------------------------------------------
     def loss(self, output: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scalar training loss, unreduced loss) honoring ``batch.loss_mask``.
+        """(scalar training loss, unreduced loss) honoring ``batch.loss_mask``, in float32.
 
         ``lm``: cross-entropy per position (B, L); the scalar adds ``z_loss * mean(logsumexp^2)`` over the
         masked positions (the unreduced loss is the cross-entropy only). ``regress``: L1 per position (B, L).
@@ -184,4 +190,4 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-__all__ = ["GPT", "GPTConfig", "Block", "MLP", "hybrid_spec"]
+__all__ = ["GPT", "GPTConfig", "draw_"]

@@ -29,14 +29,15 @@ class SequenceBatchNorm(nn.BatchNorm1d):
         return super().forward(x.reshape(-1, shape[-1])).reshape(shape)
 
 
-def make_norm(kind: str, dim: int, eps: float = 1e-5) -> nn.Module:
-    """A norm over the last axis of width ``dim``: ``layer`` | ``rms`` | ``batch``."""
+def make_norm(kind: str, dim: int, eps: float = 1e-5, affine: bool = True) -> nn.Module:
+    """A norm over the last axis of width ``dim``: ``layer`` | ``rms`` | ``batch``, with learnable weights (and
+    biases for layer and batch) when ``affine``."""
     if kind == "layer":
-        return nn.LayerNorm(dim, eps=eps)
+        return nn.LayerNorm(dim, eps=eps, elementwise_affine=affine)
     if kind == "rms":
-        return nn.RMSNorm(dim, eps=eps)
+        return nn.RMSNorm(dim, eps=eps, elementwise_affine=affine)
     if kind == "batch":
-        return SequenceBatchNorm(dim, eps=eps)
+        return SequenceBatchNorm(dim, eps=eps, affine=affine)
     raise ValueError(f"norm={kind!r} is not valid; choose one of {', '.join(NORMS)}")
 
 

@@ -7,7 +7,7 @@ A run folder::
     latest.json            {"step": N, "checkpoint": "checkpoints/step_000000N"}   (replaced atomically)
     checkpoints/step_000000N/
         model.safetensors  weights (shared/tied tensors stored once: safetensors.torch.save_model)
-        bema.safetensors   BEMA state (theta0.*, ema.*), when BEMA is on
+        bema.safetensors   BEMA state (theta0.*, ema.*, bema.*), when BEMA is on
         optimizer.pt       optimizer states (torch.save)
         state.json         config, step, RNG states (torch, CUDA, data seed scheme), loss history, metrics
 

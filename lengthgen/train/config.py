@@ -28,6 +28,7 @@ MuonAdjust = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 Parallel = Literal["ddp", "fsdp"]
+DecayOn = Literal["matrices", "all"]
 
 
 @dataclass
@@ -36,10 +37,11 @@ class BemaConfig:
 
     enabled: bool = option(False, "keep a BEMA of the weights and evaluate it")
     kappa: float = option(0.5, "EMA power: beta_t = (1 + gamma t)^-kappa", ge=0)
-    eta: float = option(0.2, "bias-correction power: alpha_t = (1 + gamma t)^-eta", ge=0)
+    eta: float = option(0.2, "bias-correction power: alpha_t = (1 + t)^-eta", ge=0)
     rho: int = option(10, "lag: t = max(step - tau + rho, 1)", ge=0)
-    gamma: float = option(1.0, "time scale gamma", ge=0)
+    gamma: float = option(1.0, "time scale gamma of the EMA weight", ge=0)
     tau: int = option(0, "burn-in: before step tau, theta_bema = theta", ge=0)
+    update_every: int = option(1, "update every this many steps after tau (the authors' update_freq)", ge=1)
 
     def __post_init__(self) -> None:
         check(self)
@@ -59,8 +61,9 @@ class TrainConfig:
     optimizer: Optimizer = option("adamw", "adamw, or muon (Muon for 2-D hidden weights, AdamW for the rest)")
     betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas", ge=0, lt=1)
     eps: float = option(1e-8, "AdamW eps", ge=0)
-    weight_decay: float = option(0.0, "AdamW weight decay, on 2-D weights only (not norms, biases, scalars)",
-                                 ge=0)
+    weight_decay: float = option(0.0, "AdamW weight decay (on the parameters weight_decay_on says)", ge=0)
+    weight_decay_on: DecayOn = option("matrices", "AdamW decays matrices only (2-D weights, not norms, biases, "
+                                      "scalars) or all parameters (seed 001)")
     muon_lr: float = option(0.02, "Muon learning rate", ge=0)
     muon_momentum: float = option(0.95, "Muon momentum", ge=0)
     muon_weight_decay: float = option(0.0, "Muon weight decay", ge=0)
@@ -72,6 +75,8 @@ class TrainConfig:
     tokens_per_step: int | None = option(None, "constant tokens per step: batch = tokens_per_step // length",
                                          ge=1)
     stages: list[tuple[int, int]] = option([], "staged context length: [[step, length], ...]", ge=0)
+    restart_at_stages: bool = option(False, "at every stage after the first, re-create the optimizers (fresh "
+                                     "state) and warm the learning rate up again over warmup_steps (seed 001)")
     bema: BemaConfig = option(BemaConfig(), "BEMA of the weights")
     seed: int = option(0, "seed of the weights and the data", ge=0)
     eval_every: int = option(0, "evaluate every this many steps; 0: at the end only", ge=0)
@@ -100,12 +105,15 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    """A whole run: ``model``, ``train``, ``data`` and an optional ``name``."""
+    """A whole run: ``model``, ``train``, ``data``, an optional ``name`` and the settings of `lengthgen compare`
+    (``compare``: its variants, bases, seeds and evaluation, checked by `lengthgen.experiments.compare`)."""
 
     model: GPTConfig = option(GPTConfig(), "the model")
     train: TrainConfig = option(TrainConfig(), "optimization, schedule, evaluation and checkpoints")
     data: DataConfig = option(DataConfig(), "the training data")
     name: str = option("", "the run's name")
+    compare: dict[str, Any] = option({}, "lengthgen compare's experiment (variants, bases, pretrain_steps, seeds, "
+                                     "eval_lengths, eval_tokens, metric); ignored by lengthgen train")
 
     def __post_init__(self) -> None:
         check(self)
@@ -122,6 +130,10 @@ class RunConfig:
             if start <= step:
                 length = stage_length
         return length
+
+    def stage_start(self, step: int) -> int:
+        """The first step of the stage ``step`` is in (0 before any stage starts)."""
+        return max((start for start, _ in self.train.stages if start <= step), default=0)
 
     @property
     def tokens_per_step(self) -> int:

@@ -3,7 +3,8 @@
 Muon (`torch.optim.Muon`) orthogonalizes the update of 2-D weight matrices; it is meant for hidden layers
 only. `muon_param_names` picks the 2-D parameters inside the transformer blocks (attention and MLP
 projections, gates); embeddings, the head, norms, biases and scalars (e.g. learnable query-scaling
-multipliers) go to AdamW. AdamW applies weight decay to 2-D weights only.
+multipliers) go to AdamW. AdamW decays 2-D weights only, or every parameter (``weight_decay_on="all"``, as
+seed 001's optimizer does).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
             continue
         if name in muon_names:
             muon_params.append(p)
-        elif p.ndim >= 2:
+        elif p.ndim >= 2 or train_cfg.weight_decay_on == "all":
             decay.append(p)
         else:
             no_decay.append(p)

@@ -8,6 +8,9 @@ of updates. Warmup (both schedules): ``(step + 1) / warmup`` for ``step < warmup
 * wsd (warmup, stable, decay): 1 until ``decay_start = total - round(cooldown_frac * total)``, then linear
   ``1 - (1 - min) * (step - decay_start) / (total - decay_start)``;
 * constant: 1 after warmup.
+
+Re-warming (``restart``, seed 001 re-creates its optimizer with a fresh warmup at every stage): for ``warmup``
+updates from step ``restart`` on, the multiplier is scaled by ``(step - restart + 1) / warmup``.
 """
 
 from __future__ import annotations
@@ -41,13 +44,16 @@ def wsd_multiplier(step: int, total: int, warmup: int = 0, cooldown_frac: float 
 
 
 def lr_multiplier(step: int, *, total: int, schedule: str = "cosine", warmup: int = 0,
-                  cooldown_frac: float = 0.2, min_ratio: float = 0.0) -> float:
+                  cooldown_frac: float = 0.2, min_ratio: float = 0.0, restart: int = 0) -> float:
     """The multiplier of the peak learning rate at update ``step`` (see the module docstring)."""
     if schedule == "cosine":
-        return cosine_multiplier(step, total, warmup, min_ratio)
-    if schedule == "wsd":
-        return wsd_multiplier(step, total, warmup, cooldown_frac, min_ratio)
-    if schedule == "constant":
+        base = cosine_multiplier(step, total, warmup, min_ratio)
+    elif schedule == "wsd":
+        base = wsd_multiplier(step, total, warmup, cooldown_frac, min_ratio)
+    elif schedule == "constant":
         w = warmup_multiplier(step, warmup)
-        return 1.0 if w is None else w
-    raise ValueError(f"schedule={schedule!r} is not valid; choose one of cosine, wsd, constant")
+        base = 1.0 if w is None else w
+    else:
+        raise ValueError(f"schedule={schedule!r} is not valid; choose one of cosine, wsd, constant")
+    ramp = warmup_multiplier(step - restart, warmup) if 0 < restart <= step else None
+    return base if ramp is None else base * ramp

@@ -1,7 +1,8 @@
 """The training loop: `train(config, out_dir)` and `Trainer`.
 
 One step (`Trainer._train_step`): draw the step's batch from a generator seeded with (seed, step) at the staged
-length (``batch = tokens_per_step // length``), forward/backward it in ``grad_accum`` micro-batches under the
+length (``batch = tokens_per_step // length``; with ``train.restart_at_stages`` a new stage starts with fresh
+optimizers and a new warmup), forward/backward it in ``grad_accum`` micro-batches under the
 run's autocast, stop on a non-finite loss, clip the gradient norm, set the scheduled learning rate, step AdamW
 (and Muon), apply QK-clip, update BEMA; `fit` then logs, evaluates and checkpoints. On CPU a resumed run
 reproduces the losses of an uninterrupted run exactly.
@@ -116,8 +117,8 @@ class Trainer:
                 self.forward_model = torch.compile(self.forward_model)
             self.optimizers = build_optimizers(self.model, tc)
             b = tc.bema
-            self.bema = (BEMA(self.model, kappa=b.kappa, eta=b.eta, rho=b.rho, gamma=b.gamma, tau=b.tau)
-                         if b.enabled else None)
+            self.bema = (BEMA(self.model, kappa=b.kappa, eta=b.eta, rho=b.rho, gamma=b.gamma, tau=b.tau,
+                              update_every=b.update_every) if b.enabled else None)
             if ckpt is not None:
                 if not self.is_main:
                     self._read_checkpoint(ckpt, extend)
@@ -315,8 +316,11 @@ class Trainer:
         if self.world > 1:  # this rank's contiguous share of the global batch (equal shares, see check_world)
             batch = split_batch(batch, self.world)[self.rank][0]
         batch = batch.to(self.device)
+        restart = cfg.stage_start(step) if tc.restart_at_stages else 0
+        if restart and step == restart:   # seed 001: every stage re-creates its optimizer
+            self.optimizers = build_optimizers(self.model, tc)
         multiplier = lr_multiplier(step, total=tc.steps, schedule=tc.schedule, warmup=tc.warmup_steps,
-                                   cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio)
+                                   cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio, restart=restart)
         set_lr(self.optimizers, multiplier)
         loss = self._forward_backward(batch)
         where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \

@@ -41,9 +41,11 @@ class CountingTask(Task):
         return Batch(tokens, hits.cumsum(1), torch.ones_like(tokens, dtype=torch.bool))
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """``abs_error`` = |pred - count| and ``rel_error`` = |pred - count| / max(count, 1), (B, L)."""
-        abs_error = (output.float() - batch.targets).abs()
-        return {"abs_error": abs_error, "rel_error": abs_error / batch.targets.clamp(min=1.0)}
+        """``abs_error`` = |pred - count|, ``sq_error`` = (pred - count)^2 (its prefix means are seed 001's MSE)
+        and ``rel_error`` = |pred - count| / max(count, 1), (B, L)."""
+        error = output.float() - batch.targets
+        return {"abs_error": error.abs(), "sq_error": error.square(),
+                "rel_error": error.abs() / batch.targets.clamp(min=1.0)}
 
     def chance(self, metric: str, length: int) -> torch.Tensor | None:
         """``abs_error`` (and ``loss``, the same L1 error): the count at position t is Binomial(t, 1/V); the
