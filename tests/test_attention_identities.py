@@ -1,4 +1,4 @@
-"""Identities of the attention math (DESIGN.md section 2), each checked numerically."""
+"""Identities of the attention math, each checked numerically."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The attention core: `AttentionSpec` (every knob), `attend` (the math), `Attention` (the layer).
 
-Read `spec.py` and `functional.py` for the whole math of one layer (DESIGN.md section 2).
+Read `spec.py` and `functional.py` for the whole math of one layer.
 """
 
 from lengthgen.attention.core import attend

@@ -29,7 +29,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: to
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | str | dict[str, Any] | None = None,
            *, doc_ids: torch.Tensor | None = None, multipliers: torch.Tensor | float | None = None,
            backend: str = "auto", return_weights: bool = False):
-    """Causal p-softmax attention with every `AttentionSpec` mechanism (DESIGN.md section 2).
+    """Causal p-softmax attention with every `AttentionSpec` mechanism (the math: `lengthgen.attention.functional`).
 
     q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv and Lq <= Lk (queries are the last Lq
     positions). ``doc_ids`` (B, Lk): document ids, used when ``spec.doc_masking``. ``multipliers``: the

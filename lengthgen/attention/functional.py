@@ -1,4 +1,4 @@
-"""The whole math of one attention layer, as small pure functions (DESIGN.md section 2).
+"""The whole math of one attention layer, as small pure functions.
 
 For query position i, visible keys j, distance t = i - j and n_i = number of keys visible to query i::
 

@@ -1,4 +1,4 @@
-"""`Attention`: the layer around `attend()` (DESIGN.md section 2).
+"""`Attention`: the layer around `attend()`; the math is `lengthgen.attention.functional`.
 
 ``x -> q, k, v projections (GQA) -> QK-norm -> RoPE / p-RoPE -> attend -> out-norm -> gate -> o_proj``
 """

@@ -1,6 +1,6 @@
 """`AttentionSpec`: every length-generalization knob of one attention layer, validated.
 
-The math each field controls is written out in `lengthgen.attention.functional` (DESIGN.md section 2).
+The math each field controls is written out in `lengthgen.attention.functional`.
 Sources: p-softmax (seed 001, "Attention Normalizes the Wrong Norm"); AVNorm out-norm (seed 000);
 `log_n` query scaling (Scalable-Softmax, Nakanishi 2025); `sqrt_log_n`, `log_bias`, 2sigmoid gate,
 finite QK-norm eps (seed 004); `scale_invariant` (Anson, Wang, Aitchison 2025); ALiBi (Press et al. 2022);
@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lengthgen.config import ConfigError, check, option, to_plain
+from lengthgen.config import ConfigError, check, documented, option, to_plain
 
 QueryScaling = Literal["none", "log_n", "sqrt_log_n"]
 Granularity = Literal["none", "global", "layer", "head"]
@@ -25,11 +25,12 @@ Gate = Literal["none", "head", "elementwise"]
 GateAct = Literal["sigmoid", "2sigmoid"]
 
 
+@documented
 @dataclass(frozen=True)
 class AttentionSpec:
     """One attention layer's configuration. Frozen and validated on construction.
 
-    Logits (DESIGN.md section 2): ``logit_ij = g_i * a_t * (q_i . k_j) * base_scale + bias_t`` with
+    Logits (`lengthgen.attention.functional`): ``logit_ij = g_i * a_t * (q_i . k_j) * base_scale + bias_t`` with
     ``t = i - j``; weights ``w_ij = exp(logit_ij) / (sum_j exp(p * logit_ij))^(1/p)``.
     """
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lengthgen.atomic import atomic_write_text
-from lengthgen.config import (ConfigError, build, check, invalid, load_toml, option, parse_assignment, set_key,
-                              to_plain)
+from lengthgen.config import (ConfigError, build, check, documented, invalid, load_toml, option, parse_assignment,
+                              set_key, to_plain)
 from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
 
@@ -29,6 +29,7 @@ Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16"]
 
 
+@documented
 @dataclass
 class BemaConfig:
     """BEMA, the bias-corrected EMA of the weights (Block et al. 2025): see `lengthgen.train.bema`."""
@@ -44,6 +45,7 @@ class BemaConfig:
         check(self)
 
 
+@documented
 @dataclass
 class TrainConfig:
     """Optimization, schedule, batch and bookkeeping of a run."""
@@ -95,6 +97,7 @@ class TrainConfig:
                           "steps >= 0 and lengths >= 1, e.g. [[0, 32], [500, 64]]")
 
 
+@documented
 @dataclass
 class RunConfig:
     """A whole run: ``model``, ``train``, ``data`` and an optional ``name``."""

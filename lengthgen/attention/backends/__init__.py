@@ -1,4 +1,4 @@
-"""Attention backends: one math, several engines (DESIGN.md section 3).
+"""Attention backends: one math, several engines.
 
 Each backend module has ``unsupported(spec, q, training) -> reason | None`` and
 ``attention(qs, k, v, spec, doc_ids)``, taking queries already scaled by `functional.scale_queries`.
