@@ -81,7 +81,10 @@ class TrainConfig:
     eval_batch_size: int = option(16, "sequences per evaluation batch", ge=1)
     checkpoint_every: int = option(0, "checkpoint every this many steps; 0: at the end only", ge=0)
     keep_checkpoints: int = option(2, "checkpoints kept on disk", ge=1)
-    log_every: int = option(1, "log every this many steps", ge=1)
+    log_every: int = option(10, "log every this many steps (and the first and last): a line on the console "
+                            "(without a progress bar), an entry in metrics.jsonl, TensorBoard and W&B", ge=1)
+    wandb: str | None = option(None, "also log to this Weights & Biases project (pip install wandb; "
+                               "WANDB_MODE=offline logs without a network); none: off")
     device: Device = option("auto", "training device")
     dtype: Dtype = option("auto", "auto (bf16 autocast on CUDA, float32 on CPU), float32 or bfloat16")
     compile: bool = option(False, "torch.compile the model (CUDA only; ignored on CPU)")
