@@ -13,6 +13,7 @@ fails alike beyond the training length, or none learns the task in a few hundred
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,7 @@ from lengthgen.report import write_report
 from lengthgen.train import train
 from lengthgen.data.config import make_source
 from lengthgen.train.config import RunConfig, load_config
+from lengthgen.train.setup import check_source_lengths
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 
@@ -89,10 +91,13 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] = list(D
         raise ValueError("no seeds given; e.g. --seeds 1")
     out = Path(out)
     train_length = max(cfg.lengths())
+    multiples = ",".join(map(str, MULTIPLES))
+    key = "--eval-lengths" if eval_lengths else f"--eval-lengths (default {train_length} x {multiples})"
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
     source = make_source(cfg.data)
     metric = check_metric(source, metric)
     evaluated_on = eval_source(cfg.data, source)      # text: single long validation documents
+    check_source_lengths(evaluated_on, key, eval_lengths)   # before any training
     base = resolve_spec(cfg.model.attention)
     specs = {variant: variant_spec(base, variant) for variant in variants}
     runs: dict[str, list[RunEval]] = {}
@@ -101,13 +106,15 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] = list(D
         for seed in seeds:
             run_cfg = cfg.override(f"train.seed={seed}")
             run_cfg.model = run_cfg.model.replace(attention=spec)
-            start = time.perf_counter()
-            log(f"[{variant} seed {seed}] training {run_cfg.train.steps} steps at length {train_length}")
-            trained = train(run_cfg, out / "runs" / f"{variant}-seed{seed}", progress=progress)
+            name, start = f"{variant}-seed{seed}", time.perf_counter()
+            log(f"[{name}] training {run_cfg.train.steps} steps at length {train_length}")
+            trained = train(run_cfg, out / "runs" / name, progress=progress)
             train_s = round(time.perf_counter() - start, 2)
-            log(f"[{variant} seed {seed}] evaluating at {', '.join(map(str, eval_lengths))}")
             evaluation = evaluate(trained.model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens,
                                   seed=seed, autocast=trained.trainer.autocast_dtype)
+            log(f"[{name}] trained in {train_s:.0f} s; {metric} at length " + ", ".join(
+                f"{r.length}: {r.at_length.get(metric, math.nan):.4g}" for r in evaluation.lengths) +
+                f" (evaluated in {time.perf_counter() - start - train_s:.0f} s)")
             runs[variant].append(dataclasses.replace(
                 evaluation, config=trained.config.to_dict(), seed=seed, run_dir=str(trained.run_dir),
                 final_train_loss=trained.history[-1] if trained.history else None, train_seconds=train_s))

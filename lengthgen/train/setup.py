@@ -48,16 +48,21 @@ def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
 
 def check_lengths(cfg: RunConfig, source: Any) -> None:
     """Every training and eval length must be one the data can generate (checked by sampling one sequence)."""
-    max_length = getattr(source, "max_length", None)
     for key, lengths in (("data.length", [cfg.data.length]), ("train.stages", [s[1] for s in cfg.train.stages]),
                          ("train.eval_lengths", cfg.train.eval_lengths)):
-        for length in lengths:
-            if max_length is not None and length > max_length:
-                raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}")
-            try:
-                source.sample(1, length, torch.Generator().manual_seed(0))
-            except ValueError as err:
-                raise ConfigError(f"{key}: length {length}: {err}") from None
+        check_source_lengths(source, key, lengths)
+
+
+def check_source_lengths(source: Any, key: str, lengths: list[int]) -> None:
+    """A `ConfigError` naming ``key`` when ``source`` cannot generate one of ``lengths``."""
+    max_length = getattr(source, "max_length", None)
+    for length in lengths:
+        if max_length is not None and length > max_length:
+            raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}")
+        try:
+            source.sample(1, length, torch.Generator().manual_seed(0))
+        except ValueError as err:
+            raise ConfigError(f"{key}: length {length}: {err}") from None
 
 
 def check_world(cfg: RunConfig, world: int) -> None:
@@ -99,5 +104,5 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
     return None
 
 
-__all__ = ["as_config", "autocast_dtype", "check_lengths", "check_world", "config_difference", "device_type",
-           "fill_model_from_source"]
+__all__ = ["as_config", "autocast_dtype", "check_lengths", "check_source_lengths", "check_world",
+           "config_difference", "device_type", "fill_model_from_source"]
