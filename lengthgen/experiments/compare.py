@@ -33,7 +33,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "name": "compare-dyck",
     "model": {"dim": 64, "layers": 2, "heads": 4, "mlp_ratio": 4.0, "norm": "layer", "norm_placement": "pre"},
     "train": {"steps": 400, "lr": 3e-3, "schedule": "cosine", "warmup_steps": 20, "batch_size": 32,
-              "grad_clip": 1.0, "eval_batches": 0, "threads": 1},
+              "grad_clip": 1.0, "eval_batches": 0, "threads": 1, "log_every": 50},
     "data": {"kind": "task", "task": "dyck", "length": 64},
 }
 DEFAULT_METRIC = "loss"
