@@ -37,6 +37,9 @@ def command(name: str, add_arguments: Callable[[argparse.ArgumentParser], None] 
 
 
 CONFIG_HELP = "Every config key with its meaning and valid values: lengthgen config show [CONFIG] [--set ...]."
+SEEDS_HELP = ("Seeds, the notes cited by number: 000 AVnorm (per-head output norm), 001 p-softmax (\"Attention\n"
+              "Normalizes the Wrong Norm\"), 002 a note on normalization, 003 post-norm resharpens attention,\n"
+              "004 long-context attention (sqrt(2 log n) logit scaling).")
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
@@ -328,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     from lengthgen.version import __version__
 
     parser = argparse.ArgumentParser(prog="lengthgen", description="Length generalization of attention.",
-                                     epilog=CONFIG_HELP)
+                                     epilog=f"{CONFIG_HELP}\n{SEEDS_HELP}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"lengthgen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (add_arguments, handler) in COMMANDS.items():

@@ -45,6 +45,8 @@ def test_help_points_to_config_show(command):
     if command:
         parser = next(a for a in parser._actions if a.dest == "command").choices[command]
     assert "lengthgen config show" in parser.format_help()
+    if command is None:                                         # the seeds cited by number, one line each
+        assert all(f"{n:03d} " in parser.format_help() for n in range(5))
 
 
 def test_config_show_prints_every_key_with_value_meaning_and_choices(capsys, monkeypatch):

@@ -72,6 +72,7 @@ def run_header(cfg: RunConfig, run_dir: Path, *, parameters: int, dtype: str, wo
     optimizer = f"muon lr {t.muon_lr:g} (adamw lr {t.lr:g} for the rest)" if t.optimizer == "muon" else \
         f"adamw lr {t.lr:g}"
     resumed = f"; resuming at step {start}" if start else ""
+    ranks = f" x {world} ranks" if world > 1 else ""
     commit = f" (git {provenance.git_commit[:10]})" if provenance.git_commit else ""
     trackers = "metrics.jsonl, TensorBoard tb/" + (f", W&B project {t.wandb}" if t.wandb else "")
     return "\n".join([
@@ -82,8 +83,7 @@ def run_header(cfg: RunConfig, run_dir: Path, *, parameters: int, dtype: str, wo
         f"  attention: {attention_text(cfg)}",
         f"  data: {data.rstrip()}; {evals}",
         f"  optimizer: {optimizer}, {t.schedule} schedule, warmup {t.warmup_steps}; seed {t.seed}",
-        f"  device: {provenance.device}{f' x {world} ranks' if world > 1 else ''}, {dtype}; "
-        f"lengthgen {provenance.lengthgen}{commit}, "
+        f"  device: {provenance.device}{ranks}, {dtype}; lengthgen {provenance.lengthgen}{commit}, "
         f"torch {provenance.torch}",
         f"  logging: every {t.log_every} steps to {trackers}"])
 
