@@ -1,26 +1,35 @@
-# Two entry points: `make demo` (the main job) and `make test`. Each sets itself up on a fresh machine.
+# Two entry points: `make demo` (the main job) and `make test`. Each sets itself up on a fresh machine and
+# works when run again. The demo installs the package alone; the tests add the `dev` extras (pytest, triton,
+# transformers, wandb).
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed
+CORE    := $(VENV)/.installed-core
+DEV     := $(VENV)/.installed-dev
 
 .PHONY: demo test bench gpu-check setup clean
 
-$(STAMP): pyproject.toml
+$(CORE): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e .
+	touch $(CORE)
+
+$(DEV): $(CORE)
 	$(BIN)/pip install -e ".[dev]"
-	touch $(STAMP)
+	touch $(DEV)
 
-setup: $(STAMP)
+setup: $(DEV)
 
-demo: $(STAMP)
-	$(BIN)/lengthgen compare --out runs/demo --resume
+# A fresh runs/demo each time (--overwrite replaces an earlier demo's files).
+demo: $(CORE)
+	$(BIN)/lengthgen compare --out runs/demo --overwrite
+	@echo "lengthgen is in $(BIN): 'source $(BIN)/activate' puts it on the PATH (or run $(BIN)/lengthgen)"
 
-test: $(STAMP)
+test: $(DEV)
 	$(BIN)/python -m pytest -n 2 tests
 
-bench: $(STAMP)
+bench: $(CORE)
 	$(BIN)/python benchmarks/attention_cpu.py
 
 # On a GPU machine: nothing installed or downloaded; the .venv's python when there is one, else $(PY) (the system

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
+import json
 import sys
 import warnings
 from collections.abc import Callable
@@ -53,12 +55,33 @@ def command(name: str, add_arguments: Callable[[argparse.ArgumentParser], None] 
     return register
 
 
+CONFIG_HELP = "Every config key with its meaning and valid values: lengthgen config show [CONFIG] [--set ...]."
+SEEDS_HELP = ("Seeds, the notes cited by number: 000 AVnorm (per-head output norm), 001 p-softmax (\"Attention\n"
+              "Normalizes the Wrong Norm\"), 002 a note on normalization, 003 post-norm resharpens attention,\n"
+              "004 long-context attention (sqrt(2 log n) logit scaling).")
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """``--config FILE`` and repeatable ``--set key=value`` (shared by commands that take a run config)."""
     p.add_argument("--config", "-c", help="TOML config (e.g. configs/counting.toml); defaults if omitted")
     p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set model.attention=l2 --set train.steps=200 "
-                        "(values are TOML literals, else strings)")
+                        "(values are TOML literals, else strings; keys: lengthgen config show)")
+
+
+def add_logging_arguments(p: argparse.ArgumentParser) -> None:
+    """``--log-every``, ``--wandb`` and ``--no-progress`` (shared by the commands that train)."""
+    p.add_argument("--log-every", type=int, metavar="N", help="log every N steps (sets train.log_every)")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (sets "
+                   "train.wandb; needs pip install wandb; WANDB_MODE=offline works without a network)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="plain log lines instead of a progress bar (the default when stdout is not a terminal)")
+
+
+def logging_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides that ``--log-every`` and ``--wandb`` stand for."""
+    return ([f"train.log_every={args.log_every}"] if args.log_every is not None else []) + \
+        ([f"train.wandb={json.dumps(args.wandb)}"] if args.wandb else [])
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -70,12 +93,16 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--extend", action="store_true", help="with --resume: allow a new train.steps, e.g. to train a "
                    "finished run longer (recorded in metrics.jsonl)")
     p.add_argument("--overwrite", action="store_true", help="delete the run in --out and start over")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_logging_arguments(p)
 
 
 @command("train", _train_args)
 def train_command(args: argparse.Namespace) -> int:
-    """Train a model from a TOML config (+ --set overrides) into a run folder."""
+    """Train a model from a TOML config (+ --set overrides) into a run folder.
+
+    The run folder holds config.json, run.json (versions, git commit, device), metrics.jsonl, TensorBoard
+    events (tb/), checkpoints and, when the eval lengths go beyond the training length, eval.json.
+    Every config key with its meaning and valid values: lengthgen config show [CONFIG] [--set ...]."""
     from lengthgen.train.config import load_config
     from lengthgen.report import run_summary
     from lengthgen.train import distributed, train
@@ -84,7 +111,7 @@ def train_command(args: argparse.Namespace) -> int:
         raise CommandError("--resume continues the run in --out, --overwrite deletes it: give one of them")
     if args.extend and not args.resume:
         raise CommandError("--extend changes train.steps of a resumed run: add --resume")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides + logging_overrides(args))
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
     try:
@@ -97,9 +124,6 @@ def train_command(args: argparse.Namespace) -> int:
         return 0
     final = f"{result.history[-1]:.4g}" if result.history else "n/a"
     print(f"trained {result.step} steps; final loss {final}; run folder {result.run_dir}")
-    for length, values in result.metrics.get("eval", {}).items():
-        print(f"  eval at length {length} (mean over all positions [0, L)): "
-              + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
     if result.evaluation:
         print(run_summary(result.evaluation, getattr(result.trainer.source, "metric", "loss"),
                           train_length=max(result.config.lengths())))
@@ -141,13 +165,16 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue an interrupted comparison in --out: reuse its "
                    "finished runs, resume the others (each checked against the config)")
     p.add_argument("--overwrite", action="store_true", help="delete the comparison in --out and start over")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_logging_arguments(p)
 
 
 @command("compare", _compare_args)
 def compare_command(args: argparse.Namespace) -> int:
     """Train variants at a short length (or finetune them from pretrained bases), evaluate far beyond it, write a
-    report folder. A config's [compare] section holds a whole experiment (see the presets in configs/)."""
+    report folder. A config's [compare] section holds a whole experiment (see the presets in configs/).
+
+    Without --config: the embedded default (Dyck, length 64, 5 variants; lengthgen config show compare).
+    Every config key with its meaning and valid values: lengthgen config show [CONFIG] [--set ...]."""
     from lengthgen.config import ConfigError
     from lengthgen.data.config import make_source
     from lengthgen.experiments.compare import base_config, check_metric, default_metric, plan, run_compare
@@ -160,7 +187,8 @@ def compare_command(args: argparse.Namespace) -> int:
              "compare.seeds": seeds, "compare.eval_lengths": args.eval_lengths,
              "compare.eval_tokens": args.eval_tokens, "compare.pretrain_steps": args.pretrain_steps,
              "compare.metric": args.metric}
-    cfg = base_config(args.config, list(args.overrides) + [f"{k}={v}" for k, v in flags.items() if v is not None])
+    overrides = list(args.overrides) + logging_overrides(args)
+    cfg = base_config(args.config, overrides + [f"{k}={v}" for k, v in flags.items() if v is not None])
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
         cfg = cfg.override(f"compare.metric={default_metric(cfg)}")
     variants, bases = ([v.strip() for v in text.split(",")] if text else None for text in (args.variants, args.bases))
@@ -329,12 +357,75 @@ def retrofit_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["show"], help="show: print a resolved config, each key with its value, "
+                   "meaning and valid values")
+    p.add_argument("what", nargs="?", help="a TOML or JSON config file, a run folder, a name in configs/ "
+                   "(counting, mqar, ...), compare (its embedded default), attention (every AttentionSpec field "
+                   "and the presets) or an attention preset (l2, avnorm, ...); default: lengthgen train's defaults")
+    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key as train and compare do, e.g. --set model.attention=l2")
+
+
+@command("config", _config_args)
+def config_command(args: argparse.Namespace) -> int:
+    """Show a resolved config: each key with its value, meaning and valid values (set any with --set KEY=VALUE)."""
+    from lengthgen.attention import PRESETS
+    from lengthgen.config import format_config
+    from lengthgen.train.tracking import spec_changes
+
+    what = args.what
+    if what == "attention" or what in PRESETS:
+        if args.overrides:
+            raise CommandError("--set applies to run configs; for attention use --set model.attention.FIELD=VALUE")
+        print(format_config(PRESETS.get(what, PRESETS["baseline"])))
+        print(f"\n# presets (model.attention=NAME) and how they differ from baseline, the defaults"
+              f"{' above' if what == 'attention' else ''}")
+        for name, spec in PRESETS.items():
+            print(f"{name:<16} {spec_changes(spec) or 'the defaults'}")
+        return 0
+    cfg = _run_config_to_show(what, args.overrides)
+    print(format_config(cfg))
+    if cfg.data.kind == "task":
+        from lengthgen.data.tasks import TASKS
+
+        arguments = inspect.signature(TASKS[cfg.data.task]).parameters.values()
+        print(f"\n# data.task_kwargs of {cfg.data.task}: " + ", ".join(
+            f"{a.name} (default {a.default!r})" for a in arguments if a.default is not inspect.Parameter.empty))
+    return 0
+
+
+def _run_config_to_show(what: str | None, overrides: list[str]):
+    """The `RunConfig` that ``lengthgen config show WHAT`` prints (see its ``what`` argument)."""
+    from lengthgen.experiments.compare import base_config
+    from lengthgen.train.config import load_config
+
+    if what is None or what == "compare":
+        return base_config(None, overrides) if what else load_config(None, overrides)
+    path = Path(what)
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists() and (Path("configs") / f"{what}.toml").exists():
+        path = Path("configs") / f"{what}.toml"
+    elif not path.exists():
+        names = ", ".join(sorted(p.stem for p in Path("configs").glob("*.toml"))) or "none here"
+        raise CommandError(f"{what!r} is not a config file, a run folder, a name in configs/ ({names}), compare, "
+                           "attention or an attention preset (lengthgen config show attention lists them)")
+    return load_config(path, overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="lengthgen", description="Length generalization of attention.")
+    from lengthgen.version import __version__
+
+    parser = _Parser(prog="lengthgen", description="Length generalization of attention.",
+                     epilog=f"{CONFIG_HELP}\n{SEEDS_HELP}",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lengthgen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (add_arguments, handler) in COMMANDS.items():
         help_text = (handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None
-        p = sub.add_parser(name, help=help_text, description=handler.__doc__)
+        p = sub.add_parser(name, help=help_text, description=inspect.cleandoc(handler.__doc__ or ""),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(p)
         p.set_defaults(handler=handler)
     return parser

@@ -12,7 +12,9 @@ Errors are `ConfigError` naming the key: ``TrainConfig.lr=nan is not valid; it m
 
 `build` makes a config from a TOML/JSON dict (unknown keys are errors), `set_key` sets one dotted key of
 such a dict (``--set`` overrides), `parse_value` reads an override's value, `describe` lists a config's
-keys with their types, defaults and meanings, `differences` compares two such dicts key by key.
+keys with their types, values and meanings, `format_config` prints them (``lengthgen config show``),
+`documented` writes them into the class docstring (``help(TrainConfig)``) and `differences` compares two config
+dicts key by key.
 
 Python 3.10 has no ``tomllib``: install ``tomli`` there (it is used as a drop-in fallback).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import math
 import numbers
 import types
@@ -312,19 +315,66 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: invalid TOML: {err}") from None
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, Any, str]]:
-    """``(key, what it must be, default, meaning)`` for every key of config ``cls``, nested configs
-    expanded (``train.bema.kappa``)."""
-    rows = []
+def describe(config: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """``(key, what it must be, value, meaning)`` for every key of ``config``, a config class (values: its
+    defaults) or instance (its values), nested configs expanded (``train.bema.kappa``)."""
+    cls, rows = config if isinstance(config, type) else type(config), []
     for f in dataclasses.fields(cls):
         hint, key, doc = hints(cls)[f.name], prefix + f.name, f.metadata.get("doc", "")
-        if dataclasses.is_dataclass(hint):
-            rows += [(key, "a table", None, doc), *describe(hint, key + ".")]
+        if not isinstance(config, type):
+            value = getattr(config, f.name)
         else:
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            rows.append((key, expected(hint, f.metadata.get("bounds")), default, doc))
+            value = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(hint):
+            rows += [(key, "a table", None, doc), *describe(hint if isinstance(config, type) else value, key + ".")]
+        else:
+            rows.append((key, expected(hint, f.metadata.get("bounds")), value, doc))
     return rows
 
 
-__all__ = ["ConfigError", "build", "check", "check_value", "describe", "differences", "expected", "hints", "invalid",
-           "load_toml", "option", "parse_assignment", "parse_value", "set_key", "to_plain", "unknown_key"]
+def documented(cls: type) -> type:
+    """Class decorator (above ``@dataclass``): append each field's meaning, valid values and default to the
+    class docstring, so that ``help(cls)`` documents every key."""
+    lines = [f"    {key}: {doc} ({what}" + ("" if what == "a table" else f"; default {default!r}") + ")"
+             for key, what, default, doc in describe(cls) if "." not in key]
+    cls.__doc__ = (cls.__doc__ or cls.__name__).rstrip() + "\n\n    Fields:\n\n" + "\n".join(lines) + "\n"
+    return cls
+
+
+def toml_value(value: Any) -> str:
+    """A value as written in a TOML file or a ``--set`` override (None: ``none``)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def format_config(config: Any, width: int = 34) -> str:
+    """A config instance as text, TOML-like: the top-level keys, then a ``[section]`` per nested config with
+    its meaning; each key ``= value`` followed by ``# meaning [valid values]``."""
+    rows = describe(config)
+    sections = {"": ""} | {key: doc for key, what, _, doc in rows
+                           if what == "a table" and any(k.startswith(key + ".") for k, *_ in rows)}
+    lines: dict[str, list[str]] = {section: [] for section in sections}
+    for key, what, value, doc in rows:
+        section, _, name = key.rpartition(".")
+        if key not in sections:
+            text = f"{name} = {toml_value(to_plain(value))}"
+            lines[section].append(f"{text:<{width}} # {doc} [{what}]" if len(text) < width else
+                                  f"{text}  # {doc} [{what}]")
+    out = lines[""]
+    for section, doc in list(sections.items())[1:]:
+        out += ["", f"[{section}]  # {doc}", *lines[section]]
+    return "\n".join(out)
+
+
+__all__ = ["ConfigError", "build", "check", "check_value", "describe", "differences", "documented", "expected",
+           "format_config", "hints", "invalid", "load_toml", "option", "parse_assignment", "parse_value", "set_key", "to_plain",
+           "toml_value", "unknown_key"]

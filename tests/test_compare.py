@@ -154,3 +154,15 @@ def test_compare_evaluates_under_the_runs_autocast(tmp_path, monkeypatch):
                                     "compare.eval_lengths=[8, 16]", "compare.eval_tokens=32"])
     run_compare(cfg, tmp_path, variants=["baseline"], progress=False, log=lambda _: None)
     assert len(seen) == 3 and all(seen)        # two lengths and the diagnostics pass, all under bf16 autocast
+
+
+def test_eval_lengths_the_data_cannot_generate_fail_before_training(tmp_path, capsys):
+    # MQAR with 256 tokens generates at most 4 * 128 + 3 = 515; the default 16x of 64 is 1024
+    args = ["compare", "--task", "mqar", "--train-length", "64", "--out", str(tmp_path / "c"), "--no-progress"]
+    assert main(args + [x for s in TINY for x in ("--set", s)]) == 2
+    err = capsys.readouterr().err
+    assert err == ("lengthgen compare: error: compare.eval_lengths (default 64 x 1, 2, 4, 8, 16): length 1024 "
+                   "exceeds the data's maximum length 515\n")
+    assert not (tmp_path / "c").exists()                      # nothing was trained
+    assert main(args + ["--eval-lengths", "64,600"] + [x for s in TINY for x in ("--set", s)]) == 2
+    assert "compare.eval_lengths: length 600 exceeds the data's maximum length 515" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from pathlib import Path
 BASE = ["model.dim=32", "model.layers=2", "model.heads=2", "model.mlp_ratio=2.0", "train.steps=5",
         "train.lr=1e-2", "train.batch_size=8", "train.eval_batches=1", "train.eval_batch_size=4",
         "train.eval_every=0", "train.checkpoint_every=0", "train.threads=1", "data.task=counting",
-        "data.task_kwargs={vocab_size = 4}", "data.length=16", "train.eval_lengths=[16, 32]"]
+        "data.task_kwargs={vocab_size = 4}", "data.length=16", "train.eval_lengths=[16, 32]", "train.log_every=1"]
 RUN_A = BASE + ["train.grad_accum=2"]
 RUN_B = BASE + ["train.qk_clip=0.03"]
 

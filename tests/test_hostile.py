@@ -37,7 +37,7 @@ from lengthgen.train.setup import resolve
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.dim=16", "model.layers=1", "model.heads=2", "model.mlp_ratio=2.0", "train.steps=4", "train.lr=3e-3",
         "train.batch_size=4", "train.eval_batches=0", "data.task=counting", "data.task_kwargs={vocab_size = 4}",
-        "data.length=8", "train.threads=1"]
+        "data.length=8", "train.threads=1", "train.log_every=1"]
 
 
 def config(*overrides: str) -> RunConfig:

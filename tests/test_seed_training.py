@@ -17,7 +17,7 @@ from lengthgen.train.config import RunConfig
 def config(*overrides: str) -> RunConfig:
     base = ["model.dim=16", "model.layers=1", "model.heads=2", "model.mlp_ratio=2.0", "train.steps=6",
             "train.lr=1e-2", "train.batch_size=4", "train.eval_batches=0", "data.task=counting",
-            "data.task_kwargs={vocab_size = 4}", "data.length=8"]
+            "data.task_kwargs={vocab_size = 4}", "data.length=8", "train.log_every=1"]
     return RunConfig().override(*base, *overrides)
 
 

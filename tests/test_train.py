@@ -57,7 +57,8 @@ def test_mqar_learns(tmp_path):
 def test_resume_reproduces_losses_exactly(tmp_path):
     cfg = config("train.steps=8", "train.optimizer=muon", "train.bema.enabled=true", "train.grad_accum=2",
                  "model.dropout=0.1", "train.tokens_per_step=128", "train.stages=[[0, 8], [4, 16]]",
-                 "train.schedule=wsd", "train.warmup_steps=2", "train.qk_clip=5.0", "train.eval_every=3")
+                 "train.schedule=wsd", "train.warmup_steps=2", "train.qk_clip=5.0", "train.eval_every=3",
+                 "train.log_every=1")
     full = train(cfg, tmp_path / "full", progress=False)
     half = train(cfg, tmp_path / "resumed", progress=False, stop_at=4)
     assert half.step == 4 and half.history == full.history[:4]
@@ -149,7 +150,7 @@ def test_bema_matches_its_formula(update_every):
 
 def test_staged_lengths_keep_tokens_per_step(tmp_path):
     cfg = config("train.tokens_per_step=256", "train.stages=[[0, 8], [2, 16], [4, 32]]", "train.steps=6",
-                 "train.eval_batches=0")
+                 "train.eval_batches=0", "train.log_every=1")
     assert [cfg.length_at(s) for s in range(6)] == [8, 8, 16, 16, 32, 32]
     assert all(cfg.batch_size_at(s) * cfg.length_at(s) == 256 for s in range(6))
     train(cfg, tmp_path / "staged", progress=False)

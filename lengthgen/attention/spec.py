@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lengthgen.config import ConfigError, check, option, to_plain
+from lengthgen.config import ConfigError, check, documented, option, to_plain
 
 QueryScaling = Literal["none", "log_n", "sqrt_log_n"]
 Granularity = Literal["none", "global", "layer", "head"]
@@ -25,6 +25,7 @@ Gate = Literal["none", "head", "elementwise"]
 GateAct = Literal["sigmoid", "2sigmoid"]
 
 
+@documented
 @dataclass(frozen=True)
 class AttentionSpec:
     """One attention layer's configuration. Frozen and validated on construction.

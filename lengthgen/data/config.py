@@ -20,12 +20,13 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lengthgen.config import ConfigError, check, option
+from lengthgen.config import ConfigError, check, documented, option
 from lengthgen.data.tasks import TaskName, make_task
 
 DataKind = Literal["task", "text"]
 
 
+@documented
 @dataclass
 class DataConfig:
     """What the model trains on: a synthetic task or a text corpus, at a training length."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +48,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "name": "compare-dyck",
     "model": {"dim": 64, "layers": 2, "heads": 4, "mlp_ratio": 4.0, "norm": "layer", "norm_placement": "pre"},
     "train": {"steps": 400, "lr": 3e-3, "schedule": "cosine", "warmup_steps": 20, "batch_size": 32,
-              "grad_clip": 1.0, "eval_batches": 0, "threads": 1},
+              "grad_clip": 1.0, "eval_batches": 0, "threads": 1, "log_every": 50},
     "data": {"kind": "task", "task": "dyck", "length": 64},
 }
 DEFAULT_METRIC = "loss"
@@ -210,8 +211,10 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     cfg, source = resolve(cfg)
     train_length = max(cfg.lengths())
     eval_lengths = sorted(set(cc.eval_lengths or [train_length * m for m in MULTIPLES]))
+    key = "compare.eval_lengths" + ("" if cc.eval_lengths else
+                                    f" (default {train_length} x {', '.join(map(str, MULTIPLES))})")
     for length in eval_lengths:
-        check_length(source, "compare.eval_lengths", length)
+        check_length(source, key, length)
     metric = check_metric(source, cc.metric)
     with lock(out):
         if not resume:
@@ -224,10 +227,13 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
                 run_cfg = runs.config(name, seed, pretrained.get((base, seed)))
                 trained, train_s = _train(run_cfg, out / "runs" / f"{name}-seed{seed}", resume, progress,
                                           f"[{name} seed {seed}]", log)
-                log(f"[{name} seed {seed}] evaluating at {', '.join(map(str, eval_lengths))}")
+                start = time.perf_counter()
                 for key, evaluation in _evaluate(trained, name, sources, eval_lengths, cc.eval_tokens):
                     results.setdefault(key, []).append(dataclasses.replace(
                         evaluation, train_seconds=train_s, train_tokens=trained.trainer.tokens))
+                    log(f"[{key} seed {seed}] {metric} at length " + ", ".join(
+                        f"{r.length}: {r.at_length.get(metric, math.nan):.4g}" for r in evaluation.lengths)
+                        + f" (evaluated in {time.perf_counter() - start:.0f} s)")
         source_name = getattr(source, "name", cfg.data.task)
         comparison = Comparison(
             title=f"lengthgen compare: {source_name}", source=source_name, metric=metric,
@@ -248,10 +254,12 @@ def _train(cfg: RunConfig, run_dir: Path, resume: bool, progress: bool, label: s
     log(f"{label} training {steps} steps at length {max(cfg.lengths())}" + (" (resuming)" if resume else ""))
     start = time.perf_counter()
     trained = train(cfg, run_dir, progress=progress, resume=resume)
-    started = trained.trainer.start_step
+    started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
     if started:
         log(f"{label} {'reused the finished run' if started == steps else f'resumed at step {started}'} {run_dir}")
-    return trained, (round(time.perf_counter() - start, 2) if started == 0 else None)
+    else:
+        log(f"{label} trained in {seconds:.0f} s")
+    return trained, (seconds if started == 0 else None)
 
 
 def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, log: Callable[[str], None]) -> dict[tuple, Path]:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lengthgen.attention import PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import ConfigError, build, check, check_value, invalid, option, to_plain, unknown_key
+from lengthgen.config import (ConfigError, build, check, check_value, documented, invalid, option, to_plain,
+                              unknown_key)
 from lengthgen.model.norms import Norm
 
 Placement = Literal["pre", "post", "peri", "hybrid", "hybrid_star", "mix"]
@@ -52,6 +53,7 @@ def resolve_layer_spec(value: Any, default: AttentionSpec) -> AttentionSpec:
     return resolve_spec(value)
 
 
+@documented
 @dataclass
 class GPTConfig:
     """A decoder-only transformer. ``vocab_size``/``head``/``num_classes`` are filled from the task in runs.

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lengthgen.atomic import atomic_write_text
-from lengthgen.config import (ConfigError, build, check, invalid, load_toml, option, parse_assignment, set_key,
-                              to_plain)
+from lengthgen.config import (ConfigError, build, check, documented, invalid, load_toml, option, parse_assignment,
+                              set_key, to_plain)
 from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
 
@@ -31,6 +31,7 @@ Parallel = Literal["ddp", "fsdp"]
 DecayOn = Literal["matrices", "all"]
 
 
+@documented
 @dataclass
 class BemaConfig:
     """BEMA, the bias-corrected EMA of the weights (Block et al. 2025): see `lengthgen.train.bema`."""
@@ -47,6 +48,7 @@ class BemaConfig:
         check(self)
 
 
+@documented
 @dataclass
 class TrainConfig:
     """Optimization, schedule, batch and bookkeeping of a run."""
@@ -85,7 +87,10 @@ class TrainConfig:
     eval_batch_size: int = option(16, "sequences per evaluation batch", ge=1)
     checkpoint_every: int = option(0, "checkpoint every this many steps; 0: at the end only", ge=0)
     keep_checkpoints: int = option(2, "checkpoints kept on disk", ge=1)
-    log_every: int = option(1, "log every this many steps", ge=1)
+    log_every: int = option(10, "log every this many steps (and the first and last): a line on the console "
+                            "(without a progress bar), an entry in metrics.jsonl, TensorBoard and W&B", ge=1)
+    wandb: str | None = option(None, "also log to this Weights & Biases project (pip install wandb; "
+                               "WANDB_MODE=offline logs without a network); none: off")
     device: Device = option("auto", "training device")
     dtype: Dtype = option("auto", "auto (bf16 autocast on CUDA, float32 on CPU), float32 or bfloat16")
     compile: bool = option(False, "torch.compile the model (on CPU too, where compiling takes minutes)")
@@ -103,6 +108,7 @@ class TrainConfig:
                           "steps >= 0 and lengths >= 1, e.g. [[0, 32], [500, 64]]")
 
 
+@documented
 @dataclass
 class RunConfig:
     """A whole run: ``model``, ``train``, ``data``, an optional ``name`` and the settings of `lengthgen compare`

@@ -41,9 +41,9 @@ from lengthgen.train.config import RunConfig
 LOCK = ".lengthgen.lock"
 METRICS = "metrics.jsonl"
 #: what lengthgen writes in its folders (run, compare, retrofit, report); overwriting deletes only these
-WRITTEN = frozenset({"config.json", METRICS, "latest.json", "checkpoints", "eval.json", "eval_bema.json", "tb",
-                     "results.json", "report.md", "extrapolation.png", "diagnostics.png", "runs", "finetune",
-                     "control"})
+WRITTEN = frozenset({"config.json", "run.json", METRICS, "latest.json", "checkpoints", "eval.json", "eval_bema.json",
+                     "tb", "results.json", "report.md", "extrapolation.png", "diagnostics.png", "runs", "pretrain",
+                     "finetune", "control"})
 T = TypeVar("T")
 
 

@@ -35,17 +35,18 @@ import torch
 import torch.nn as nn
 
 from lengthgen.data.config import step_generator
-from lengthgen.eval import RunEval, eval_source, evaluate
+from lengthgen.eval import Provenance, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import distributed, run_folder
 from lengthgen.train.bema import BEMA
 from lengthgen.train.config import RunConfig, save_config
 from lengthgen.train.data import split_batch
-from lengthgen.train.log import MetricsLog
+from lengthgen.train.log import RunLog
 from lengthgen.train.optim import build_optimizers, capture_logits, clip_captured_logits, set_lr
 from lengthgen.train.schedule import lr_multiplier
 from lengthgen.train.setup import autocast_dtype, check_resume, check_world, device_type, resolve
+from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
 from lengthgen.train.weights import load_initial_weights
 
 
@@ -89,6 +90,8 @@ class Trainer:
         if self.world > 1:
             check_world(cfg, self.world)
         self.autocast_dtype = autocast_dtype(tc, kind)
+        if tc.wandb and self.is_main:
+            import_wandb(tc.wandb)
         if kind == "cuda":
             torch.set_float32_matmul_precision("high")
 
@@ -347,6 +350,24 @@ class Trainer:
             entry["rank_batch_size"] = int(batch.tokens.shape[0])
         return entry
 
+    def _open_log(self, end: int) -> RunLog:
+        """This session's log; on rank 0, when there are steps to train until ``end``, it adds the start to
+        ``run.json``, prints the header and opens TensorBoard (and W&B). A finished run reused as it is logs
+        nothing."""
+        cfg = self.config
+        active = self.is_main and self.step < end
+        log = RunLog(self.run_dir, total=cfg.train.steps, start=self.step, lr=cfg.train.lr, enabled=active,
+                     progress=self.progress)
+        if active:
+            provenance = Provenance.capture(self.device)
+            parameters = sum(p.numel() for p in self.model.parameters())
+            info = record_start(self.run_dir, self.step, parameters, provenance)
+            dtype = f"{self.autocast_dtype} autocast".replace("torch.", "") if self.autocast_dtype else "float32"
+            header = run_header(cfg, self.run_dir, parameters=parameters, dtype=dtype, world=self.world,
+                                start=self.step, provenance=provenance)
+            log.start(header, Trackers(self.run_dir, cfg, self.step, header, info))
+        return log
+
     def fit(self, stop_at: int | None = None) -> TrainResult:
         """Train until ``train.steps`` (or until ``stop_at`` steps, then checkpoint as if interrupted)."""
         cfg, tc = self.config, self.config.train
@@ -354,12 +375,10 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.run_dir)
         end = tc.steps if stop_at is None else min(tc.steps, stop_at)
-        log = MetricsLog(self.run_dir, enabled=self.is_main)
+        log = self._open_log(end)
         if self.extended:
-            log.append(self.extended)
+            log.record(self.extended)
             self.extended = None
-        bar = _progress(total=tc.steps, initial=self.step, disable=not self.progress,
-                        desc=cfg.name or self.run_dir.name)
         start_time, start_tokens = time.perf_counter(), self.tokens
         saved_threads = torch.get_num_threads()
         if tc.threads:
@@ -371,14 +390,10 @@ class Trainer:
                 step, elapsed = self.step, time.perf_counter() - start_time
                 tokens_per_s = (self.tokens - start_tokens) / max(elapsed, 1e-9)
                 entry.update(step=step, tokens=self.tokens, tokens_per_s=tokens_per_s, time=elapsed)
-                if step % tc.log_every == 0 or step == end:
-                    log.append(entry)
-                bar.update(1)
-                bar.set_postfix(step=step, loss=f"{entry['loss']:.4g}", tok_s=f"{tokens_per_s:.3g}")
+                log.step(entry, tc.log_every, end)
                 if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
                     self.metrics = self._periodic_eval()
-                    if self.metrics:
-                        log.append({"step": step, **self.metrics})
+                    log.evaluation(step, self.metrics)
                 if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
                     self.save_checkpoint()
             if self._saved_step != self.step:
@@ -387,17 +402,10 @@ class Trainer:
                 self._final_eval()
         finally:
             torch.set_num_threads(saved_threads)
-            bar.close()
             log.close()
         self.model.eval()
         return TrainResult(self.model, self.run_dir, self.step, list(self.history), cfg, self.metrics,
                            self.last_checkpoint, self, self.evaluation)
-
-
-def _progress(**kwargs: Any) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(**kwargs)
 
 
 def train(config: RunConfig | dict | str | Path, out_dir: str | Path, *, progress: bool = True,
@@ -408,6 +416,8 @@ def train(config: RunConfig | dict | str | Path, out_dir: str | Path, *, progres
     ``out_dir`` must be empty unless ``overwrite`` (delete the run there first) or ``resume``: continue from the
     folder's newest readable checkpoint (from step 0 if there is none), refused if the config changes the
     training trajectory; ``extend`` lets it change ``train.steps`` (recorded in ``metrics.jsonl``).
+    ``progress``: a progress bar when stdout is a terminal, else (and with ``progress=False``) a plain line
+    every ``train.log_every`` steps.
     ``stop_at`` ends after that many steps with a checkpoint, as if interrupted (the schedule still
     spans ``train.steps``). Raises `ConfigError` before training for a bad config, `RunFolderError` for a folder
     in use or holding another run, and `NonFiniteLossError` (naming the step and the last good checkpoint) when

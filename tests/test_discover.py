@@ -1,0 +1,93 @@
+"""Discoverability: ``lengthgen --version``, ``--help`` pointing at ``lengthgen config show``, which prints every
+key of a resolved config with its value, meaning and valid values, and ``help()`` of the config classes."""
+
+from __future__ import annotations
+
+import dataclasses
+import pydoc
+import re
+from pathlib import Path
+
+import pytest
+
+from lengthgen.attention import PRESETS, AttentionSpec
+from lengthgen.cli import build_parser, main
+from lengthgen.config import describe
+from lengthgen.data.config import DataConfig
+from lengthgen.model.config import GPTConfig
+from lengthgen.train.config import BemaConfig, RunConfig, TrainConfig, save_config
+from lengthgen.version import __version__
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def shown(capsys, *args: str) -> dict[str, tuple[str, str]]:
+    """``lengthgen config show ARGS`` as {dotted key: (value, comment)}."""
+    assert main(["config", "show", *args]) == 0
+    keys, section = {}, ""
+    for line in capsys.readouterr().out.splitlines():
+        if m := re.fullmatch(r"\[([\w.]+)\]  # .+", line):
+            section = m[1] + "."
+        elif m := re.fullmatch(r"(\w+) = (.+?) +# (.+)", line):
+            keys[section + m[1]] = (m[2], m[3])
+    return keys
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"lengthgen {__version__}"
+
+
+@pytest.mark.parametrize("command", [None, "train", "compare"])
+def test_help_points_to_config_show(command):
+    parser = build_parser()
+    if command:
+        parser = next(a for a in parser._actions if a.dest == "command").choices[command]
+    assert "lengthgen config show" in parser.format_help()
+    if command is None:                                         # the seeds cited by number, one line each
+        assert all(f"{n:03d} " in parser.format_help() for n in range(5))
+
+
+def test_config_show_prints_every_key_with_value_meaning_and_choices(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    keys = shown(capsys, "counting", "--set", "model.attention=l2", "--set", "train.steps=7")
+    leaves = {key: (what, doc) for key, what, _, doc in describe(RunConfig) if what != "a table"
+              or key in ("data.task_kwargs", "data.text", "model.init_overrides", "compare")}
+    assert set(keys) == set(leaves)
+    for key, (what, doc) in leaves.items():
+        assert keys[key][1] == f"{doc} [{what}]", key
+    assert keys["train.steps"][0] == "7" and keys["model.attention.softmax_p"][0] == "2.0"
+    assert keys["data.task"][0] == '"counting"' and keys["train.eval_lengths"][0] == "[32, 128]"
+    assert keys["train.optimizer"][1].endswith("[one of adamw, muon]")
+
+
+def test_config_show_reads_run_folders_compare_and_attention(tmp_path, capsys, monkeypatch):
+    save_config(RunConfig().override("train.lr=0.025", "model.attention.out_norm=head_rms"), tmp_path)
+    keys = shown(capsys, str(tmp_path))
+    assert keys["train.lr"][0] == "0.025" and keys["model.attention.out_norm"][0] == '"head_rms"'
+    assert shown(capsys, "compare")["data.task"][0] == '"dyck"'
+    monkeypatch.chdir(tmp_path)                                 # no configs/ here: names that are not files
+    assert shown(capsys, "avnorm")["out_norm"][0] == '"head_layer"'
+    assert main(["config", "show", "attention"]) == 0
+    out = capsys.readouterr().out
+    assert all(re.search(rf"^{name} +\S", out, flags=re.M) for name in PRESETS)
+    assert re.search(r'^l2 +softmax_p=2\.0$', out, flags=re.M)
+
+
+def test_config_show_names_the_choices_of_a_bad_argument(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert main(["config", "show", "no_such_config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'no_such_config' is not a config file" in err and "counting" in err
+    assert main(["config", "show", "counting", "--set", "train.lr=nan"]) == 2
+    assert "train.lr=nan is not valid" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls", [AttentionSpec, GPTConfig, TrainConfig, BemaConfig, RunConfig, DataConfig])
+def test_help_documents_every_field(cls):
+    text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    for f in dataclasses.fields(cls):
+        line = next((l for l in text.splitlines() if re.match(rf"\W*{f.name}: ", l)), None)
+        assert line and f.metadata["doc"] in line, (cls.__name__, f.name)
+    assert "softmax_p: p-softmax power" in pydoc.render_doc(AttentionSpec, renderer=pydoc.plaintext)
