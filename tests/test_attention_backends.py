@@ -197,16 +197,31 @@ def test_many_documents_and_blocks():
             torch.testing.assert_close(g_got, g_want, **F64)
 
 
-def test_default_blocks():
-    assert tiled.default_blocks(4) == (1024, 1024)
-    for bh in (1, 3, 8, 12, 32, 64, 1000):
-        qb, kb = tiled.default_blocks(bh)
-        assert qb >= tiled.QUERY_BLOCK and kb >= tiled.KEY_BLOCK and max(qb, kb) <= tiled.MAX_BLOCK
-        assert bh * qb * kb <= tiled.BLOCK_ELEMENTS or (qb, kb) == (tiled.QUERY_BLOCK, tiled.KEY_BLOCK)
+@pytest.mark.parametrize("changes", [{}, dict(window=7), dict(doc_masking=True), dict(doc_masking=True, window=5)],
+                         ids=["causal", "window", "doc", "doc_window"])
+@pytest.mark.parametrize("lq,q_block,k_block", [(30, 4, 3), (30, 5, 8), (12, 7, 7), (30, 16, 64)])
+def test_plan_covers_each_visible_pair_once(changes, lq, q_block, k_block):
+    """Every (row, key) pair the mask mods show lies in exactly one block; unmasked blocks show all their pairs;
+    each band's grid columns are its keys' distances."""
+    spec, lk = AttentionSpec(**changes), 30
+    docs = make_docs(2, lk, seed=lq)
+    starts = mods.document_starts(spec, docs)
+    visible = mods.dense_mask(mods.mask_mod_for(spec, lq, lk, starts), 2, lq, lk)[:, 0]
+    plan = tiled._plan(mods.first_visible(spec, lq, lk, starts), lq, lk, q_block, k_block, explicit=False)
+    count = torch.zeros(lq, lk, dtype=torch.long)
+    for n, band in plan:
+        for blk in band:
+            count[blk.rows, blk.keys] += 1
+            if not blk.masked:
+                assert visible[:, blk.rows, blk.keys].all(), (n, blk)
+            rows, cols = blk.grid                     # distance of (row r, column c) is r - c - Q + nK
+            r0, c0 = blk.rows.start, blk.keys.start
+            assert (lk - lq + r0) - c0 == rows.start - cols.start - q_block + n * k_block
+    assert (count <= 1).all() and (count[visible.any(0)] == 1).all()
 
 
 def test_default_blocks_long_input_matches_dense():
-    """Several default-size blocks (1024 x 1024 for batch * heads = 1): p=2 with a window crossing blocks."""
+    """Several default-size blocks and bands: p=2 with a window crossing blocks."""
     spec = AttentionSpec(softmax_p=2.0, window=1100, distance="alibi")
     q, k, v = make_inputs(b=1, h=1, hkv=1, lq=1300, lk=1300, d=4, seed=21, requires_grad=True)
     want = attend(q, k, v, spec, backend="dense")
