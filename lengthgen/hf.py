@@ -25,7 +25,7 @@ mask HF builds (padding, packed sequences from ``position_ids``). `retrofit` war
 Masks: the ``"lengthgen"`` mask is HF's boolean SDPA mask. A mask that is "causal (+ sliding window) within
 contiguous runs" on the real query rows (left or right padding, packed sequences, KV-cache decoding) becomes
 ``doc_ids`` for `lengthgen.attend` (any backend). Any other causal mask is passed to `attend` as an explicit
-mask (dense, tiled or sdpa; n_i = the number of keys the row sees); masks that let a query see later keys
+mask (dense, tiled, sdpa or cpu_flash; n_i = the number of keys the row sees); masks that let a query see later keys
 raise ValueError.
 
 Limits: causal decoder self-attention only (no encoder / cross attention, softcapping, attention sinks,
@@ -358,7 +358,8 @@ def retrofit(model: nn.Module, spec: AttentionSpec | str | dict | None = "baseli
     captures the attention input for the gate, sets ``module.lengthgen_spec``, ``config.lengthgen_spec`` (saved by
     ``save_pretrained``) and ``attn_implementation="lengthgen"``. Outputs are unchanged at init when the spec
     allows it (baseline, 2sigmoid gates); otherwise, and for spec fields the HF path ignores, it warns
-    (see `retrofit_notes`). ``backend``: the `attend` backend (auto | dense | tiled | sdpa | flex | triton).
+    (see `retrofit_notes`). ``backend``: the `attend` backend (auto | dense | tiled | sdpa | cpu_flash | flex |
+    triton).
     """
     register()
     spec = resolve_spec(spec)

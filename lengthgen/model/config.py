@@ -33,7 +33,7 @@ from lengthgen.model.norms import Norm
 Placement = Literal["pre", "post", "peri", "hybrid", "hybrid_star", "mix"]
 Mlp = Literal["gelu", "relu2"]
 Head = Literal["lm", "regress", "classify"]
-Backend = Literal["auto", "dense", "tiled", "sdpa", "flex", "triton"]
+Backend = Literal["auto", "dense", "tiled", "sdpa", "cpu_flash", "flex", "triton"]
 PLACEMENTS = typing.get_args(Placement)
 #: placements that end with a norm before the head (post ends normalized already)
 FINAL_NORM_PLACEMENTS = ("pre", "peri", "hybrid", "hybrid_star", "mix")

@@ -19,7 +19,8 @@ import torch
 
 from lengthgen.attention.spec import AttentionSpec
 
-MODULES = {"dense": "dense", "tiled": "tiled", "sdpa": "sdpa", "flex": "flex", "triton": "triton_psoftmax"}
+MODULES = {"dense": "dense", "tiled": "tiled", "sdpa": "sdpa", "cpu_flash": "cpu_flash", "flex": "flex",
+           "triton": "triton_psoftmax"}
 BACKENDS = ("auto", *MODULES)
 
 # Below this many (query x key) pairs per head the dense oracle is a fast CPU engine with small memory.
