@@ -75,10 +75,12 @@ class _Work:
     """One call's shapes, scratch buffers and band terms. Layout: q (B, Hkv, G, Lq, D); k, v (B*Hkv, Lk, D);
     a block's logits (B*Hkv, G*q, k) for the matrix products, viewed (B, Hkv, G, q, k) for the rest."""
 
-    def __init__(self, q, k, score_mod, mask_mod, blocks: tuple[int, int]) -> None:
+    def __init__(self, q, k, p: float, score_mod, mask_mod, blocks: tuple[int, int]) -> None:
         self.b, self.hkv, self.groups, self.lq = q.shape[:4]
         self.offset, self.score_mod, self.mask_mod, self.blocks = k.shape[1] - self.lq, score_mod, mask_mod, blocks
-        self.floor = math.log(torch.finfo(q.dtype).tiny) + 1.0              # exp(floor) is a normal number
+        self.p = p
+        # exp(floor) is a normal number; for p = 2, exp(y)^2 too
+        self.floor = (math.log(torch.finfo(q.dtype).tiny) + 1.0) / (2.0 if p == 2 else 1.0)
         self.scratch = [q.new_empty(self.b * self.hkv * self.groups * blocks[0] * blocks[1]) for _ in range(3)]
 
     def rows(self, x: torch.Tensor, blk: _Block) -> torch.Tensor:
@@ -137,11 +139,37 @@ class _Work:
         y = y.clamp_(min=self.floor).exp_()
         return y if visible is None else y.mul_(visible)
 
+    def exp_p(self, y: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+        """``exp(p y)`` in scratch 1 (exp(p y), not exp(y)^p, which underflows first for p < 1)."""
+        return self.exp_(torch.mul(y, self.p, out=self.scratch[1][: y.numel()].view(y.shape)), visible)
+
+    def forward_sums(self, y: torch.Tensor, visible: torch.Tensor | None):
+        """``e = exp(y)`` in place and the block's row sums of e and of ``exp(p y)`` (the same tensor for p = 1)."""
+        if self.p not in (1, 2):
+            sum_p = self.exp_p(y, visible).sum(-1, keepdim=True)
+        e = self.exp_(y, visible)
+        sum_1 = e.sum(-1, keepdim=True)
+        if self.p in (1, 2):
+            sum_p = sum_1 if self.p == 1 else e.square().sum(-1, keepdim=True)
+        return e, sum_1, sum_p
+
+    def logit_grad(self, y: torch.Tensor, visible: torch.Tensor | None, dl: torch.Tensor, delta: torch.Tensor):
+        """``e = exp(y)`` in place and, in place of ``dl = dO'_i . v_j``, ``e_ij dl_ij - exp(p y_ij) delta'_i``."""
+        pi = self.exp_p(y, visible) if self.p not in (1, 2) else None
+        e = self.exp_(y, visible)
+        if self.p == 1:
+            dl.sub_(delta).mul_(e)
+        elif self.p == 2:
+            dl.addcmul_(e, delta, value=-1.0).mul_(e)
+        else:
+            dl.mul_(e).addcmul_(pi, delta, value=-1.0)
+        return e, dl
+
 
 class _TiledPSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, p, score_mod, mask_mod, plan, blocks):
-        work = _Work(q, k, score_mod, mask_mod, blocks)
+        work = _Work(q, k, p, score_mod, mask_mod, blocks)
         stats = q.new_zeros((3,) + q.shape[:-1] + (1,))              # row max, S_1, S_p: (B, Hkv, G, Lq, 1)
         m, s1, sp = stats.unbind(0)
         m.fill_(float("-inf"))
@@ -156,12 +184,10 @@ class _TiledPSoftmax(torch.autograd.Function):
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # rows that saw nothing
                 corr = torch.exp(m_blk - m_safe)
                 y -= m_safe
-                if p != 1:     # exp(p y), not exp(y)^p, which underflows first for p < 1
-                    pi = work.exp_(torch.mul(y, p, out=work.split(work.buffer(1, *q_rows.shape[1:2], y.shape[-1]))),
-                                   visible)
-                    sp[..., blk.rows, :].mul_(corr.pow(p)).add_(pi.sum(-1, keepdim=True))
-                e = work.exp_(y, visible)
-                s1[..., blk.rows, :].mul_(corr).add_(e.sum(-1, keepdim=True))
+                e, sum_1, sum_p = work.forward_sums(y, visible)
+                s1[..., blk.rows, :].mul_(corr).add_(sum_1)
+                if p != 1:
+                    sp[..., blk.rows, :].mul_(corr.pow(p)).add_(sum_p)
                 pv = torch.bmm(e.view(q_rows.shape[0], -1, e.shape[-1]), v[:, blk.keys])
                 acc[..., blk.rows, :].mul_(corr).add_(work.split(pv))
                 m[..., blk.rows, :] = m_new
@@ -179,7 +205,7 @@ class _TiledPSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_lse1, _d_lsep):
         q, k, v, out, m, scale = ctx.saved_tensors
-        p, work = ctx.p, _Work(q, k, *ctx.mods, ctx.blocks)
+        p, work = ctx.p, _Work(q, k, ctx.p, *ctx.mods, ctx.blocks)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         delta = (d_out * out).sum(-1, keepdim=True) * scale.pow(p)   # (dO_i . out_i) / S_p
         d_scaled = d_out * scale                                     # dO_i S_p^(-1/p): w = e S_p^(-1/p)
@@ -190,13 +216,8 @@ class _TiledPSoftmax(torch.autograd.Function):
                 y, visible = work.logits(q_rows, k, blk, a, bias)
                 y -= m[..., blk.rows, :]                                                     # <= 0
                 shape = (q_rows.shape[1], y.shape[-1])
-                pi = work.exp_(torch.mul(y, p, out=work.split(work.buffer(1, *shape))), visible) if p != 1 else None
-                e = work.exp_(y, visible)
                 dl = work.split(torch.bmm(do, v[:, blk.keys].transpose(1, 2), out=work.buffer(2, *shape)))
-                if p == 1:
-                    dl.sub_(delta[..., blk.rows, :]).mul_(e)
-                else:
-                    dl.mul_(e).addcmul_(pi, delta[..., blk.rows, :], value=-1.0)
+                e, dl = work.logit_grad(y, visible, dl, delta[..., blk.rows, :])
                 e3 = e.view(q_rows.shape[0], *shape)
                 dv[:, blk.keys].baddbmm_(e3.transpose(1, 2), do)
                 if a is not None:
