@@ -217,6 +217,8 @@ def test_explicit_mask_errors_and_backends():
             name = backends.choose(AttentionSpec(softmax_p=2.0), q, length, training, masked=True)
             assert name in ("dense", "tiled")
         assert backends.choose(AttentionSpec(), q, 16, training, masked=True) == "sdpa"
+        long = torch.empty(2, 2, 4096, 4)
+        assert backends.choose(AttentionSpec(), long, 4096, training, masked=True) == "cpu_flash"
 
 
 # ---------------------------------------------------------------------------------------------------

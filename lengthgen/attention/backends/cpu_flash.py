@@ -8,7 +8,7 @@ Otherwise each block of `QUERY_BLOCK` query rows attends to the keys it can see 
 additive mask: ``bias_t`` (`mods.affine_terms`) where the mask mods show the key, -inf elsewhere. The part that
 depends on ``t = i - j`` only (bias, causal, window) is one (H|1, Q, W) table whose slices are the blocks'
 masks; documents and explicit masks are added per block. Keys and values are never copied per query head (the
-kernel takes grouped-query attention); values need the queries' head_dim.
+kernel takes grouped-query attention); a value head_dim other than the queries' is zero-padded to the larger.
 
 Not here: ``scale_invariant`` multiplies the logits by ``a_t``, which an additive mask cannot; ``p != 1`` through
 ``out_p = out_1 * exp(LSE_1 - LSE_p / p)`` with a second call for LSE_p costs 2x a softmax call (measured), no
@@ -20,6 +20,7 @@ tolerance). Both run on `tiled`.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
@@ -27,8 +28,9 @@ from lengthgen.attention.spec import AttentionSpec
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-# Query rows per call, measured with benchmarks/attention_cpu.py (see `lengthgen.attention.backends.choose`).
-QUERY_BLOCK = 256
+# Query rows per call: 128 was the fastest or within 7% of 64..1024 (ALiBi, documents, window L/4; L 1K-4K;
+# head_dim 16 and 64; 1 thread); larger blocks compute more of the masked triangle, smaller ones call more often.
+QUERY_BLOCK = 128
 
 
 def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:
@@ -129,12 +131,13 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     reason = unsupported(spec, qs, False)
     if reason:
         raise ValueError(f"backend 'cpu_flash' cannot run this spec: {reason}")
-    if v.shape[-1] != qs.shape[-1]:
-        raise ValueError(f"backend 'cpu_flash' needs values with the queries' head_dim {qs.shape[-1]}, got "
-                         f"{v.shape[-1]} (use tiled or dense)")
     dtype, (qs, k, v) = v.dtype, fn.kernel_inputs(qs, k, v)
+    d, dv = qs.shape[-1], v.shape[-1]
+    if d != dv:             # the kernel takes one head size: zero columns change no logit and add output columns
+        qs, k, v = F.pad(qs, (0, max(d, dv) - d)), F.pad(k, (0, max(d, dv) - d)), F.pad(v, (0, max(d, dv) - dv))
     blocks = _Blocks(spec, qs, k.shape[-2], mods.document_starts(spec, doc_ids), mask, q_block or QUERY_BLOCK)
     out, lse = _FlashSoftmax.apply(qs, k, v, blocks)
+    out = out[..., :dv]
     if not return_lse:
         return out.to(dtype)
     if mask is not None:        # the kernel gives LSE 0 to a row that sees nothing
