@@ -36,9 +36,9 @@ from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
-# Block sides, measured with benchmarks/attention_cpu.py (batch 1, 4 heads, head_dim 64, float32, 1 and 2
-# threads): 128 x 512 was the fastest of 64..1024 a side; 128 rows x 512 keys x 4 heads of float32 logits
-# (1 MiB) stay in a core's L2 cache.
+# Block sides: at L = 4K (1 thread; batch 1, 4 heads, head_dim 64) 64..256 rows x 256..1024 keys ran within
+# 10% of each other (the noise of a shared machine) and 1024 x 1024 2x slower; 128 x 512 sits in the middle, its
+# logits for 4 heads (1 MiB of float32) in a core's L2 cache.
 QUERY_BLOCK = 128
 KEY_BLOCK = 512
 
@@ -81,7 +81,8 @@ class _Work:
         self.p = p
         # exp(floor) is a normal number; for p = 2, exp(y)^2 too
         self.floor = (math.log(torch.finfo(q.dtype).tiny) + 1.0) / (2.0 if p == 2 else 1.0)
-        self.scratch = [q.new_empty(self.b * self.hkv * self.groups * blocks[0] * blocks[1]) for _ in range(3)]
+        block = min(blocks[0], self.lq) * min(blocks[1], k.shape[1])   # the largest block's logits per head
+        self.scratch = [q.new_empty(self.b * self.hkv * self.groups * block) for _ in range(3)]
 
     def rows(self, x: torch.Tensor, blk: _Block) -> torch.Tensor:
         """Rows of a (B, Hkv, G, L, d) tensor as (B*Hkv, G*q, d) (a copy only when G > 1)."""
