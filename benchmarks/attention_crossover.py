@@ -7,8 +7,9 @@ head_dim 64: `attention_cpu.py`'s setup) and ``demo`` (the demo model's attentio
 2048 / L, 4 heads, head_dim 16). Spec classes: softmax with a window of L/4 or packed documents (sdpa with a
 mask, cpu_flash, tiled, dense), ALiBi (cpu_flash, tiled, dense), p = 2 with and without documents and
 scale-invariant (tiled, dense). ``time_ms`` is the median of 5 (3 above L = 512) steps after one untimed step,
-process CPU time with one thread; each row names the fastest backend. The thresholds in
-`lengthgen.attention.backends` (``DENSE_MAX_LOGITS``, ``SDPA_MASK_MAX_PAIRS``) come from these rows.
+process CPU time with one thread; each row names the fastest backend and `auto`'s pick. The thresholds in
+`lengthgen.attention.backends` (``SDPA_MASK_MAX_PAIRS``, ``FLASH_DENSE_MAX_LOGITS``, ``TILED_DENSE_MAX_*``)
+come from these rows.
 """
 
 from __future__ import annotations

@@ -368,25 +368,31 @@ def test_choose_sdpa_for_plain_causal_softmax():
 
 def test_choose_memory_linear_engines_for_long_inputs():
     """Long inputs: cpu_flash for softmax with masks or additive distance terms, tiled for the rest."""
-    long = int(math.isqrt(backends.DENSE_MAX_LOGITS)) + 1
     for spec in (AttentionSpec(window=128), AttentionSpec(doc_masking=True), AttentionSpec(distance="alibi", window=64),
                  PRESETS["log_bias"]):
-        assert backends.choose(spec, _q(long), long, True) == "cpu_flash", spec
+        assert backends.choose(spec, _q(1024), 1024, True) == "cpu_flash", spec
     for spec in (AttentionSpec(softmax_p=2.0), PRESETS["scale_invariant"], AttentionSpec(softmax_p=0.5, window=8)):
-        assert backends.choose(spec, _q(long), long, True) == "tiled", spec
+        assert backends.choose(spec, _q(1024), 1024, True) == "tiled", spec
 
 
 def test_choose_crossovers():
-    """The measured thresholds: sdpa with a mask up to SDPA_MASK_MAX_PAIRS pairs per head, dense up to
-    DENSE_MAX_LOGITS logits over batch and heads (or DECODE_MAX_LOGITS for fewer than DECODE_ROWS queries)."""
+    """The measured thresholds: sdpa with a mask up to SDPA_MASK_MAX_PAIRS pairs per head; dense up to
+    FLASH_DENSE_MAX_LOGITS logits where cpu_flash runs the spec, up to TILED_DENSE_MAX_LOGITS logits and
+    TILED_DENSE_MAX_PAIRS pairs per head where tiled does, and up to DECODE_MAX_LOGITS for < DECODE_ROWS queries."""
     side = int(math.isqrt(backends.SDPA_MASK_MAX_PAIRS))
     assert backends.choose(AttentionSpec(window=128), _q(side), side, True) == "sdpa"
     assert backends.choose(AttentionSpec(window=128), _q(side + 1), side + 1, True) == "cpu_flash"
+    alibi = PRESETS["alibi"]
+    side = int(math.isqrt(backends.FLASH_DENSE_MAX_LOGITS // 2))                 # _q has batch x heads = 2
+    assert backends.choose(alibi, _q(side), side, True) == "dense"
+    assert backends.choose(alibi, _q(side + 1), side + 1, True) == "cpu_flash"
     p2 = AttentionSpec(softmax_p=2.0)
-    side = int(math.isqrt(backends.DENSE_MAX_LOGITS // 2))                       # _q has batch x heads = 2
+    side = int(math.isqrt(backends.TILED_DENSE_MAX_PAIRS))
     assert backends.choose(p2, _q(side), side, True) == "dense"
-    assert backends.choose(p2, _q(side + 1), side + 1, True) == "tiled"
-    assert backends.choose(p2, torch.empty(64, 4, 32, 8), 32, True) == "tiled"   # batch x heads count too
+    assert backends.choose(p2, _q(side + 1), side + 1, True) == "tiled"         # pairs per head
+    many = backends.TILED_DENSE_MAX_LOGITS // (32 * 32 * 4)
+    assert backends.choose(p2, torch.empty(many, 4, 32, 8), 32, True) == "dense"
+    assert backends.choose(p2, torch.empty(many + 1, 4, 32, 8), 32, True) == "tiled"   # logits over batch x heads
     # decoding: a few queries against many keys stay on dense while the logits are small enough
     assert backends.choose(p2, _q(1), 100_000, False) == "dense"
     assert backends.choose(p2, _q(backends.DECODE_ROWS), 100_000, False) == "tiled"
