@@ -106,6 +106,24 @@ def test_builders_add_the_query_offset_once():
     torch.testing.assert_close(rows, absolute, **F64)
 
 
+@pytest.mark.parametrize("distance", ["scale_invariant", "alibi", "log_bias"])
+def test_affine_terms_are_the_mod_and_depend_on_distance_only(distance):
+    """What tiled and cpu_flash rely on: each score mod is ``a_t s + bias_t`` (a_t None when it is 1), and the
+    terms depend on the head and on t = i - j only (blocks at the same distances share them)."""
+    spec = AttentionSpec(distance=distance, tau=3.0, log_bias_lambda=0.7)
+    score = mods.score_mod_for(spec, 4, 12, 12, dtype=torch.float64)
+    a, bias = mods.affine_terms(score, 4, torch.arange(12), torch.arange(12), torch.float64)
+    assert (a is None) == (distance != "scale_invariant") and bias.shape[-2:] == (12, 12)
+    s = randn(1, 4, 12, 12, seed=5) * 10
+    grid = mods.grids(1, 4, torch.arange(12), torch.arange(12))
+    torch.testing.assert_close(score(s, *grid), s * (1 if a is None else a) + bias, **F64)
+    shifted = mods.affine_terms(score, 4, torch.arange(12) + 5, torch.arange(12) + 5, torch.float64)
+    for x, y in zip((a, bias), shifted):
+        assert (x is None and y is None) or torch.equal(x, y)
+    a32, bias32 = mods.affine_terms(score, 4, torch.arange(12), torch.arange(12), torch.float32)
+    assert bias32.dtype == torch.float32 and (a32 is None) == (a is None)     # rounded once, from float64
+
+
 # ---------------------------------------------------------------------------------------------------
 # one visibility: first_visible and n_i agree with the mask mods
 
