@@ -297,3 +297,11 @@ def test_cpu_flash_return_lse(dtype):
     _, lse_1, lse_p = cpu_flash.attention(qs, k, v, spec, docs, mask=mask, q_block=3, return_lse=True)
     assert torch.isinf(lse_1[1, :, 3]).all() and torch.isinf(lse_p[1, :, 3]).all()
     assert torch.isfinite(lse_1[0]).all() and torch.isfinite(lse_1[1, :, :3]).all()
+
+
+def test_additive_mask():
+    visible = torch.tensor([[True, False, True]])
+    assert torch.equal(mods.additive(visible, torch.float32), torch.tensor([[0.0, float("-inf"), 0.0]]))
+    ones = visible.double()
+    assert torch.equal(mods.additive(ones, torch.float64), torch.tensor([[0.0, float("-inf"), 0.0]], dtype=torch.float64))
+    assert torch.equal(ones, visible.double())                                 # the 0 / 1 input is kept

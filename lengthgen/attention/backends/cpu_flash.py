@@ -91,7 +91,7 @@ class _Blocks:
         if per_block:
             grid = mods.grids(self.batch, 1, torch.arange(rows.start, rows.stop, device=out.device),
                               torch.arange(keys.start, keys.stop, device=out.device))
-            out = out + self.mask_mod(*grid).to(out.dtype).reciprocal_().sub_(1).neg_()   # 1 -> 0, 0 -> -inf
+            out = out + mods.additive(self.mask_mod(*grid), out.dtype)
         return out
 
 

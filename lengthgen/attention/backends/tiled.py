@@ -131,7 +131,7 @@ class _Work:
             grid = mods.grids(self.b, 1, torch.arange(blk.rows.start, blk.rows.stop, device=device),
                               torch.arange(blk.keys.start, blk.keys.stop, device=device))
             visible = self.mask_mod(*grid).unsqueeze(2).to(s.dtype)
-            s += visible.reciprocal().sub_(1).neg_()                 # 1 -> 0, 0 -> -inf
+            s += mods.additive(visible, s.dtype)
             return s, visible
         return s, None
 
