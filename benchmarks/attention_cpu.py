@@ -1,34 +1,25 @@
-"""CPU benchmark of the attention core: `tiled` vs the `dense` oracle, forward + backward.
+"""CPU benchmark of the attention core: every CPU backend x variant against SDPA's flash kernel (p = 1, causal)
+in the same run, forward + backward, and the peak memory of the memory-linear backends.
 
-    python benchmarks/attention_cpu.py [--lengths 1024,2048] [--specs baseline,l2] [--backends tiled,dense]
-                                       [--out file.json]
+    python benchmarks/attention_cpu.py --out benchmarks/results/NAME          # writes NAME.json and NAME.md
+    python benchmarks/attention_cpu.py --lengths 512,2048 --threads 1 --variants l2,alibi --backends auto,tiled
 
-Setup: batch 1, 4 heads, head_dim 64, float32, causal, ``attend(q, k, v, spec, backend=...)`` followed by
-``out.backward(grad)``; specs are presets (``baseline`` = softmax p=1, ``l2`` = p-softmax p=2).
+Setup: batch 1, 4 heads, head_dim 64 (``--head-dim``), float32, causal; one step is ``attend(q, k, v, spec,
+backend=...)`` and ``autograd.grad`` of a fixed upstream gradient. Variants (`VARIANTS`) are NoPE specs (positions
+belong to the layer, not to attend): windows of L/4, packed documents of L/16..L/4 tokens
+(`lengthgen.experiments.bench.packed_doc_ids`). ``auto`` rows name the backend it picked.
 
-How memory is measured (CPU has no allocator statistics like ``torch.cuda.max_memory_allocated``):
+Time: one fresh subprocess per (threads, L) times the reference ``F.scaled_dot_product_attention(is_causal=True)``
+and every (variant, backend) in interleaved rounds, so that a busy moment of a shared machine slows all alike.
+``time_s`` is the median over ``--repeats`` rounds after one untimed step (above 4K: one round after an untimed
+step at 256): process CPU time with one thread (other processes on the machine barely move it), wall time with
+more. ``ratio`` = time_s / the reference's time_s; ``spread`` = the lowest and highest per-round ratio (noise).
 
-* ``peak_MiB``: each (L, backend, spec) is measured in a fresh subprocess started with
-  ``MALLOC_MMAP_THRESHOLD_=65536``, so that glibc serves every tensor above 64 KiB with its own mmap and
-  returns it to the OS when freed (by default glibc's threshold adapts and keeps freed blocks, which made the
-  resident size depend on allocation history: +-50% between identical runs). The subprocess imports torch,
-  allocates its inputs, runs one small forward + backward (lazy library initialization is not counted), reads
-  the process high-water resident set size ``ru_maxrss`` (getrusage), runs the measured forward + backward
-  once and reads ``ru_maxrss`` again. The difference is the peak of extra memory the step needed: every live
-  tensor at the worst moment (saved activations, temporaries, gradients, output) as the OS saw it. It excludes
-  the inputs q, k, v and the upstream gradient (allocated before). Identical runs agree to ~0.5 MiB.
-* ``saved_MiB``: the bytes of the distinct tensors autograd saves for backward
-  (``torch.autograd.graph.saved_tensors_hooks``, inputs included), a deterministic, allocator-free lower
-  bound of what a training step must keep between forward and backward.
-
-Timing runs in a second fresh subprocess with the default allocator (the fixed mmap threshold slows large
-allocations). ``time_s`` is the median wall time of ``--repeats`` forward + backward steps after one untimed
-full-size step; above 4K it is a single step after the small warm-up only. Threads: torch's default unless
-``--threads``. On a shared machine wall times are noisy, so ``cpu_s`` (process CPU time, all threads) is
-reported alongside. ``ratio`` is time_s over dense's time_s at the same L and spec.
-
-Dense memory grows like L^2; it is skipped above ``--dense-max-length`` (default 8192) or when its estimate
-(``DENSE_BYTES_PER_PAIR`` bytes per (head, query, key) triple) exceeds ``--dense-max-gib`` (default 8).
+Memory (``--memory-variants``, backends tiled and cpu_flash, and dense up to ``--dense-max-length``): each
+(L, variant, backend) in a fresh subprocess started with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every
+tensor above 64 KiB on its own and returns it when freed, so the resident size does not depend on allocation
+history); after a small warm-up step, ``peak_MiB`` is the growth of the process's high-water resident set
+(``ru_maxrss``) over one forward + backward: every tensor alive at the worst moment, inputs excluded.
 """
 
 from __future__ import annotations
@@ -41,192 +32,243 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-BATCH, HEADS, HEAD_DIM = 1, 4, 64
-DENSE_BYTES_PER_PAIR = 24        # measured 20.4 (p=1 and p=2, 2K-8K): about five float32 (L, L) tensors per head
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, HEADS = 1, 4
+#: name -> (AttentionSpec fields, packed documents?)
+VARIANTS = {
+    "baseline": (dict(position="nope"), False),
+    "window": (dict(position="nope", window="L/4"), False),
+    "doc": (dict(position="nope", doc_masking=True), True),
+    "l2": (dict(position="nope", softmax_p=2.0), False),
+    "doc_l2": (dict(position="nope", softmax_p=2.0, doc_masking=True), True),
+    "alibi": (dict(position="nope", distance="alibi"), False),
+    "log_bias": (dict(position="nope", distance="log_bias"), False),
+    "scale_invariant": (dict(position="nope", distance="scale_invariant"), False),
+}
+BACKENDS = ("auto", "dense", "sdpa", "cpu_flash", "tiled")
+LENGTHS = (64, 256, 1024, 2048, 4096, 8192, 16384)
 
 
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024    # KiB on Linux
+def spec_for(variant: str, length: int):
+    from lengthgen.attention import AttentionSpec
+
+    fields = dict(VARIANTS[variant][0])
+    if fields.get("window") == "L/4":
+        fields["window"] = max(1, length // 4)
+    return AttentionSpec(**fields)
 
 
-def worker(length: int, backend: str, spec_name: str, mode: str, repeats: int, threads: int = 0) -> dict:
-    """One measurement (``mode`` memory or time), run in its own process (see the module docstring)."""
+def _inputs(length: int, head_dim: int, seed: int = 0):
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
-
-    from lengthgen.attention import AttentionSpec, attend
-
-    spec = AttentionSpec.preset(spec_name)
-    gen = torch.Generator().manual_seed(0)
-
-    def inputs(n):
-        q, k, v = (torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=gen).requires_grad_() for _ in range(3))
-        return q, k, v, torch.randn(BATCH, HEADS, n, HEAD_DIM, generator=gen)
-
-    def step(q, k, v, grad):
-        out = attend(q, k, v, spec, backend=backend)
-        out.backward(grad)
-        for t in (q, k, v):
-            t.grad = None
-
-    step(*inputs(128))                                   # warm up kernels and lazy initialization
-    q, k, v, grad = inputs(length)
-    row = {"L": length, "backend": backend, "spec": spec_name, "threads": torch.get_num_threads()}
-    if mode == "memory":
-        before = _maxrss_mib()
-        step(q, k, v, grad)
-        row["peak_MiB"] = _maxrss_mib() - before
-        saved: dict[tuple[int, int], int] = {}
-
-        def pack(t):
-            storage = t.untyped_storage()
-            saved[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = attend(q, k, v, spec, backend=backend)
-        del out
-        row["saved_MiB"] = sum(saved.values()) / 2**20
-        return row
-    if repeats > 0:
-        step(q, k, v, grad)                              # untimed full-size step
-    walls, cpus = [], []
-    for _ in range(max(repeats, 1)):
-        wall, cpu = time.perf_counter(), time.process_time()
-        step(q, k, v, grad)
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    row.update(time_s=statistics.median(walls), cpu_s=statistics.median(cpus), timed_steps=len(walls),
-               warm_step=repeats > 0)
-    return row
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(BATCH, HEADS, length, head_dim, generator=gen).requires_grad_() for _ in range(3))
+    return q, k, v, torch.randn(BATCH, HEADS, length, head_dim, generator=gen)
 
 
-def run_worker(length: int, backend: str, spec: str, mode: str, args) -> dict:
-    """Run `worker` in a fresh subprocess; returns its row, or a row with ``skipped`` saying why not."""
-    repeats = args.repeats if length <= 4096 else 0
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(length), backend, spec, mode,
-           "--repeats", str(repeats), "--threads", str(args.threads)]
-    env = dict(os.environ)
-    if mode == "memory":
+def _step(variant: str, backend: str, q, k, v, grad):
+    """A closure running one forward + backward of (variant, backend) on these inputs."""
+    import torch
+
+    from lengthgen.attention import attend
+    from lengthgen.experiments.bench import packed_doc_ids
+
+    spec = spec_for(variant, q.shape[-2])
+    docs = packed_doc_ids(BATCH, q.shape[-2], "cpu") if VARIANTS[variant][1] else None
+
+    def run():
+        torch.autograd.grad(attend(q, k, v, spec, doc_ids=docs, backend=backend), (q, k, v), grad)
+    return run
+
+
+def _skip_reason(variant: str, backend: str, length: int, head_dim: int, args) -> str | None:
+    import torch
+
+    from lengthgen.attention import backends
+
+    spec = spec_for(variant, length)
+    if backend == "auto":
+        return None
+    if backend == "dense" and length > args.dense_max_length:
+        return f"dense above {args.dense_max_length}"
+    if backend == "sdpa" and (spec.window or spec.doc_masking) and length > args.dense_max_length:
+        return f"sdpa's (L, L) mask above {args.dense_max_length}"
+    return backends.unsupported(backend, spec, torch.empty(BATCH, HEADS, length, head_dim), True)
+
+
+def time_worker(length: int, threads: int, cases: list[tuple[str, str]], head_dim: int, repeats: int) -> dict:
+    """Time the reference and ``cases`` [(variant, backend)] in interleaved rounds (see the module doc)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lengthgen.attention import backends
+
+    torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    q, k, v, grad = _inputs(length, head_dim)
+
+    def reference():
+        torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+    steps = {("sdpa_causal", "reference"): reference}
+    steps.update({tuple(case): _step(*case, q, k, v, grad) for case in cases})
+    warm = _inputs(256, head_dim) if length > 4096 else (q, k, v, grad)
+    for variant, backend in steps:
+        (reference if backend == "reference" else _step(variant, backend, *warm))()
+    rounds = {case: [] for case in steps}
+    for _ in range(repeats if length <= 4096 else 1):
+        for case, run in steps.items():
+            start = clock()
+            run()
+            rounds[case].append(clock() - start)
+    ref = rounds[("sdpa_causal", "reference")]
+    rows = []
+    for (variant, backend), times in rounds.items():
+        row = dict(L=length, threads=threads, variant=variant, backend=backend, time_s=statistics.median(times),
+                   clock="cpu" if threads == 1 else "wall")
+        row["ratio"] = row["time_s"] / statistics.median(ref)
+        per_round = sorted(t / r for t, r in zip(times, ref))
+        row["spread"] = [per_round[0], per_round[-1]]
+        if backend == "auto":
+            spec = spec_for(variant, length)
+            row["picked"] = backends.choose(spec, q, length, True)
+        rows.append(row)
+    return {"rows": rows}
+
+
+def memory_worker(length: int, variant: str, backend: str, head_dim: int) -> dict:
+    """Peak extra resident memory of one forward + backward (see the module doc)."""
+    import torch
+
+    torch.set_num_threads(1)
+    _step(variant, backend, *_inputs(128, head_dim))()                # lazy initialization is not counted
+    run = _step(variant, backend, *_inputs(length, head_dim))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run()
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024     # KiB on Linux
+    return {"rows": [dict(L=length, variant=variant, backend=backend, peak_MiB=peak)]}
+
+
+def _subprocess(worker: str, payload: dict, args, memory: bool = False) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+    if memory:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    base = {"L": length, "backend": backend, "spec": spec}
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", worker, json.dumps(payload)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
-                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
-        return {**base, "skipped": f"{mode} run over the {args.timeout:.0f} s timeout"}
+        return {"error": f"over the {args.timeout:.0f} s timeout"}
     if proc.returncode != 0:
-        return {**base, "skipped": f"{mode} run failed (rc {proc.returncode}): {proc.stderr.strip()[-300:]}"}
+        return {"error": f"rc {proc.returncode}: {proc.stderr.strip()[-400:]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def dense_estimate_gib(length: int) -> float:
-    return DENSE_BYTES_PER_PAIR * BATCH * HEADS * length * length / 2**30
+def run(args) -> dict:
+    rows, skipped = [], []
+    for threads in args.threads:
+        for length in args.lengths:
+            cases = []
+            for variant in args.variants:
+                for backend in args.backends:
+                    reason = _skip_reason(variant, backend, length, args.head_dim, args)
+                    if reason:
+                        skipped.append(dict(L=length, threads=threads, variant=variant, backend=backend, why=reason))
+                    else:
+                        cases.append((variant, backend))
+            out = _subprocess("time", dict(length=length, threads=threads, cases=cases, head_dim=args.head_dim,
+                                           repeats=args.repeats), args)
+            if "error" in out:
+                skipped.append(dict(L=length, threads=threads, why=out["error"]))
+                print(f"L={length} threads={threads}: {out['error']}", flush=True)
+                continue
+            rows += out["rows"]
+            print(format_rows(out["rows"]), flush=True)
+    memory = []
+    for length in args.lengths:
+        for variant in args.memory_variants:
+            for backend in ("tiled", "cpu_flash", "dense"):
+                if _skip_reason(variant, backend, length, args.head_dim, args) is None:
+                    out = _subprocess("memory", dict(length=length, variant=variant, backend=backend,
+                                                     head_dim=args.head_dim), args, memory=True)
+                    memory += out.get("rows", [dict(L=length, variant=variant, backend=backend, **out)])
+                    print(memory[-1], flush=True)
+    return dict(setup=dict(batch=BATCH, heads=HEADS, head_dim=args.head_dim, dtype="float32", step="forward+backward",
+                           reference="F.scaled_dot_product_attention(is_causal=True), p = 1",
+                           repeats=args.repeats, variants={v: VARIANTS[v][0] for v in args.variants}),
+                time=rows, skipped=skipped, memory=memory)
+
+
+def format_rows(rows: list[dict]) -> str:
+    ref = next(r for r in rows if r["backend"] == "reference")
+    lines = [f"L={ref['L']} threads={ref['threads']}: SDPA causal p=1 {ref['time_s']:.4f} s ({ref['clock']})"]
+    for r in rows:
+        if r["backend"] != "reference":
+            picked = f" -> {r['picked']}" if "picked" in r else ""
+            lines.append(f"  {r['variant']:<16} {r['backend']:<10} {r['ratio']:6.2f}x  [{r['spread'][0]:.2f}, "
+                         f"{r['spread'][1]:.2f}]{picked}")
+    return "\n".join(lines)
+
+
+def markdown(result: dict, command: str) -> str:
+    """Per thread count: a table of ratios to SDPA p=1 (L x variant, each backend), then the memory table."""
+    out = [f"# CPU attention benchmark\n\nCommand: `{command}`\n\nSetup: {json.dumps(result['setup'])}\n"]
+    time_rows = result["time"]
+    for threads in sorted({r["threads"] for r in time_rows}):
+        sub = [r for r in time_rows if r["threads"] == threads]
+        variants = list(dict.fromkeys(r["variant"] for r in sub if r["backend"] != "reference"))
+        out.append(f"\n## {threads} thread(s): time / SDPA causal p=1 time (same run; [min, max] over rounds)\n")
+        out.append("| L | SDPA p=1 | " + " | ".join(variants) + " |")
+        out.append("|---" * (len(variants) + 2) + "|")
+        for length in sorted({r["L"] for r in sub}):
+            ref = next(r for r in sub if r["L"] == length and r["backend"] == "reference")
+            cells = []
+            for variant in variants:
+                here = [r for r in sub if r["L"] == length and r["variant"] == variant]
+                cells.append("<br>".join(f"{r['backend'] if r['backend'] != 'auto' else 'auto=' + r['picked']} "
+                                         f"{r['ratio']:.2f} [{r['spread'][0]:.2f}, {r['spread'][1]:.2f}]"
+                                         for r in here))
+            out.append(f"| {length} | {ref['time_s']:.4f} s | " + " | ".join(cells) + " |")
+    if result["memory"]:
+        out.append("\n## Peak memory of one forward + backward (MiB, inputs excluded)\n")
+        out.append("| L | variant | backend | peak MiB |\n|---|---|---|---|")
+        out += [f"| {m['L']} | {m['variant']} | {m['backend']} | {m.get('peak_MiB', m.get('error'))} |"
+                for m in result["memory"]]
+    return "\n".join(out) + "\n"
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    ap.add_argument("--specs", default="baseline,l2")
-    ap.add_argument("--backends", default="tiled,dense")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="timed steps after one untimed step, up to 4K (above: one timed step, no untimed one)")
-    ap.add_argument("--dense-max-length", type=int, default=8192)
-    ap.add_argument("--dense-max-gib", type=float, default=8.0)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per measurement")
-    ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--worker", nargs=4, metavar=("L", "BACKEND", "SPEC", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--lengths", type=_csv(int), default=LENGTHS)
+    ap.add_argument("--threads", type=_csv(int), default=(1, 2))
+    ap.add_argument("--variants", type=_csv(str), default=tuple(VARIANTS))
+    ap.add_argument("--backends", type=_csv(str), default=BACKENDS)
+    ap.add_argument("--memory-variants", type=_csv(str), default=("l2", "alibi"))
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds up to 4K (above: one)")
+    ap.add_argument("--dense-max-length", type=int, default=4096, help="dense, and sdpa with a mask, up to this L")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
+    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-
     if args.worker:
-        length, backend, spec, mode = int(args.worker[0]), *args.worker[1:]
-        print(json.dumps(worker(length, backend, spec, mode, args.repeats, args.threads)))
+        kind, payload = args.worker[0], json.loads(args.worker[1])
+        result = time_worker(**payload) if kind == "time" else memory_worker(**payload)
+        print(json.dumps(result))
         return 0
-
-    lengths = [int(x) for x in args.lengths.split(",")]
-    rows: list[dict] = []
-    header = f"{'L':>6}  {'backend':<7}  {'spec':<8}  {'time_s':>8}  {'cpu_s':>8}  {'peak_MiB':>9}  " \
-             f"{'saved_MiB':>9}  {'ratio':>6}"
-    print(header, "\n" + "-" * len(header), flush=True)
-    for length in lengths:
-        for spec in args.specs.split(","):
-            dense_time = None
-            for backend in sorted(args.backends.split(","), key=lambda b: b != "dense"):   # dense first
-                if backend == "dense" and (length > args.dense_max_length
-                                           or dense_estimate_gib(length) > args.dense_max_gib):
-                    row = {"L": length, "backend": backend, "spec": spec, "skipped":
-                           f"estimated {dense_estimate_gib(length):.1f} GiB (limits: L <= {args.dense_max_length},"
-                           f" {args.dense_max_gib} GiB)"}
-                    rows.append(row)
-                    print(f"{length:>6}  {backend:<7}  {spec:<8}  skipped: {row['skipped']}", flush=True)
-                    continue
-                row = run_worker(length, backend, spec, "memory", args)
-                if "skipped" not in row:
-                    timing = run_worker(length, backend, spec, "time", args)
-                    row = {**row, **timing}
-                if "skipped" in row:
-                    rows.append(row)
-                    print(f"{length:>6}  {backend:<7}  {spec:<8}  {row['skipped']}", flush=True)
-                    continue
-                if backend == "dense":
-                    dense_time = row["time_s"]
-                row["ratio"] = row["time_s"] / dense_time if dense_time else None
-                rows.append(row)
-                ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
-                print(f"{length:>6}  {backend:<7}  {spec:<8}  {row['time_s']:>8.3f}  {row['cpu_s']:>8.3f}  "
-                      f"{row['peak_MiB']:>9.1f}  {row['saved_MiB']:>9.1f}  {ratio:>6}", flush=True)
-
-    summary = summarize(rows)
-    for line in summary["lines"]:
-        print(line)
+    unknown = [v for v in args.variants + args.memory_variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    result = run(args)
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"setup": {"batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
-                                 "causal": True, "step": "forward+backward"},
-                       "rows": rows, "summary": {k: v for k, v in summary.items() if k != "lines"}}, fh, indent=2)
+        command = "python benchmarks/attention_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        Path(args.out + ".json").write_text(json.dumps(dict(result, command=command), indent=1))
+        Path(args.out + ".md").write_text(markdown(result, command))
     return 0
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Targets: tiled peak at the longest L <= 1/8 of dense's quadratic extrapolation, tiled memory linear,
-    tiled time within 2x of dense where dense ran."""
-    out: dict = {"lines": []}
-    done = [r for r in rows if "skipped" not in r]
-    for spec in sorted({r["spec"] for r in done}):
-        tiled = sorted((r for r in done if r["spec"] == spec and r["backend"] == "tiled"), key=lambda r: r["L"])
-        dense = sorted((r for r in done if r["spec"] == spec and r["backend"] == "dense"), key=lambda r: r["L"])
-        if not tiled:
-            continue
-        entry: dict = {}
-        last = tiled[-1]
-        if dense:
-            ref = dense[-1]
-            extrapolated = ref["peak_MiB"] * (last["L"] / ref["L"]) ** 2
-            entry.update(tiled_L=last["L"], tiled_peak_MiB=last["peak_MiB"], dense_extrapolated_MiB=extrapolated,
-                         memory_fraction=last["peak_MiB"] / extrapolated)
-            ratios = [r["ratio"] for r in tiled if r.get("ratio") is not None]
-            entry["max_time_ratio"] = max(ratios) if ratios else None
-        if len(tiled) >= 2:
-            growth = [(b["L"] / a["L"], b["peak_MiB"] / a["peak_MiB"]) for a, b in zip(tiled, tiled[1:])
-                      if a["peak_MiB"] > 0]
-            entry["tiled_peak_growth_per_step"] = growth
-        out[spec] = entry
-        line = f"[{spec}]"
-        if "memory_fraction" in entry:
-            line += (f" tiled peak at L={entry['tiled_L']}: {entry['tiled_peak_MiB']:.0f} MiB = "
-                     f"{entry['memory_fraction']:.4f} x dense's quadratic extrapolation "
-                     f"({entry['dense_extrapolated_MiB']:.0f} MiB; target <= 0.125)")
-        if entry.get("max_time_ratio") is not None:
-            line += f"; worst tiled/dense time {entry['max_time_ratio']:.2f} (target <= 2)"
-        if entry.get("tiled_peak_growth_per_step"):
-            line += "; tiled peak growth between consecutive lengths: " + ", ".join(
-                f"x{m:.2f} (L x{n:g})" for n, m in entry["tiled_peak_growth_per_step"])
-        out["lines"].append(line)
-    return out
 
 
 if __name__ == "__main__":

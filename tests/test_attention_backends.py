@@ -1,7 +1,7 @@
 """Backends against the dense oracle, and the oracle against an explicit-loop reference (issue "attention core").
 
-`tiled` runs with small query/key blocks so that several blocks, windows crossing blocks and documents
-crossing blocks are exercised; `sdpa` runs wherever it supports the spec.
+`tiled` and `cpu_flash` run with small query/key blocks so that several blocks, windows crossing blocks and
+documents crossing blocks are exercised; `sdpa` and `cpu_flash` run wherever they support the spec.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from lengthgen.attention import AttentionSpec, attend
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
-from lengthgen.attention.backends import sdpa, tiled
+from lengthgen.attention.backends import cpu_flash, sdpa, tiled
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -69,6 +69,11 @@ def make_docs(b: int, length: int, seed: int = 0, max_len: int = 6) -> torch.Ten
 def run_tiled(q, k, v, spec, doc_ids=None, multipliers=None, q_block=4, k_block=3, **kw):
     qs = fn.scale_queries(q, spec, k.shape[-2], doc_ids, multipliers)
     return tiled.attention(qs, k, v, spec, doc_ids, q_block=q_block, k_block=k_block, **kw)
+
+
+def run_cpu_flash(q, k, v, spec, doc_ids=None, q_block=4, **kw):
+    qs = fn.scale_queries(q, spec, k.shape[-2], doc_ids, kw.get("multipliers"))
+    return cpu_flash.attention(qs, k, v, spec, doc_ids, q_block=q_block)
 
 
 def run_sdpa(q, k, v, spec, doc_ids=None):
@@ -142,6 +147,42 @@ def test_sdpa_matches_dense(name, dtype, tol):
             torch.testing.assert_close(g_got, g_want, **F64)
 
 
+CPU_FLASH_OPTIONS = [n for n in OPTIONS if cpu_flash.unsupported(AttentionSpec(**OPTIONS[n]), torch.empty(1), True)
+                     is None]
+
+
+def test_cpu_flash_support_is_what_it_claims():
+    """p = 1 and distance terms that only add to the logits: the score mod's a_t is 1 (`mods.affine_terms`)."""
+    assert set(CPU_FLASH_OPTIONS) == set(SDPA_OPTIONS) | {"alibi", "log_bias", "log_bias_lambda"}
+    for name in ("alibi", "log_bias", "scale_invariant"):
+        score = mods.score_mod_for(AttentionSpec(**OPTIONS[name]), 4, 9, 9, dtype=torch.float64)
+        additive = mods.affine_terms(score, 4, torch.arange(9), torch.arange(9), torch.float64)[0] is None
+        assert additive == (name in CPU_FLASH_OPTIONS), name
+    q, k, v = make_inputs()
+    with pytest.raises(ValueError, match="softmax_p=2.0"):
+        attend(q, k, v, AttentionSpec(softmax_p=2.0), backend="cpu_flash")
+    with pytest.raises(ValueError, match="scale_invariant"):
+        attend(q, k, v, AttentionSpec(distance="scale_invariant"), backend="cpu_flash")
+    assert "CPU only" in cpu_flash.unsupported(AttentionSpec(), torch.empty(1, device="meta"), False)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, F64), (torch.float32, F32)], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", CPU_FLASH_OPTIONS)
+def test_cpu_flash_matches_dense(name, dtype, tol):
+    """Values (float64 and float32) and float64 gradients, for query blocks of 4 and 5 rows and one block."""
+    spec = AttentionSpec(**OPTIONS[name])
+    q, k, v = make_inputs(dtype=dtype, requires_grad=dtype == torch.float64)
+    docs = make_docs(2, 13, seed=6)
+    want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
+    gw = grads(want, (q, k, v)) if dtype == torch.float64 else None
+    for q_block in (4, 5, 64):
+        got = run_cpu_flash(q, k, v, spec, docs, q_block=q_block)
+        torch.testing.assert_close(got, want, **tol)
+        if gw is not None:
+            for g_got, g_want in zip(grads(got, (q, k, v)), gw):
+                torch.testing.assert_close(g_got, g_want, **F64)
+
+
 # ---------------------------------------------------------------------------------------------------
 # shapes: GQA, Lq < Lk, several documents, p values
 
@@ -163,8 +204,9 @@ def test_gqa_and_p_values(hkv, p):
 
 
 @pytest.mark.parametrize("changes", [{}, dict(window=4, softmax_p=2.0), dict(doc_masking=True, query_scaling="log_n"),
-                                     dict(distance="scale_invariant", query_scaling="sqrt_log_n", window=6)],
-                         ids=["plain", "window_p2", "doc_log_n", "si_sqrt_window"])
+                                     dict(distance="scale_invariant", query_scaling="sqrt_log_n", window=6),
+                                     dict(distance="alibi", window=6, doc_masking=True)],
+                         ids=["plain", "window_p2", "doc_log_n", "si_sqrt_window", "alibi_window_doc"])
 def test_fewer_queries_are_the_last_positions(changes):
     """Lq < Lk (decoding with a cache) equals the last Lq rows of the full Lq == Lk attention."""
     spec = AttentionSpec(**changes)
@@ -177,10 +219,16 @@ def test_fewer_queries_are_the_last_positions(changes):
         torch.testing.assert_close(want, full[:, :, -lq:], **F64)
         got = run_tiled(q_last, k, v, spec, docs)
         torch.testing.assert_close(got, want, **F64)
-        for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+        gw = grads(want, (q, k, v))
+        for g_got, g_want in zip(grads(got, (q, k, v)), gw):
             torch.testing.assert_close(g_got, g_want, **F64)
         if sdpa.unsupported(spec) is None:
             torch.testing.assert_close(run_sdpa(q_last, k, v, spec, docs), want, **F64)
+        if cpu_flash.unsupported(spec, q, True) is None:
+            got = run_cpu_flash(q_last, k, v, spec, docs, q_block=2)
+            torch.testing.assert_close(got, want, **F64)
+            for g_got, g_want in zip(grads(got, (q, k, v)), gw):
+                torch.testing.assert_close(g_got, g_want, **F64)
 
 
 def test_many_documents_and_blocks():
@@ -197,16 +245,31 @@ def test_many_documents_and_blocks():
             torch.testing.assert_close(g_got, g_want, **F64)
 
 
-def test_default_blocks():
-    assert tiled.default_blocks(4) == (1024, 1024)
-    for bh in (1, 3, 8, 12, 32, 64, 1000):
-        qb, kb = tiled.default_blocks(bh)
-        assert qb >= tiled.QUERY_BLOCK and kb >= tiled.KEY_BLOCK and max(qb, kb) <= tiled.MAX_BLOCK
-        assert bh * qb * kb <= tiled.BLOCK_ELEMENTS or (qb, kb) == (tiled.QUERY_BLOCK, tiled.KEY_BLOCK)
+@pytest.mark.parametrize("changes", [{}, dict(window=7), dict(doc_masking=True), dict(doc_masking=True, window=5)],
+                         ids=["causal", "window", "doc", "doc_window"])
+@pytest.mark.parametrize("lq,q_block,k_block", [(30, 4, 3), (30, 5, 8), (12, 7, 7), (30, 16, 64)])
+def test_plan_covers_each_visible_pair_once(changes, lq, q_block, k_block):
+    """Every (row, key) pair the mask mods show lies in exactly one block; unmasked blocks show all their pairs;
+    each band's grid columns are its keys' distances."""
+    spec, lk = AttentionSpec(**changes), 30
+    docs = make_docs(2, lk, seed=lq)
+    starts = mods.document_starts(spec, docs)
+    visible = mods.dense_mask(mods.mask_mod_for(spec, lq, lk, starts), 2, lq, lk)[:, 0]
+    plan = tiled._plan(mods.first_visible(spec, lq, lk, starts), lq, lk, q_block, k_block, explicit=False)
+    count = torch.zeros(lq, lk, dtype=torch.long)
+    for n, band in plan:
+        for blk in band:
+            count[blk.rows, blk.keys] += 1
+            if not blk.masked:
+                assert visible[:, blk.rows, blk.keys].all(), (n, blk)
+            rows, cols = blk.grid                     # distance of (row r, column c) is r - c - Q + nK
+            r0, c0 = blk.rows.start, blk.keys.start
+            assert (lk - lq + r0) - c0 == rows.start - cols.start - q_block + n * k_block
+    assert (count <= 1).all() and (count[visible.any(0)] == 1).all()
 
 
 def test_default_blocks_long_input_matches_dense():
-    """Several default-size blocks (1024 x 1024 for batch * heads = 1): p=2 with a window crossing blocks."""
+    """Several default-size blocks and bands: p=2 with a window crossing blocks."""
     spec = AttentionSpec(softmax_p=2.0, window=1100, distance="alibi")
     q, k, v = make_inputs(b=1, h=1, hkv=1, lq=1300, lk=1300, d=4, seed=21, requires_grad=True)
     want = attend(q, k, v, spec, backend="dense")
@@ -232,10 +295,16 @@ def test_random_combinations(p, scaling, distance, window, doc, hkv, lq, q_block
     want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
     got = run_tiled(q, k, v, spec, docs, q_block=q_block, k_block=k_block)
     torch.testing.assert_close(got, want, **F64)
-    for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
+    gw = grads(want, (q, k, v))
+    for g_got, g_want in zip(grads(got, (q, k, v)), gw):
         torch.testing.assert_close(g_got, g_want, **F64)
     if sdpa.unsupported(spec) is None:
         torch.testing.assert_close(run_sdpa(q, k, v, spec, docs), want, **F64)
+    if cpu_flash.unsupported(spec, q, True) is None:
+        got = run_cpu_flash(q, k, v, spec, docs, q_block=q_block)
+        torch.testing.assert_close(got, want, **F64)
+        for g_got, g_want in zip(grads(got, (q, k, v)), gw):
+            torch.testing.assert_close(g_got, g_want, **F64)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,6 +325,15 @@ def test_tiled_gradcheck(name):
     docs = torch.tensor([[0, 0, 1, 1, 1, 2]])
     assert torch.autograd.gradcheck(lambda q, k, v: run_tiled(q, k, v, spec, docs, q_block=2, k_block=3),
                                     (q, k, v))
+
+
+@pytest.mark.parametrize("changes", [{}, dict(distance="alibi", window=3), dict(distance="log_bias", doc_masking=True)],
+                         ids=["plain", "alibi_window", "log_bias_doc"])
+def test_cpu_flash_gradcheck(changes):
+    spec = AttentionSpec(**changes)
+    q, k, v = make_inputs(b=1, h=2, hkv=1, lq=6, lk=6, d=3, seed=2, requires_grad=True)
+    docs = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    assert torch.autograd.gradcheck(lambda q, k, v: run_cpu_flash(q, k, v, spec, docs, q_block=4), (q, k, v))
 
 
 @pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])

@@ -20,7 +20,7 @@ def randn(*shape, seed=0, dtype=torch.float64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
 
 
-@pytest.mark.parametrize("backend", ["dense", "tiled", "sdpa"])
+@pytest.mark.parametrize("backend", ["dense", "tiled", "sdpa", "cpu_flash"])
 def test_p1_equals_torch_causal_sdpa(backend):
     q, k, v = randn(2, 3, 17, 8, seed=1), randn(2, 3, 17, 8, seed=2), randn(2, 3, 17, 8, seed=3)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -82,8 +82,8 @@ DOC_CASES = {"plain": {}, "log_n_alibi_p2": dict(query_scaling="log_n", distance
              "sqrt_window": dict(query_scaling="sqrt_log_n", window=3)}
 
 
-@pytest.mark.parametrize("name,backend", [(n, b) for n in DOC_CASES for b in ("dense", "tiled", "sdpa")
-                                          if b != "sdpa" or n in ("plain", "sqrt_window")])
+@pytest.mark.parametrize("name,backend", [(n, b) for n in DOC_CASES for b in ("dense", "tiled", "sdpa", "cpu_flash")
+                                          if b not in ("sdpa", "cpu_flash") or n in ("plain", "sqrt_window")])
 def test_document_masking_equals_each_document_alone(name, backend):
     spec = AttentionSpec(doc_masking=True, **DOC_CASES[name])
     lengths = [4, 1, 7, 3]

@@ -338,6 +338,10 @@ def test_value_head_dim_may_differ():
     out = attend(q, k, v, spec, backend="dense")
     assert out.shape == (1, 2, 5, 3)
     torch.testing.assert_close(attend(q, k, v, spec, backend="tiled"), out, rtol=1e-5, atol=1e-5)
+    for spec, wide in ((AttentionSpec(distance="alibi"), 3), (AttentionSpec(window=2), 11)):    # cpu_flash pads
+        v = torch.randn(1, 2, 5, wide)
+        torch.testing.assert_close(attend(q, k, v, spec, backend="cpu_flash"), attend(q, k, v, spec, backend="dense"),
+                                   rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -353,7 +357,7 @@ def test_choose_never_flex_on_cpu(training):
     for spec in list(PRESETS.values()) + [AttentionSpec(window=64, softmax_p=2.0), AttentionSpec(doc_masking=True)]:
         for length in (16, 1024, 4096):
             name = backends.choose(spec, _q(length), length, training)
-            assert name in ("sdpa", "dense", "tiled"), (spec, length, name)
+            assert name in ("sdpa", "dense", "tiled", "cpu_flash"), (spec, length, name)
             assert backends.unsupported(name, spec, _q(length), training) is None
 
 
@@ -363,16 +367,37 @@ def test_choose_sdpa_for_plain_causal_softmax():
         assert backends.choose(PRESETS["ssmax"], _q(length), length, True) == "sdpa"      # scaling is in q
 
 
-def test_choose_tiled_for_long_masked_or_p_softmax():
-    long = int(math.isqrt(backends.DENSE_MAX_PAIRS)) + 1
-    for spec in (AttentionSpec(window=128), AttentionSpec(doc_masking=True), AttentionSpec(softmax_p=2.0),
-                 AttentionSpec(distance="alibi", window=64)):
-        assert backends.choose(spec, _q(long), long, True) == "tiled", spec
-    # short masked inputs stay on a quadratic engine (sdpa with a mask, or the dense oracle for p != 1)
-    assert backends.choose(AttentionSpec(window=128), _q(256), 256, True) == "sdpa"
-    assert backends.choose(AttentionSpec(softmax_p=2.0), _q(256), 256, True) == "dense"
-    # decoding: few queries against many keys counts pairs, not length
-    assert backends.choose(AttentionSpec(softmax_p=2.0), _q(1), 100_000, False) == "dense"
+def test_choose_memory_linear_engines_for_long_inputs():
+    """Long inputs: cpu_flash for softmax with masks or additive distance terms, tiled for the rest."""
+    for spec in (AttentionSpec(window=128), AttentionSpec(doc_masking=True), AttentionSpec(distance="alibi", window=64),
+                 PRESETS["log_bias"]):
+        assert backends.choose(spec, _q(1024), 1024, True) == "cpu_flash", spec
+    for spec in (AttentionSpec(softmax_p=2.0), PRESETS["scale_invariant"], AttentionSpec(softmax_p=0.5, window=8)):
+        assert backends.choose(spec, _q(1024), 1024, True) == "tiled", spec
+
+
+def test_choose_crossovers():
+    """The measured thresholds: sdpa with a mask up to SDPA_MASK_MAX_PAIRS pairs per head; dense up to
+    FLASH_DENSE_MAX_LOGITS logits where cpu_flash runs the spec, up to TILED_DENSE_MAX_LOGITS logits and
+    TILED_DENSE_MAX_PAIRS pairs per head where tiled does, and up to DECODE_MAX_LOGITS for < DECODE_ROWS queries."""
+    side = int(math.isqrt(backends.SDPA_MASK_MAX_PAIRS))
+    assert backends.choose(AttentionSpec(window=128), _q(side), side, True) == "sdpa"
+    assert backends.choose(AttentionSpec(window=128), _q(side + 1), side + 1, True) == "cpu_flash"
+    alibi = PRESETS["alibi"]
+    side = int(math.isqrt(backends.FLASH_DENSE_MAX_LOGITS // 2))                 # _q has batch x heads = 2
+    assert backends.choose(alibi, _q(side), side, True) == "dense"
+    assert backends.choose(alibi, _q(side + 1), side + 1, True) == "cpu_flash"
+    p2 = AttentionSpec(softmax_p=2.0)
+    side = int(math.isqrt(backends.TILED_DENSE_MAX_PAIRS))
+    assert backends.choose(p2, _q(side), side, True) == "dense"
+    assert backends.choose(p2, _q(side + 1), side + 1, True) == "tiled"         # pairs per head
+    many = backends.TILED_DENSE_MAX_LOGITS // (32 * 32 * 4)
+    assert backends.choose(p2, torch.empty(many, 4, 32, 8), 32, True) == "dense"
+    assert backends.choose(p2, torch.empty(many + 1, 4, 32, 8), 32, True) == "tiled"   # logits over batch x heads
+    # decoding: a few queries against many keys stay on dense while the logits are small enough
+    assert backends.choose(p2, _q(1), 100_000, False) == "dense"
+    assert backends.choose(p2, _q(backends.DECODE_ROWS), 100_000, False) == "tiled"
+    assert backends.choose(p2, _q(1), backends.DECODE_MAX_LOGITS, False) == "tiled"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from lengthgen.attention import AttentionSpec, attend, backends
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
-from lengthgen.attention.backends import dense, flex, tiled
+from lengthgen.attention.backends import cpu_flash, dense, flex, tiled
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 
@@ -106,6 +106,24 @@ def test_builders_add_the_query_offset_once():
     torch.testing.assert_close(rows, absolute, **F64)
 
 
+@pytest.mark.parametrize("distance", ["scale_invariant", "alibi", "log_bias"])
+def test_affine_terms_are_the_mod_and_depend_on_distance_only(distance):
+    """What tiled and cpu_flash rely on: each score mod is ``a_t s + bias_t`` (a_t None when it is 1), and the
+    terms depend on the head and on t = i - j only (blocks at the same distances share them)."""
+    spec = AttentionSpec(distance=distance, tau=3.0, log_bias_lambda=0.7)
+    score = mods.score_mod_for(spec, 4, 12, 12, dtype=torch.float64)
+    a, bias = mods.affine_terms(score, 4, torch.arange(12), torch.arange(12), torch.float64)
+    assert (a is None) == (distance != "scale_invariant") and bias.shape[-2:] == (12, 12)
+    s = randn(1, 4, 12, 12, seed=5) * 10
+    grid = mods.grids(1, 4, torch.arange(12), torch.arange(12))
+    torch.testing.assert_close(score(s, *grid), s * (1 if a is None else a) + bias, **F64)
+    shifted = mods.affine_terms(score, 4, torch.arange(12) + 5, torch.arange(12) + 5, torch.float64)
+    for x, y in zip((a, bias), shifted):
+        assert (x is None and y is None) or torch.equal(x, y)
+    a32, bias32 = mods.affine_terms(score, 4, torch.arange(12), torch.arange(12), torch.float32)
+    assert bias32.dtype == torch.float32 and (a32 is None) == (a is None)     # rounded once, from float64
+
+
 # ---------------------------------------------------------------------------------------------------
 # one visibility: first_visible and n_i agree with the mask mods
 
@@ -135,7 +153,14 @@ def test_counts_and_first_visible_are_the_mask_row_sums(window, doc, lq, seed):
 
 
 FULL = AttentionSpec(softmax_p=2.0, query_scaling="log_n", distance="alibi", base_scale=0.3)
-MASKED_BACKENDS = ["dense", "tiled", "sdpa"]
+MASKED_BACKENDS = ["dense", "tiled", "sdpa", "cpu_flash"]
+
+
+def masked_spec(backend: str, spec: AttentionSpec, sdpa_spec: AttentionSpec) -> AttentionSpec:
+    """``spec``, with p = 1 on cpu_flash (softmax only); ``sdpa_spec`` on sdpa (no distance terms either)."""
+    if backend == "sdpa":
+        return sdpa_spec
+    return spec.replace(softmax_p=1.0) if backend == "cpu_flash" else spec
 
 
 def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +174,7 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("window", [None, 2])
 def test_explicit_mask_equals_documents(backend, window):
     """A mask that is a document layout gives what ``doc_ids`` give (n_i, window included), values and grads."""
-    spec = FULL.replace(window=window) if backend != "sdpa" else AttentionSpec(query_scaling="log_n", window=window)
+    spec = masked_spec(backend, FULL.replace(window=window), AttentionSpec(query_scaling="log_n", window=window))
     q = randn(2, 4, 9, 8, seed=0).requires_grad_()
     k, v = randn(2, 2, 9, 8, seed=1).requires_grad_(), randn(2, 2, 9, 8, seed=2).requires_grad_()
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 2, 2]])
@@ -180,7 +205,7 @@ def row_reference(q, k, v, spec, i, keys):
 
 @pytest.mark.parametrize("backend", MASKED_BACKENDS)
 def test_explicit_mask_rows_that_see_nothing_output_zero(backend):
-    spec = FULL if backend != "sdpa" else AttentionSpec(query_scaling="sqrt_log_n")
+    spec = masked_spec(backend, FULL, AttentionSpec(query_scaling="sqrt_log_n"))
     q, k, v = (randn(1, 2, 6, 4, seed=s).requires_grad_() for s in (3, 4, 5))
     mask = torch.ones(6, 6).tril().bool()[None, None].clone()
     mask[0, 0, 2] = False                                     # row 2 sees nothing
@@ -210,6 +235,8 @@ def test_explicit_mask_errors_and_backends():
             name = backends.choose(AttentionSpec(softmax_p=2.0), q, length, training, masked=True)
             assert name in ("dense", "tiled")
         assert backends.choose(AttentionSpec(), q, 16, training, masked=True) == "sdpa"
+        long = torch.empty(2, 2, 4096, 4)
+        assert backends.choose(AttentionSpec(), long, 4096, training, masked=True) == "cpu_flash"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -246,3 +273,35 @@ def test_return_lse_is_the_same_on_every_backend(dtype):
         _, lse_1, lse_p = run(qs, k, v, spec, docs, mask=mask, return_lse=True)
         assert torch.isinf(lse_1[1, :, 3]).all() and torch.isinf(lse_p[1, :, 3]).all()
         assert torch.isfinite(lse_1[0]).all() and torch.isfinite(lse_p[1, :, :3]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_flash_return_lse(dtype):
+    """cpu_flash (p = 1 only): LSE_1 = LSE_p = logsumexp of the logits, -inf for a row that sees nothing."""
+    spec = AttentionSpec(distance="alibi", window=6, doc_masking=True)
+    q = randn(2, 4, 7, 16, seed=6).to(dtype).requires_grad_()
+    k, v = randn(2, 2, 11, 16, seed=7).to(dtype), randn(2, 2, 11, 16, seed=8).to(dtype)
+    docs = torch.tensor([[0] * 5 + [1] * 6, [0] * 2 + [1] * 9])
+    qs = fn.scale_queries(q, spec, 11, docs)
+    visible = mods.mask_mod_for(spec, 7, 11, mods.document_starts(spec, docs))
+    score = mods.score_mod_for(spec, 4, 7, 11, dtype=torch.float64)
+    want = torch.logsumexp(fn.logits(qs.double(), fn.repeat_kv(k, 2).double(), score, visible, torch.arange(7),
+                                     torch.arange(11)), -1)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    out, lse_1, lse_p = cpu_flash.attention(qs, k, v, spec, docs, q_block=3, return_lse=True)
+    assert lse_1.shape == (2, 4, 7) and lse_1.dtype == dtype and not lse_1.requires_grad and out.requires_grad
+    torch.testing.assert_close(lse_1.double(), want, **tol)
+    torch.testing.assert_close(lse_p, lse_1)
+    mask = torch.ones(2, 1, 7, 11, dtype=torch.bool)
+    mask[1, 0, 3] = False
+    _, lse_1, lse_p = cpu_flash.attention(qs, k, v, spec, docs, mask=mask, q_block=3, return_lse=True)
+    assert torch.isinf(lse_1[1, :, 3]).all() and torch.isinf(lse_p[1, :, 3]).all()
+    assert torch.isfinite(lse_1[0]).all() and torch.isfinite(lse_1[1, :, :3]).all()
+
+
+def test_additive_mask():
+    visible = torch.tensor([[True, False, True]])
+    assert torch.equal(mods.additive(visible, torch.float32), torch.tensor([[0.0, float("-inf"), 0.0]]))
+    ones = visible.double()
+    assert torch.equal(mods.additive(ones, torch.float64), torch.tensor([[0.0, float("-inf"), 0.0]], dtype=torch.float64))
+    assert torch.equal(ones, visible.double())                                 # the 0 / 1 input is kept

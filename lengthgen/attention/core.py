@@ -41,8 +41,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     boolean (B, 1, Lq, Lk) visibility (True = visible), combined with the causal mask, the spec's window
     and documents; n_i is then each row's visible count, and a row that sees nothing outputs 0.
     ``multipliers``: the query-scaling multiplier (s for log_n, r for sqrt_log_n), scalar or (H,); default
-    ``spec.scaling_init``. ``backend``: auto | dense | tiled | sdpa | flex | triton. ``return_weights`` uses the
-    dense oracle and returns ``(out, weights)``. Returns (B, H, Lq, Dv).
+    ``spec.scaling_init``. ``backend``: auto | dense | tiled | sdpa | cpu_flash | flex | triton.
+    ``return_weights`` uses the dense oracle and returns ``(out, weights)``. Returns (B, H, Lq, Dv).
     """
     spec = resolve_spec(spec)
     _check_shapes(q, k, v, doc_ids, mask)

@@ -49,7 +49,7 @@ REFERENCE = "sdpa_flash"
 GPU_LENGTHS = (1024, 4096, 16384, 65536)
 CPU_LENGTHS = (256, 512)
 GPU_BACKENDS = ("triton", "flex", "sdpa")
-CPU_BACKENDS = ("dense", "tiled", "sdpa", "flex")
+CPU_BACKENDS = ("dense", "tiled", "sdpa", "cpu_flash", "flex")
 DENSE_MAX_BYTES = 8 << 30          # skip the dense oracle when its (B, H, L, L) fp32 weights exceed this
 
 COLUMNS = ("device", "backend", "variant", "length", "head_dim", "batch", "heads", "dtype", "mode", "status",

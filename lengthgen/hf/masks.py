@@ -4,7 +4,7 @@ transformers hands the attention function a boolean (B, 1, Lq, Lk) mask (the ``"
 mask) or an additive float mask. A mask that is "causal (+ sliding window) within contiguous runs" on the real
 query rows (left or right padding, packed sequences, KV-cache decoding) becomes ``doc_ids``, which every
 `attend` backend runs and with which n_i counts only the real tokens of the query's own run. Any other causal
-mask stays an explicit mask (dense, tiled or sdpa backends; n_i = the keys the row sees). Masks that let a
+mask stays an explicit mask (dense, tiled, sdpa or cpu_flash backends; n_i = the keys the row sees). Masks that let a
 query see later keys raise ValueError.
 """
 

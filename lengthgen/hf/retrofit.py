@@ -105,7 +105,7 @@ def retrofit(model: nn.Module, spec: AttentionSpec | str | dict | None = "baseli
     ``config.lengthgen_spec`` (saved by ``save_pretrained``; the model gets its own copy of the config first)
     and ``attn_implementation="lengthgen"``. Outputs are unchanged at init when the spec allows it (baseline,
     2sigmoid gates); otherwise, and for spec fields the HF path ignores, it warns (see `retrofit_notes`).
-    ``backend``: the `attend` backend (auto | dense | tiled | sdpa | flex | triton).
+    ``backend``: the `attend` backend (auto | dense | tiled | sdpa | cpu_flash | flex | triton).
     """
     register()
     spec = resolve_spec(spec)

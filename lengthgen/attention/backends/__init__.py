@@ -4,7 +4,7 @@ Each backend module has ``unsupported(spec, q, training, masked=False) -> reason
 ``attention(qs, k, v, spec, doc_ids=None, *, mask=None, ...)``, taking queries already scaled by
 `functional.scale_queries`; ``mask`` is an explicit (B, 1, Lq, Lk) visibility (``masked``: one is given).
 
-Backends that offer ``return_lse=True`` (dense, tiled, flex, triton) return ``(out, LSE_1, LSE_p)``:
+Backends that offer ``return_lse=True`` (dense, tiled, cpu_flash, flex, triton) return ``(out, LSE_1, LSE_p)``:
 ``LSE_1 = logsumexp_j(logit_ij)`` and ``LSE_p = logsumexp_j(p * logit_ij)`` over the visible keys, natural log,
 shape (B, H, Lq), float32 (float64 for float64 inputs), -inf for a row that sees nothing, no gradient
 (``out`` keeps its own). They give ``out_p = out_1 * exp(LSE_1 - LSE_p / p)`` (seed 001).
@@ -19,11 +19,27 @@ import torch
 
 from lengthgen.attention.spec import AttentionSpec
 
-MODULES = {"dense": "dense", "tiled": "tiled", "sdpa": "sdpa", "flex": "flex", "triton": "triton_psoftmax"}
+MODULES = {"dense": "dense", "tiled": "tiled", "sdpa": "sdpa", "cpu_flash": "cpu_flash", "flex": "flex",
+           "triton": "triton_psoftmax"}
 BACKENDS = ("auto", *MODULES)
 
-# Below this many (query x key) pairs per head the dense oracle is a fast CPU engine with small memory.
-DENSE_MAX_PAIRS = 1024 * 1024
+# CPU crossovers of `choose`, measured with benchmarks/attention_crossover.py (1 thread, float32, forward +
+# backward, L = 16..2048, batch x heads = 4 at head_dim 64 and the demo model's 2048 tokens per step, batch x
+# heads = 4 * 2048 / L at head_dim 16; benchmarks/results/*-crossover.md). Against the fastest backend of each
+# measured case, the pick was at worst 1.33x slower (documents at 256 x 256, where cpu_flash skips what the
+# documents hide), 1.15-1.18x for p = 2 with documents at 4 x 128 x 128 and 32 x 64 x 64, else within 1.11x.
+#: sdpa with an (Lq, Lk) boolean mask (windows, documents, explicit masks) up to this many pairs per head: it
+#: was the fastest up to 128 x 128 and tied at 256 x 256; from 512 x 512 cpu_flash was 1.6-2x faster.
+SDPA_MASK_MAX_PAIRS = 1 << 16
+#: dense rather than cpu_flash up to this many logits (batch x heads x Lq x Lk): faster by 15-20% up to 4 x 64
+#: x 64 logits, slower by 12% at 4 x 128 x 128 and by 10-120% at every demo length.
+FLASH_DENSE_MAX_LOGITS = 1 << 15
+#: dense rather than tiled up to this many logits and pairs per head: dense was faster by 4-49% at 4 x 128 x 128
+#: and at the demo's 256 x 32 x 32 and 128 x 64 x 64 logits, tiled from 4 x 256 x 256 (1.7x) and 64 x 128 x 128.
+TILED_DENSE_MAX_LOGITS, TILED_DENSE_MAX_PAIRS = 1 << 19, 1 << 14
+#: with fewer query rows than this (decoding), dense up to this many logits (64 MiB of float32): a blocked
+#: engine would pay its per-block cost for a row or two
+DECODE_ROWS, DECODE_MAX_LOGITS = 16, 1 << 24
 
 #: `auto` on CUDA tries the fused Triton kernel before FlexAttention when True. Off until a GPU run
 #: (``make gpu-check``) has shown its CUDA tests passing and it faster than FlexAttention on the benchmark.
@@ -48,12 +64,21 @@ def choose(spec: AttentionSpec, q: torch.Tensor, lk: int, training: bool, masked
     """`auto`: the fastest backend that supports ``spec`` (and an explicit mask if ``masked``) on ``q``'s device.
 
     On CUDA: SDPA (flash) when the spec is plain softmax, else FlexAttention, else the Triton kernel, else
-    `tiled` (Triton before FlexAttention with `TRITON_BEFORE_FLEX`; ``backend="triton"`` selects it)."""
+    `tiled` (Triton before FlexAttention with `TRITON_BEFORE_FLEX`; ``backend="triton"`` selects it).
+
+    On CPU (measured: see `SDPA_MASK_MAX_PAIRS` and the other thresholds): `sdpa` for softmax without distance
+    terms when causal only or short; else `cpu_flash` (softmax with masks or a distance term that only adds:
+    ALiBi, log-bias) or `tiled` (p != 1, scale-invariant), unless the logits are few enough for `dense`."""
     if q.is_cuda:
         order = ("sdpa", "triton", "flex", "tiled") if TRITON_BEFORE_FLEX else ("sdpa", "flex", "triton", "tiled")
         return next(n for n in order if unsupported(n, spec, q, training, masked) is None)
-    small = q.shape[-2] * lk <= DENSE_MAX_PAIRS
+    pairs = q.shape[-2] * lk
+    logits = q.shape[0] * q.shape[1] * pairs
     plain_causal = spec.window is None and not spec.doc_masking and not masked
-    if unsupported("sdpa", spec, q, training, masked) is None and (plain_causal or small):
+    if unsupported("sdpa", spec, q, training, masked) is None and (plain_causal or pairs <= SDPA_MASK_MAX_PAIRS):
         return "sdpa"
-    return "dense" if small else "tiled"
+    if q.shape[-2] < DECODE_ROWS and logits <= DECODE_MAX_LOGITS:
+        return "dense"
+    if unsupported("cpu_flash", spec, q, training, masked) is None:
+        return "dense" if logits <= FLASH_DENSE_MAX_LOGITS else "cpu_flash"
+    return "dense" if logits <= TILED_DENSE_MAX_LOGITS and pairs <= TILED_DENSE_MAX_PAIRS else "tiled"

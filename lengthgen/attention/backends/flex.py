@@ -4,7 +4,8 @@
 * Causal, sliding-window and document masks: the spec's mask mod (`mods.mask_mod_for`) in a ``block_mask``
   whose block table comes from each query's visible key interval ``[first_i, i]`` (`mods.first_visible`) --
   never an (Lq, Lk) tensor -- cached in a small LRU keyed on the lengths, device, block size, the spec's mask
-  fields and the document layout (see `_BlockMaskCache`). Explicit masks are not taken (use dense, tiled, sdpa).
+  fields and the document layout (see `_BlockMaskCache`). Explicit masks are not taken (use dense, tiled, sdpa,
+  cpu_flash).
 * ``p != 1`` uses ``out_p = out_1 * exp(LSE_1 - LSE_p / p)`` with ``LSE_p = logsumexp_j(p * logit_ij)``: a
   second FlexAttention call with the logits multiplied by p returns LSE_p (its output is discarded, so it
   runs with a 16-wide zero value tensor). FlexAttention's returned LSE is in natural log in torch 2.13

@@ -1,21 +1,34 @@
 """`tiled`: pure-PyTorch p-softmax attention in blocks, memory linear in length, any device.
 
-Query blocks are independent; within one, the key blocks it can see (from `mods.first_visible`) are visited
-with an online running max ``m`` and running sums ``S_1 = sum exp(l - m)`` and ``S_p = sum exp(p (l - m))``
-(FlashAttention's recurrence, Dao et al. 2022, generalized to p-softmax, seed 001). Each block's logits are
-`functional.logits`: the spec's score and mask mods on the block's index grids. At the end::
+Query blocks of Q rows meet key blocks of K keys laid out in *bands* counted back from each query block: band n
+holds keys ``[e - nK, e - (n-1)K)``, ``e`` = the block's first position + Q. Every block of a band has the same
+distances ``t = i - j``, so the spec's distance term is evaluated once per band (`mods.affine_terms`:
+``logit = a_t s + bias_t``) and added with one fused op per block; the mask mods run only on blocks that a
+causal, window, document or explicit boundary crosses. Bands are visited in turn with running statistics for
+every query row (FlashAttention's online recurrence, Dao et al. 2022, generalized to p-softmax, seed 001): row
+max ``m``, ``S_1 = sum exp(l - m)`` and ``S_p = sum exp(p (l - m))``::
 
     out   = (sum_j exp(l_j - m) v_j) * S_p^(-1/p)       LSE_1 = m + log S_1       LSE_p = p m + log S_p
 
-The backward recomputes each block's logits (no (L, L) tensor is stored) and keeps m and log S_p apart, so
-that no large logit is multiplied by p. With ``w = exp((l - m) - log S_p / p)`` and
-``pi = exp(p (l - m) - log S_p)`` (= softmax(p l)), the logit gradient is
-``dl_ij = w_ij (dO_i . v_j) - pi_ij (dO_i . out_i)``; derived by differentiating
-``w_j = exp(l_j) (sum_k exp(p l_k))^(-1/p)``: ``dw_j/dl_k = delta_jk w_j - w_j pi_k``. The gradient through
-the block's logits to q' and k (``a_t`` of the score mod included) is autograd's, on the same mods.
+The backward recomputes each block's logits (no (L, L) tensor is kept), with ``e = exp(l - m)`` and
+``pi = exp(p (l - m))`` (no large logit is multiplied by p), from the weights ``w = e S_p^(-1/p)`` and their
+Jacobian ``dw_j/dl_k = delta_jk w_j - w_j pi_k / S_p`` (differentiate ``w_j = exp(l_j) (sum_k exp(p l_k))^(-1/p)``)::
+
+    dl_ij = w_ij (dO_i . v_j) - pi_ij (dO_i . out_i) / S_p      ds_ij = a_t dl_ij
+    dq'_i = sum_j ds_ij k_j      dk_j = sum_i ds_ij q'_i      dv_j = sum_i w_ij dO_i
+
+Speed on CPU: the G query heads of a key/value head (grouped-query attention) are stacked as rows of one
+(B * Hkv) batch of matrix products (keys and values are never copied per head); block logits live in
+scratch buffers reused by every block; masks are added as 0 / -inf for the row maxima and multiply the
+exponentials as 0 / 1; ``exp`` sees nothing below the log of the dtype's smallest normal number (x86's
+subnormal and -inf paths are 1.7-12x slower; such a weight, < 1e-38 in float32, vanishes next to the row
+maximum's 1).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -23,106 +36,197 @@ from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.attention.spec import AttentionSpec
 
-QUERY_BLOCK = 256
+# Block sides: at L = 4K (1 thread; batch 1, 4 heads, head_dim 64) 64..256 rows x 256..1024 keys ran within
+# 10% of each other (the noise of a shared machine) and 1024 x 1024 2x slower; 128 x 512 sits in the middle, its
+# logits for 4 heads (1 MiB of float32) in a core's L2 cache.
+QUERY_BLOCK = 128
 KEY_BLOCK = 512
-# Default blocks grow from QUERY_BLOCK x KEY_BLOCK up to about this many logits per block (batch * heads *
-# q_block * k_block; 16 MiB in float32) and at most MAX_BLOCK a side. Few, large kernels matter on CPU:
-# each op is a parallel region whose thread sync dominates when cores are shared (at L=4K, B*H=4, 2 threads
-# on a busy 2-core machine: 256 x 512 blocks took ~9 s per step, 1024 x 1024 ~1.4 s; equal on 1 thread).
-BLOCK_ELEMENTS = 1 << 22
-MAX_BLOCK = 1024
 
 
-def default_blocks(batch_heads: int) -> tuple[int, int]:
-    """(q_block, k_block) for ``batch_heads`` = batch * heads: doubled (query side first) from the minimum
-    QUERY_BLOCK x KEY_BLOCK while a block stays within BLOCK_ELEMENTS logits and MAX_BLOCK a side."""
-    qb, kb = QUERY_BLOCK, KEY_BLOCK
-    while batch_heads * qb * kb * 2 <= BLOCK_ELEMENTS and min(qb, kb) < MAX_BLOCK:
-        if qb < kb:
-            qb *= 2
-        else:
-            kb *= 2
-    return qb, kb
+@dataclass(frozen=True)
+class _Block:
+    rows: slice          # query rows
+    keys: slice          # key positions
+    grid: tuple          # (rows, columns) of the band's term grid under this block
+    masked: bool         # a mask boundary crosses the block
 
 
-def _blocks(first: torch.Tensor, lq: int, lk: int, q_block: int, k_block: int) -> list:
-    """[(query rows, [key slices])]: the key blocks of [min first visible key, last query position] per query
-    block (one host sync for all blocks)."""
-    first = first.amin(0).tolist()
-    off, blocks = lk - lq, []
+def _plan(first: torch.Tensor, lq: int, lk: int, q_block: int, k_block: int, explicit: bool) -> list:
+    """[(band n, [blocks])]: the key blocks each query block can see (``first``: (B|1, Lq) first visible key of
+    each row, `mods.first_visible`; ``explicit``: an explicit mask, every block masked), one host sync."""
+    lo_rows, hi_rows = first.amin(0).tolist(), first.amax(0).tolist()
+    off, bands = lk - lq, {}
     for qa in range(0, lq, q_block):
         qb = min(qa + q_block, lq)
-        lo, hi = min(first[qa:qb]), off + qb
-        blocks.append((slice(qa, qb), [slice(ka, min(ka + k_block, hi)) for ka in range(lo, hi, k_block)]))
-    return blocks
+        lo, hi_first, end = min(lo_rows[qa:qb]), max(hi_rows[qa:qb]), off + qa + q_block
+        n = 1
+        while end - (n - 1) * k_block > lo:
+            ka, kb = max(end - n * k_block, lo), min(end - (n - 1) * k_block, off + qb)
+            if ka < kb:
+                col = ka - (end - n * k_block)
+                masked = explicit or ka < hi_first or kb - 1 > off + qa
+                bands.setdefault(n, []).append(
+                    _Block(slice(qa, qb), slice(ka, kb), (slice(0, qb - qa), slice(col, col + kb - ka)), masked))
+            n += 1
+    return sorted(bands.items())
 
 
-def _index(sl: slice, device) -> torch.Tensor:
-    return torch.arange(sl.start, sl.stop, device=device)
+class _Work:
+    """One call's shapes, scratch buffers and band terms. Layout: q (B, Hkv, G, Lq, D); k, v (B*Hkv, Lk, D);
+    a block's logits (B*Hkv, G*q, k) for the matrix products, viewed (B, Hkv, G, q, k) for the rest."""
+
+    def __init__(self, q, k, p: float, score_mod, mask_mod, blocks: tuple[int, int]) -> None:
+        self.b, self.hkv, self.groups, self.lq = q.shape[:4]
+        self.offset, self.score_mod, self.mask_mod, self.blocks = k.shape[1] - self.lq, score_mod, mask_mod, blocks
+        self.p = p
+        # exp(floor) is a normal number; for p = 2, exp(y)^2 too
+        self.floor = (math.log(torch.finfo(q.dtype).tiny) + 1.0) / (2.0 if p == 2 else 1.0)
+        block = min(blocks[0], self.lq) * min(blocks[1], k.shape[1])   # the largest block's logits per head
+        self.scratch = [q.new_empty(self.b * self.hkv * self.groups * block) for _ in range(3)]
+
+    def rows(self, x: torch.Tensor, blk: _Block) -> torch.Tensor:
+        """Rows of a (B, Hkv, G, L, d) tensor as (B*Hkv, G*q, d) (a copy only when G > 1)."""
+        return x[..., blk.rows, :].reshape(self.b * self.hkv, -1, x.shape[-1])
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """(B*Hkv, G*q, k) -> (B, Hkv, G, q, k)."""
+        return x.view(self.b, self.hkv, self.groups, -1, x.shape[-1])
+
+    def buffer(self, i: int, rows: int, cols: int) -> torch.Tensor:
+        return self.scratch[i][: self.b * self.hkv * rows * cols].view(self.b * self.hkv, rows, cols)
+
+    def terms(self, n: int):
+        """Band n's (a, bias) grids, (1, Hkv|1, G|1, Q, K): its Q + K - 1 distances ``t = r - c - Q + nK``
+        (row r, column c) evaluated once and spread over the grid; (None, None) without a distance term."""
+        if self.score_mod is None:
+            return None, None
+        q_block, k_block = self.blocks
+        device = self.scratch[0].device
+        t = torch.arange(n * k_block - q_block - k_block + 1, n * k_block, device=device)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        a, bias = mods.affine_terms(self.score_mod, self.hkv * self.groups, t - self.offset, zero,
+                                    self.scratch[0].dtype)          # row t - offset is position t
+        return self._grid(a), self._grid(bias)
+
+    def _grid(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        x = x[..., 0].unfold(-1, self.blocks[1], 1).flip(-1).contiguous()   # (1, H|1, Q, K): x[r - c + K - 1]
+        if x.shape[1] == 1:
+            return x.unsqueeze(2)
+        return x.reshape(1, self.hkv, self.groups, *x.shape[2:])     # head h = kv head * G + g
+
+    def logits(self, q_rows, k, blk: _Block, a, bias) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's logits ``a_t s + bias_t`` (-inf where the mask mods hide the key) in scratch 0, (B, Hkv,
+        G, q, k), and the masked block's 0 / 1 visibility (None when no boundary crosses it)."""
+        keys = k[:, blk.keys]
+        s = self.split(torch.bmm(q_rows, keys.transpose(1, 2), out=self.buffer(0, q_rows.shape[1], keys.shape[1])))
+        r, c = blk.grid
+        if a is not None:
+            torch.addcmul(bias[..., r, c], s, a[..., r, c], out=s)
+        elif bias is not None:
+            s += bias[..., r, c]
+        if blk.masked:
+            device = s.device
+            grid = mods.grids(self.b, 1, torch.arange(blk.rows.start, blk.rows.stop, device=device),
+                              torch.arange(blk.keys.start, blk.keys.stop, device=device))
+            visible = self.mask_mod(*grid).unsqueeze(2).to(s.dtype)
+            s += mods.additive(visible, s.dtype)
+            return s, visible
+        return s, None
+
+    def exp_(self, y: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+        """``exp(y)`` in place, 0 where hidden."""
+        y = y.clamp_(min=self.floor).exp_()
+        return y if visible is None else y.mul_(visible)
+
+    def exp_p(self, y: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+        """``exp(p y)`` in scratch 1 (exp(p y), not exp(y)^p, which underflows first for p < 1)."""
+        return self.exp_(torch.mul(y, self.p, out=self.scratch[1][: y.numel()].view(y.shape)), visible)
+
+    def forward_sums(self, y: torch.Tensor, visible: torch.Tensor | None):
+        """``e = exp(y)`` in place and the block's row sums of e and of ``exp(p y)`` (the same tensor for p = 1)."""
+        if self.p not in (1, 2):
+            sum_p = self.exp_p(y, visible).sum(-1, keepdim=True)
+        e = self.exp_(y, visible)
+        sum_1 = e.sum(-1, keepdim=True)
+        if self.p in (1, 2):
+            sum_p = sum_1 if self.p == 1 else e.square().sum(-1, keepdim=True)
+        return e, sum_1, sum_p
+
+    def logit_grad(self, y: torch.Tensor, visible: torch.Tensor | None, dl: torch.Tensor, delta: torch.Tensor):
+        """``e = exp(y)`` in place and, in place of ``dl = dO'_i . v_j``, ``e_ij dl_ij - exp(p y_ij) delta'_i``."""
+        pi = self.exp_p(y, visible) if self.p not in (1, 2) else None
+        e = self.exp_(y, visible)
+        if self.p == 1:
+            dl.sub_(delta).mul_(e)
+        elif self.p == 2:
+            dl.addcmul_(e, delta, value=-1.0).mul_(e)
+        else:
+            dl.mul_(e).addcmul_(pi, delta, value=-1.0)
+        return e, dl
 
 
 class _TiledPSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qs, k, v, p, score_mod, mask_mod, blocks):
-        b, h, lq, _ = qs.shape
-        out = qs.new_empty(b, h, lq, v.shape[-1])
-        lse_1 = qs.new_empty(b, h, lq, 1)
-        lse_p = qs.new_empty(b, h, lq, 1)
-        row_max, log_sp = torch.empty_like(lse_p), torch.empty_like(lse_p)
-        for qsl, key_slices in blocks:
-            q_blk, rows = qs[:, :, qsl], _index(qsl, qs.device)
-            m = qs.new_full((b, h, q_blk.shape[2], 1), float("-inf"))
-            s1 = torch.zeros_like(m)
-            sp = torch.zeros_like(m)
-            acc = qs.new_zeros(b, h, q_blk.shape[2], v.shape[-1])
-            for ksl in key_slices:
-                logit = fn.logits(q_blk, k[:, :, ksl], score_mod, mask_mod, rows, _index(ksl, qs.device))
-                m_new = torch.maximum(m, logit.amax(-1, keepdim=True))
-                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                corr = torch.exp(m - m_safe)
-                e = torch.exp(logit - m_safe)
-                acc = acc * corr + e @ v[:, :, ksl]
-                s1 = s1 * corr + e.sum(-1, keepdim=True)
-                if p != 1:     # S_p = S_1 for softmax; exp(p x), not exp(x)^p, which underflows first for p < 1
-                    sp = sp * torch.exp(p * (m - m_safe)) + torch.exp(p * (logit - m_safe)).sum(-1, keepdim=True)
-                m = m_new
-            if p == 1:
-                sp = s1
-            out[:, :, qsl] = acc * torch.where(sp > 0, sp, torch.ones_like(sp)).pow(-1.0 / p)  # 0 if nothing seen
-            lse_1[:, :, qsl] = m + torch.log(s1)
-            lse_p[:, :, qsl] = p * m + torch.log(sp)
-            row_max[:, :, qsl], log_sp[:, :, qsl] = m, torch.log(sp)
-        finite = torch.isfinite(row_max)                           # rows that see nothing: w = 0 in the backward
-        row_max = torch.where(finite, row_max, torch.zeros_like(row_max))
-        log_sp = torch.where(finite, log_sp, torch.zeros_like(log_sp))
-        ctx.save_for_backward(qs, k, v, out, row_max, log_sp)
-        ctx.p, ctx.mods, ctx.blocks = p, (score_mod, mask_mod), blocks
+    def forward(ctx, q, k, v, p, score_mod, mask_mod, plan, blocks):
+        work = _Work(q, k, p, score_mod, mask_mod, blocks)
+        stats = q.new_zeros((3,) + q.shape[:-1] + (1,))              # row max, S_1, S_p: (B, Hkv, G, Lq, 1)
+        m, s1, sp = stats.unbind(0)
+        m.fill_(float("-inf"))
+        acc = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
+        for n, band in plan:
+            a, bias = work.terms(n)
+            for blk in band:
+                q_rows = work.rows(q, blk)
+                y, visible = work.logits(q_rows, k, blk, a, bias)
+                m_blk = m[..., blk.rows, :]
+                m_new = torch.maximum(m_blk, y.amax(-1, keepdim=True))
+                m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)   # rows that saw nothing
+                corr = torch.exp(m_blk - m_safe)
+                y -= m_safe
+                e, sum_1, sum_p = work.forward_sums(y, visible)
+                s1[..., blk.rows, :].mul_(corr).add_(sum_1)
+                if p != 1:
+                    sp[..., blk.rows, :].mul_(corr.pow(p)).add_(sum_p)
+                pv = torch.bmm(e.view(q_rows.shape[0], -1, e.shape[-1]), v[:, blk.keys])
+                acc[..., blk.rows, :].mul_(corr).add_(work.split(pv))
+                m[..., blk.rows, :] = m_new
+        if p == 1:
+            sp = s1
+        seen = sp > 0                                                # rows that see some key
+        scale = torch.where(seen, sp, torch.ones_like(sp)).pow(-1.0 / p) * seen          # S_p^(-1/p); 0 if none
+        out = acc * scale
+        lse_1, lse_p = m + torch.log(s1), p * m + torch.log(sp)
+        ctx.save_for_backward(q, k, v, out, torch.where(seen, m, torch.zeros_like(m)), scale)
+        ctx.p, ctx.mods, ctx.plan, ctx.blocks = p, (score_mod, mask_mod), plan, blocks
         ctx.mark_non_differentiable(lse_1, lse_p)
         return out, lse_1, lse_p
 
     @staticmethod
     def backward(ctx, d_out, _d_lse1, _d_lsep):
-        qs, k, v, out, row_max, log_sp = ctx.saved_tensors
-        p, (score_mod, mask_mod) = ctx.p, ctx.mods
-        dq, dk, dv = torch.zeros_like(qs), torch.zeros_like(k), torch.zeros_like(v)
-        delta = (d_out * out).sum(-1, keepdim=True)                 # dO_i . out_i
-        for qsl, key_slices in ctx.blocks:
-            rows, do = _index(qsl, qs.device), d_out[:, :, qsl]
-            m, lsp, dl_blk = row_max[:, :, qsl], log_sp[:, :, qsl], delta[:, :, qsl]
-            for ksl in key_slices:
-                q_blk = qs[:, :, qsl].detach().requires_grad_()
-                k_blk = k[:, :, ksl].detach().requires_grad_()
-                with torch.enable_grad():
-                    logit = fn.logits(q_blk, k_blk, score_mod, mask_mod, rows, _index(ksl, qs.device))
-                y = logit.detach() - m                  # <= 0: p y and exp never see a large logit
-                w = torch.exp(y - lsp / p)
-                pi = w if p == 1 else torch.exp(p * y - lsp)
-                dlogit = w * (do @ v[:, :, ksl].transpose(-1, -2)) - pi * dl_blk
-                dq_blk, dk_blk = torch.autograd.grad(logit, (q_blk, k_blk), dlogit)
-                dq[:, :, qsl] += dq_blk
-                dk[:, :, ksl] += dk_blk
-                dv[:, :, ksl] += w.transpose(-1, -2) @ do
-        return dq, dk, dv, None, None, None, None
+        q, k, v, out, m, scale = ctx.saved_tensors
+        p, work = ctx.p, _Work(q, k, ctx.p, *ctx.mods, ctx.blocks)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = (d_out * out).sum(-1, keepdim=True) * scale.pow(p)   # (dO_i . out_i) / S_p
+        d_scaled = d_out * scale                                     # dO_i S_p^(-1/p): w = e S_p^(-1/p)
+        for n, band in ctx.plan:
+            a, bias = work.terms(n)
+            for blk in band:
+                q_rows, do = work.rows(q, blk), work.rows(d_scaled, blk)
+                y, visible = work.logits(q_rows, k, blk, a, bias)
+                y -= m[..., blk.rows, :]                                                     # <= 0
+                shape = (q_rows.shape[1], y.shape[-1])
+                dl = work.split(torch.bmm(do, v[:, blk.keys].transpose(1, 2), out=work.buffer(2, *shape)))
+                e, dl = work.logit_grad(y, visible, dl, delta[..., blk.rows, :])
+                e3 = e.view(q_rows.shape[0], *shape)
+                dv[:, blk.keys].baddbmm_(e3.transpose(1, 2), do)
+                if a is not None:
+                    dl.mul_(a[..., blk.grid[0], blk.grid[1]])
+                dl3 = dl.view(q_rows.shape[0], *shape)
+                dk[:, blk.keys].baddbmm_(dl3.transpose(1, 2), q_rows)
+                dq[..., blk.rows, :] += work.split(torch.bmm(dl3, k[:, blk.keys]))
+        return dq, dk, dv, None, None, None, None, None
 
 
 def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:
@@ -135,20 +239,22 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     """Blocked p-softmax attention for scaled queries ``qs`` (B, H, Lq, D) and keys/values (B, Hkv, Lk, D).
 
     ``mask``: an explicit (B, 1, Lq, Lk) visibility (a row that sees nothing outputs 0). ``q_block`` /
-    ``k_block``: block sizes, default `default_blocks` (B * H). Half-precision inputs are computed in
+    ``k_block``: block sides, default `QUERY_BLOCK` x `KEY_BLOCK`. Half-precision inputs are computed in
     float32; ``out`` has v's dtype. Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
-    auto_q, auto_k = default_blocks(qs.shape[0] * qs.shape[1])
-    q_block, k_block = q_block or auto_q, k_block or auto_k
+    q_block, k_block = q_block or QUERY_BLOCK, k_block or KEY_BLOCK
     dtype, compute = v.dtype, fn.compute_dtype(v.dtype)
-    groups = qs.shape[1] // k.shape[1]
-    k, v = fn.repeat_kv(k, groups).to(compute), fn.repeat_kv(v, groups).to(compute)
-    lq, lk = qs.shape[-2], k.shape[-2]
+    b, h, lq, d = qs.shape
+    hkv, lk = k.shape[1], k.shape[2]
     starts = mods.document_starts(spec, doc_ids)
-    score_mod = mods.score_mod_for(spec, qs.shape[1], lq, lk, qs.device, compute)
+    score_mod = mods.score_mod_for(spec, h, lq, lk, qs.device, compute)
     mask_mod = mods.mask_mod_for(spec, lq, lk, starts, mask)
-    blocks = _blocks(mods.first_visible(spec, lq, lk, starts, qs.device), lq, lk, q_block, k_block)
-    out, lse_1, lse_p = _TiledPSoftmax.apply(qs.to(compute), k, v, float(spec.softmax_p), score_mod, mask_mod,
-                                             blocks)
-    out = out.to(dtype)
-    return (out, lse_1.squeeze(-1), lse_p.squeeze(-1)) if return_lse else out
+    plan = _plan(mods.first_visible(spec, lq, lk, starts, qs.device), lq, lk, q_block, k_block, mask is not None)
+    q5 = qs.to(compute).reshape(b, hkv, h // hkv, lq, d)
+    k3, v3 = (t.to(compute).reshape(b * hkv, lk, t.shape[-1]) for t in (k, v))
+    out, lse_1, lse_p = _TiledPSoftmax.apply(q5, k3, v3, float(spec.softmax_p), score_mod, mask_mod, plan,
+                                             (q_block, k_block))
+    out = out.reshape(b, h, lq, v.shape[-1]).to(dtype)
+    if not return_lse:
+        return out
+    return out, lse_1.reshape(b, h, lq), lse_p.reshape(b, h, lq)

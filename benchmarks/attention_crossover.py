@@ -1,0 +1,98 @@
+"""Where `auto` switches CPU backends: every CPU backend that runs a spec class, timed at short lengths.
+
+    python benchmarks/attention_crossover.py --out benchmarks/results/NAME     # writes NAME.json and NAME.md
+
+Two shapes, float32, forward + backward, 1 thread (``--threads``), L = 16..2048: ``single`` (batch 1, 4 heads,
+head_dim 64: `attention_cpu.py`'s setup) and ``demo`` (the demo model's attention: 2048 tokens per step, batch
+2048 / L, 4 heads, head_dim 16). Spec classes: softmax with a window of L/4 or packed documents (sdpa with a
+mask, cpu_flash, tiled, dense), ALiBi (cpu_flash, tiled, dense), p = 2 with and without documents and
+scale-invariant (tiled, dense). ``time_ms`` is the median of 5 (3 above L = 512) steps after one untimed step,
+process CPU time with one thread; each row names the fastest backend and `auto`'s pick. The thresholds in
+`lengthgen.attention.backends` (``SDPA_MASK_MAX_PAIRS``, ``FLASH_DENSE_MAX_LOGITS``, ``TILED_DENSE_MAX_*``)
+come from these rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lengthgen.attention import AttentionSpec, attend, backends
+from lengthgen.experiments.bench import packed_doc_ids
+
+SPECS = {"window": AttentionSpec(position="nope", window=1), "doc": AttentionSpec(position="nope", doc_masking=True),
+         "alibi": AttentionSpec.preset("alibi"), "l2": AttentionSpec(position="nope", softmax_p=2.0),
+         "l2_doc": AttentionSpec(position="nope", softmax_p=2.0, doc_masking=True),
+         "scale_invariant": AttentionSpec.preset("scale_invariant")}
+LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+SHAPES = {"single": (64, lambda length: 1), "demo": (16, lambda length: max(1, 2048 // length))}
+
+
+def time_backends(spec: AttentionSpec, batch: int, length: int, head_dim: int) -> dict[str, float]:
+    """Median ms of one forward + backward on each backend that runs ``spec`` on CPU."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, 4, length, head_dim, generator=gen).requires_grad_() for _ in range(3))
+    grad = torch.randn(batch, 4, length, head_dim, generator=gen)
+    docs = packed_doc_ids(batch, length, "cpu") if spec.doc_masking else None
+    times = {}
+    for name in ("dense", "sdpa", "cpu_flash", "tiled"):
+        if backends.unsupported(name, spec, q, True) is not None:
+            continue
+
+        def step():
+            torch.autograd.grad(attend(q, k, v, spec, doc_ids=docs, backend=name), (q, k, v), grad)
+        step()
+        runs = []
+        for _ in range(5 if length <= 512 else 3):
+            start = time.process_time()
+            step()
+            runs.append(time.process_time() - start)
+        times[name] = statistics.median(runs) * 1e3
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for shape in args.shapes.split(","):
+        head_dim, batch_of = SHAPES[shape]
+        for length in map(int, args.lengths.split(",")):
+            for name, spec in SPECS.items():
+                spec = spec.replace(window=max(1, length // 4)) if spec.window else spec
+                times = time_backends(spec, batch_of(length), length, head_dim)
+                row = dict(shape=shape, L=length, batch=batch_of(length), heads=4, head_dim=head_dim, spec=name,
+                           time_ms=times, fastest=min(times, key=times.get),
+                           auto=backends.choose(spec, torch.empty(batch_of(length), 4, length, head_dim), length, True))
+                rows.append(row)
+                print(f"{shape:6} L={length:5} {name:15} " + "  ".join(f"{b}={t:9.2f}" for b, t in times.items())
+                      + f"  fastest {row['fastest']}, auto {row['auto']}", flush=True)
+    if args.out:
+        command = "python benchmarks/attention_crossover.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        Path(args.out + ".json").write_text(json.dumps(dict(command=command, threads=args.threads, rows=rows),
+                                                       indent=1))
+        lines = [f"# CPU backend crossovers\n\nCommand: `{command}` ({args.threads} thread(s), ms per forward + "
+                 "backward, process CPU time)\n", "| shape | L | batch | spec | dense | sdpa | cpu_flash | tiled | "
+                 "fastest | auto |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            cells = [f"{r['time_ms'][b]:.2f}" if b in r["time_ms"] else "-" for b in ("dense", "sdpa", "cpu_flash",
+                                                                                          "tiled")]
+            lines.append(f"| {r['shape']} | {r['L']} | {r['batch']} | {r['spec']} | " + " | ".join(cells)
+                         + f" | {r['fastest']} | {r['auto']} |")
+        Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
