@@ -42,6 +42,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a number >= 0") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not valid; give a finite number >= 0")
+    return value
+
+
 Handler = Callable[[argparse.Namespace], int]
 #: name -> (add_arguments, handler)
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
@@ -299,6 +309,28 @@ def export_command(args: argparse.Namespace) -> int:
 
     for line in export_run(args.run, args.out, bema=args.bema):
         print(line)
+    return 0
+
+
+def _sample_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a trained text run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the text to continue (after a BOS, as documents start)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=200, help="tokens to generate (default 200; "
+                   "the text ends earlier where the model ends its document)")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="softmax temperature (default 0.8); 0: greedy, "
+                   "the most likely token at each step")
+    p.add_argument("--top-k", type=_positive_int, help="draw from the K most likely tokens only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--bema", action="store_true", help="sample from the BEMA weights")
+
+
+@command("sample", _sample_args)
+def sample_command(args: argparse.Namespace) -> int:
+    """Continue a text prompt with a trained text run's model (KV-cached generation); prints prompt and continuation."""
+    from lengthgen.experiments.sample import sample_run
+
+    print(sample_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k, seed=args.seed, bema=args.bema))
     return 0
 
 

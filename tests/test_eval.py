@@ -118,14 +118,16 @@ class _Stop(Exception):
 
 
 class DeviceProbe(torch.nn.Module):
-    """A model whose parameter is on ``device``: records where its inputs are, then stops the evaluation."""
+    """An lm model whose parameter is on ``device``: records where its inputs are, then stops the evaluation."""
+
+    head_kind = "lm"
 
     def __init__(self, device: str) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, device=device))
         self.seen: list[tuple] = []
 
-    def forward(self, tokens, doc_ids=None):
+    def features(self, tokens, doc_ids=None):
         self.seen.append((tokens.device, doc_ids.device))
         raise _Stop
 
@@ -156,10 +158,10 @@ def test_evaluate_runs_under_the_given_autocast(dtype):
     task = make_task("mqar", vocab_size=16)
     model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2))
     seen = []
-    model.register_forward_hook(lambda m, args, out: seen.append(
+    model.head.register_forward_hook(lambda m, args, out: seen.append(
         (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), out.dtype, m.training)))
     evaluate(model, task, [16, 32], tokens_per_length=64, autocast=dtype)
-    assert len(seen) == 3                                   # two lengths + the diagnostics pass
+    assert len(seen) == 3                                   # two lengths + the diagnostics pass (one chunk each)
     for enabled, autocast_dtype, out_dtype, training in seen:
         assert not training and enabled == (dtype is not None)
         assert out_dtype == (torch.bfloat16 if dtype else torch.float32)

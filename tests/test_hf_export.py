@@ -99,6 +99,25 @@ def test_exported_model_generates_greedily_and_computes_the_lm_loss(tmp_path):
         model(input_ids=seq, attention_mask=torch.ones_like(seq).index_fill(1, torch.tensor([0]), 0))
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_model_generates_with_lengthgens_kv_cache(case, tmp_path):
+    run = written_run(tmp_path / "run", CASES[case])
+    _, native = load_run(run)
+    lhf.export_run(run, tmp_path / "hf")
+    model = lhf.from_pretrained(tmp_path / "hf")
+    prompt, kw = tokens(length=6), dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0)
+    lengths = []
+    model.model.register_forward_pre_hook(lambda module, args: lengths.append(args[0].shape[1]))
+    got = model.generate(prompt, do_sample=False, **kw)
+    assert lengths == [6] + [1] * 6                        # the prompt, then one new token per step
+    assert torch.equal(got, native.generate(prompt, 7, cache=False))
+    assert torch.equal(model.generate(prompt, do_sample=False, use_cache=False, **kw), got)
+    torch.manual_seed(3)
+    sampled = model.generate(prompt, do_sample=True, top_k=5, **kw)
+    torch.manual_seed(3)
+    assert torch.equal(model.generate(prompt, do_sample=True, top_k=5, use_cache=False, **kw), sampled)
+
+
 def test_export_refuses_other_heads_and_used_folders(tmp_path, capsys):
     run = written_run(tmp_path / "run", {"head": "regress"})
     with pytest.raises(ConfigError, match="model.head='regress' cannot be exported"):

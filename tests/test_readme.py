@@ -27,7 +27,7 @@ TINY = {
     "eval": ["--tokens", "256"],
     "retrofit": ["--steps", "2", "--eval-tokens", "256", "--set", "train.batch_size=4"],
     "bench": ["--variants", "baseline", "--head-dims", "64", "--reps", "1", "--warmup", "1"],
-    "report": [], "theory": [], "config": [], "export": [],
+    "sample": ["--max-new-tokens", "8"], "report": [], "theory": [], "config": [], "export": [],
 }
 #: appended after TINY to the README lines holding the key: what these lines need on top of tiny sizes
 EXTRA = {"--extend": ["--set", "train.steps=5"]}    # longer than the run it extends (TINY: 3 steps)

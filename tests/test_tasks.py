@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import time
+import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lengthgen.config import ConfigError
 from lengthgen.data.tasks import TASKS, Batch, make_task, roc_auc
@@ -119,14 +120,48 @@ def test_samples_follow_the_generator(name):
     assert not torch.equal(first.tokens, second.tokens) and not torch.equal(first.tokens, other.tokens)
 
 
+class Work(TorchDispatchMode):
+    """Counts the tensor ops and the Python lines run in lengthgen's code while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.lines = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def _trace(self, frame, event, arg):
+        if "lengthgen" not in frame.f_code.co_filename:
+            return None
+        if event == "line":
+            self.lines += 1
+        return self._trace
+
+    def __enter__(self):
+        sys.settrace(self._trace)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+        return super().__exit__(*exc)
+
+
 @pytest.mark.parametrize("name", sorted(TASKS))
-def test_long_batches_are_fast(name):
+def test_samplers_have_no_python_loop_over_positions(name):
+    """Long batches are cheap because sampling is vectorized: 4x the length adds fewer tensor ops and fewer lines
+    of lengthgen code than positions (a log-depth scan adds a few per doubling; a loop adds one or more each)."""
     task = make_task(name)
-    length = min(task.max_length or 2048, 2048)
-    start = time.perf_counter()
-    batch = task.sample(64, length, gen(1))
-    assert time.perf_counter() - start < 5.0
-    assert batch.tokens.shape == (64, length)
+    long = min(task.max_length or 4096, 4096)
+    task.sample(2, long, gen(0))              # fills the per-length tables a sampler caches (tomita's path counts)
+    work = {}
+    for length in (long // 4, long):
+        with Work() as work[length]:
+            batch = task.sample(16, length, gen(1))
+        assert batch.tokens.shape == (16, length)
+    short = long // 4
+    assert work[long].ops - work[short].ops < long - short
+    assert work[long].lines - work[short].lines < long - short
 
 
 # ------------------------------------------------------------------ counting

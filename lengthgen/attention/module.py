@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from lengthgen.attention import functional as fn
+from lengthgen.attention.cache import KVCache
 from lengthgen.attention.core import attend
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
@@ -43,8 +44,9 @@ class Attention(nn.Module):
             for a block that projects them together with another branch (seed 001's parallel block).
     Submodules: ``scaling`` (`QueryScaling`), ``out_norm`` (`OutNorm`), ``gate`` (`OutputGate`).
     Setting ``self.capture = {}`` makes the next forward store its internals there (for diagnostics and
-    QK-clip): ``q``, ``k``, ``v`` (after QK-norm and RoPE, before query scaling), ``y`` (attention output
-    before out-norm), ``y_norm`` (after out-norm and its affine) and ``doc_ids``.
+    QK-clip): ``q``, ``k``, ``v`` (after QK-norm and RoPE, before query scaling; with a cache every key it
+    attended to), ``y`` (attention output before out-norm), ``y_norm`` (after out-norm and its affine) and
+    ``doc_ids``.
     """
 
     def __init__(self, dim: int, heads: int, spec: AttentionSpec | str | dict[str, Any] | None = None, *,
@@ -78,9 +80,11 @@ class Attention(nn.Module):
         fraction = {"nope": 0.0, "rope": 1.0, "prope": self.spec.prope_fraction}[self.spec.position]
         return fn.rope_frequencies(self.head_dim, self.spec.rope_theta, fraction, min_freq=self.spec.rope_min_freq)
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
-        """``value``: an optional (B, L, Hkv*D) term added to the values (seed 000's value embeddings)."""
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """``value``: an optional (B, L, Hkv*D) term added to the values (seed 000's value embeddings).
+        ``cache``: x holds the positions after those in ``cache.layer(layer_index)``, whose keys and values this
+        call attends to and extends (``doc_ids``: the new positions' ids)."""
         b, length, _ = x.shape
         spec = self.spec
         q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
@@ -90,9 +94,13 @@ class Attention(nn.Module):
         if spec.qk_norm != "none":
             q = fn.head_norm(q, spec.qk_norm, spec.qk_norm_eps, self.q_norm_weight)
             k = fn.head_norm(k, spec.qk_norm, spec.qk_norm_eps, self.k_norm_weight)
+        past = None if cache is None else cache.layer(self.layer_index)
         if spec.position != "nope":
-            pos = torch.arange(length, device=x.device)
+            start = 0 if past is None else past.seen
+            pos = torch.arange(start, start + length, device=x.device)
             q, k = fn.apply_rope(q, pos, self.rope_freqs), fn.apply_rope(k, pos, self.rope_freqs)
+        if past is not None:
+            k, v, doc_ids = past.extend(k, v, doc_ids, spec.window)
         y = _attend_eager(q, k, v, spec, doc_ids=doc_ids, multipliers=self.scaling.multiplier,
                           backend=self.backend)
         return self.output(y, x, capture=(q, k, v, doc_ids) if self.capture is not None else None)

@@ -54,8 +54,17 @@ def eval_generator(seed: int, length: int) -> torch.Generator:
 
 def measure_gpt(model: nn.Module, source: Any, batch: Batch) -> dict[str, torch.Tensor]:
     """A lengthgen `GPT`: ``loss`` is ``model.loss``'s unreduced loss (NaN outside the loss mask), then the
-    source's own ``metrics``."""
-    output = model(batch.tokens, doc_ids=batch.doc_ids)
+    source's own ``metrics``. An lm head's logits are taken a chunk of positions at a time (`GPT.logit_chunks`,
+    each with its cut of the batch, `Batch.positions`), so a long evaluation never holds all (B, L, V) logits."""
+    if model.head_kind != "lm":
+        return _values(model, source, model(batch.tokens, doc_ids=batch.doc_ids), batch)
+    x = model.features(batch.tokens, batch.doc_ids)
+    parts = [_values(model, source, logits, batch.positions(lo, hi)) for lo, hi, logits in model.logit_chunks(x)]
+    return {name: torch.cat([part[name] for part in parts], dim=1) for name in parts[0]}
+
+
+def _values(model: nn.Module, source: Any, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+    """`measure_gpt`'s values of the model's ``output`` on ``batch``."""
     _, per_item = model.loss(output, batch)
     values = {"loss": per_item if per_item.dim() == 1 else per_item.masked_fill(~batch.loss_mask, math.nan)}
     if hasattr(source, "metrics"):

@@ -3,8 +3,9 @@
 `LengthgenForCausalLM` wraps the `GPT` built from `LengthgenConfig.gpt` (the run's `GPTConfig`, every option),
 so a loaded export runs lengthgen's own modules and math and its logits are the native model's. After
 `lengthgen.hf.register` (done when `lengthgen.hf` is imported), ``AutoModelForCausalLM.from_pretrained(DIR)``
-loads an exported folder. Generation works through transformers' ``generate`` without a KV cache (each step
-recomputes the sequence); rows are never padded (``attention_mask`` must be all ones).
+loads an exported folder. transformers' ``generate`` decodes with lengthgen's own `KVCache` (every attention option
+equals recomputation; ``use_cache=False`` recomputes each step); rows are never padded (``attention_mask`` must be
+all ones) and beam search, which reorders caches, is not supported with the cache.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 
 import torch
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from lengthgen.attention import KVCache
 from lengthgen.attention.module import Attention
 from lengthgen.config import ConfigError
 from lengthgen.hf.registry import NAME
@@ -24,15 +26,13 @@ from lengthgen.model import GPT, GPTConfig
 class LengthgenConfig(PretrainedConfig):
     """transformers config of an exported lengthgen model. ``gpt``: its `GPTConfig` as a dict (checked here:
     a bad value raises `ConfigError` naming the key). The transformers names (``vocab_size``, ``hidden_size``,
-    ``num_hidden_layers``, ``num_attention_heads``, ``tie_word_embeddings``) are read from it; the model has
-    no KV cache (``use_cache`` is False)."""
+    ``num_hidden_layers``, ``num_attention_heads``, ``tie_word_embeddings``) are read from it."""
 
     model_type = NAME
 
     def __init__(self, gpt: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.gpt = GPTConfig.from_dict(gpt or {}).to_dict()
         kwargs["tie_word_embeddings"] = self.gpt["tie_embeddings"]
-        kwargs["use_cache"] = False
         super().__init__(**kwargs)
 
     @property
@@ -55,9 +55,10 @@ class LengthgenConfig(PretrainedConfig):
 class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
     """A lengthgen `GPT` with an ``lm`` head (``self.model``) as a transformers causal LM.
 
-    ``forward(input_ids, attention_mask=None, labels=None, doc_ids=None)``: logits (B, L, V) of the wrapped GPT
-    (``doc_ids``: its document masking); with ``labels``, transformers' shifted causal-LM cross-entropy
-    (``GPTConfig.z_loss`` is a term of lengthgen's own training loss, not added here).
+    ``forward(input_ids, attention_mask=None, labels=None, doc_ids=None, past_key_values=None)``: logits
+    (B, L, V) of the wrapped GPT (``doc_ids``: its document masking; ``past_key_values``: a `KVCache`, input_ids
+    then being the positions after the cached ones); with ``labels``, transformers' shifted causal-LM
+    cross-entropy (``GPTConfig.z_loss`` is a term of lengthgen's own training loss, not added here).
     """
 
     config_class = LengthgenConfig
@@ -113,26 +114,41 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.model.head
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """No transformers cache: `prepare_inputs_for_generation` starts lengthgen's `KVCache` (keys after QK-norm
+        and RoPE, per-layer windows and documents)."""
+        return False
+
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                      past_key_values: KVCache | None = None, use_cache: bool = True,
                                       **kwargs: Any) -> dict[str, Any]:
-        """Generation without a KV cache: every step runs the whole sequence."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        """A generation step's inputs: with ``use_cache`` the positions after those in the `KVCache` (a new one at
+        the first step), without it the whole sequence."""
+        if not use_cache:
+            return {"input_ids": input_ids, "attention_mask": attention_mask}
+        cache = past_key_values if isinstance(past_key_values, KVCache) else KVCache()
+        return {"input_ids": input_ids[:, cache.length:], "attention_mask": attention_mask,
+                "past_key_values": cache}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                **kwargs: Any) -> CausalLMOutput:
-        """Logits of ``input_ids`` (B, L); transformers' other arguments (``use_cache``, ``return_dict``, ...) are
-        accepted and ignored."""
+                past_key_values: KVCache | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        """Logits of ``input_ids`` (B, L), extending ``past_key_values`` if given; transformers' other arguments
+        (``use_cache``, ``return_dict``, ...) are accepted and ignored."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("LengthgenForCausalLM has no padding: pass rows without padding (attention_mask all "
                              "ones)")
         for name in ("inputs_embeds", "position_ids"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"LengthgenForCausalLM does not take {name} (positions come from each layer's spec)")
-        logits = self.model(input_ids, doc_ids=doc_ids)
+        if past_key_values is not None and not isinstance(past_key_values, KVCache):
+            raise ValueError(f"LengthgenForCausalLM caches with lengthgen.attention.KVCache, not "
+                             f"{type(past_key_values).__name__}")
+        logits = self.model(input_ids, doc_ids=doc_ids, cache=past_key_values)
         loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
                                                               vocab_size=self.config.vocab_size)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
 
 
 __all__ = ["LengthgenConfig", "LengthgenForCausalLM"]

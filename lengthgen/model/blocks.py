@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lengthgen.attention import Attention, AttentionSpec
+from lengthgen.attention import Attention, AttentionSpec, KVCache
 from lengthgen.model.config import GPTConfig
 from lengthgen.model.norms import HeadNormLinear, make_norm
 
@@ -113,13 +113,14 @@ class SequentialBlock(nn.Module):
         self.norm2_out = norm() if self.mlp is not None and placement == "peri" else None
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                ve: torch.Tensor | None = None) -> torch.Tensor:
-        """``ve``: this layer's value embedding (B, L, Hkv*D), mixed into the values by ``value_gate``."""
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, ve: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """``ve``: this layer's value embedding (B, L, Hkv*D), mixed into the values by ``value_gate``;
+        ``cache``: the attention's `KVCache` (x holds the positions after the cached ones)."""
         p = self.placement
         if self.attn is not None:
             h = x if self.norm1 is None or p == "post" else self.norm1(x)
-            y = self.drop(self.attn(h, doc_ids, None if ve is None else self.value_gate(h, ve)))
+            y = self.drop(self.attn(h, doc_ids, None if ve is None else self.value_gate(h, ve), cache))
             x = self.norm1(x + y) if p == "post" else x + (self.norm1_out(y) if p == "peri" else y)
         if self.mlp is None:
             return x
@@ -154,11 +155,11 @@ class ParallelBlock(nn.Module):
         self.norm1_out = norm() if placement == "peri" else None
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                ve: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, ve: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         post = self.placement == "post"
         h = x if post else self.norm1(x)
-        branches = [self.attn(h, doc_ids, None if ve is None else self.value_gate(h, ve))]
+        branches = [self.attn(h, doc_ids, None if ve is None else self.value_gate(h, ve), cache)]
         if self.fc is not None:
             branches.insert(0, self.act(self.fc(h)))
         y = self.drop(self.out(torch.cat(branches, dim=-1)))

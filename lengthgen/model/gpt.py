@@ -4,23 +4,30 @@ Positions come from each layer's AttentionSpec (RoPE, p-RoPE, ALiBi, ... or none
 2-entry "position 0 or not" embedding. Heads: ``lm`` (B, L, V) logits, ``regress`` (B, L) one scalar per
 position, ``classify`` (B, C) logits read at the last position. The regress and classify heads run in float32
 even under autocast (a count of 5000.3 must not come out as bfloat16's 4992).
+
+A `KVCache` lets a forward pass run only new positions after cached ones (`GPT.generate`); `GPT.logit_chunks`
+gives the lm head's logits a chunk of positions at a time (long evaluations never hold all (B, L, V) logits).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lengthgen.attention import Attention
+from lengthgen.attention import Attention, KVCache
 from lengthgen.attention.extras import QueryScaling
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, check_value
 from lengthgen.model.blocks import BLOCKS, SkipGate
 from lengthgen.model.config import FINAL_NORM_PLACEMENTS, GPTConfig
 from lengthgen.model.norms import make_norm
+
+#: at most this many logits per chunk of `GPT.logit_chunks` (2^24: 64 MiB in float32)
+LOGIT_CHUNK = 1 << 24
 
 
 def draw_(weight: torch.Tensor, std: float, kind: str) -> None:
@@ -36,8 +43,9 @@ def draw_(weight: torch.Tensor, std: float, kind: str) -> None:
 class GPT(nn.Module):
     """Decoder-only transformer with per-layer attention specs (`GPTConfig.layer_specs`).
 
-    ``forward(tokens, doc_ids=None)``: tokens (B, L) long -> (B, L, V) logits (``lm``), (B, L) (``regress``)
-    or (B, C) (``classify``). ``loss(output, batch)`` -> (scalar, per-position (B, L) or per-sequence (B,)).
+    ``forward(tokens, doc_ids=None, cache=None)``: tokens (B, L) long -> (B, L, V) logits (``lm``), (B, L)
+    (``regress``) or (B, C) (``classify``); with a `KVCache` the tokens are the positions after the cached ones.
+    ``loss(output, batch)`` -> (scalar, per-position (B, L) or per-sequence (B,)). ``generate`` continues a prompt.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -116,13 +124,20 @@ class GPT(nn.Module):
         return [block.attn for block in self.blocks if block.attn is not None]
 
     # -- forward -------------------------------------------------------------------------------------
-    def features(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The final hidden states (B, L, dim), after the final norm."""
+    def features(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                 cache: KVCache | None = None) -> torch.Tensor:
+        """The final hidden states (B, L, dim), after the final norm. ``cache``: tokens are the positions after
+        the ``cache.length`` cached ones, whose keys and values the attention layers use and extend."""
         if tokens.dim() != 2:
             raise ValueError(f"GPT expects (batch, length) tokens, got shape {tuple(tokens.shape)}")
+        if cache is not None and self.training and self.config.norm == "batch":
+            raise ValueError("GPT: a KVCache needs causal layers, and norm='batch' in training mode normalizes over "
+                             "every position; decode in eval mode (model.eval(): running statistics)")
+        start = 0 if cache is None else cache.length
         x = self.embed(tokens)
         if self.first_embed is not None:   # seed 001: one vector for position 0, another for every later one
-            x = x + self.first_embed((torch.arange(tokens.shape[1], device=tokens.device) > 0).long())
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+            x = x + self.first_embed((positions > 0).long())
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         x = x0 = self.drop(x)
@@ -133,18 +148,33 @@ class GPT(nn.Module):
                 if target == i:   # U-net skip (seed 000): a gated copy of an earlier block's output
                     x = x + gate(x0) * skipped[source]
             table = self.value_index[i]
-            x = block(x, doc_ids, ve[table] if table >= 0 else None)
+            x = block(x, doc_ids, ve[table] if table >= 0 else None, cache)
             if any(source == i for source, _ in self.config.skips):
                 skipped[i] = x
+        if cache is not None:
+            cache.length += tokens.shape[1]
         return self.final_norm(x) if self.final_norm is not None else x
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.features(tokens, doc_ids)
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        x = self.features(tokens, doc_ids, cache)
         if self.head_kind == "lm":
-            return self.cap_logits(self.head(x))
+            return self.logits(x)
         with torch.autocast(x.device.type, enabled=False):   # float32 scalars and class logits
             out = self.head((x[:, -1] if self.head_kind == "classify" else x).float())
         return out.squeeze(-1) if self.head_kind == "regress" else out
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The lm head's (capped) logits (B, L, V) of final hidden states x (B, L, dim)."""
+        return self.cap_logits(self.head(x))
+
+    def logit_chunks(self, x: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """`logits` of x (B, L, dim) a chunk of positions at a time: ``(lo, hi, logits of positions lo:hi)``, each
+        chunk at most `LOGIT_CHUNK` logits (at least one position), so (B, L, V) is never held at once."""
+        step = max(1, LOGIT_CHUNK // (x.shape[0] * self.config.vocab_size))
+        for lo in range(0, x.shape[1], step):
+            hi = min(lo + step, x.shape[1])
+            yield lo, hi, self.logits(x[:, lo:hi])
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """``logit_cap`` c: ``c tanh(x / c)`` (Gemma 2) or ``c sigmoid((x + 5) / 7.5)`` (seed 000's
@@ -186,8 +216,52 @@ class GPT(nn.Module):
             scalar = scalar + self.config.z_loss * (z.square() * maskf).sum() / count
         return scalar, per
 
+    # -- generation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None, cache: bool = True
+                 ) -> torch.Tensor:
+        """``prompt`` (B, L) followed by ``max_new_tokens`` tokens (B, L + max_new_tokens), each picked by
+        `next_token` from the logits of the sequence so far. With ``cache`` each step runs only the newest token
+        against a `KVCache`; without, the whole sequence again (the same tokens, slower). Runs in eval mode (the
+        mode is restored after). lm heads only; a bad ``max_new_tokens``, ``temperature`` or ``top_k`` is a
+        `ConfigError` naming it."""
+        if self.head_kind != "lm":
+            raise ValueError(f"GPT.generate needs an lm head; this model's head is {self.head_kind!r}")
+        if prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
+            raise ValueError(f"GPT.generate: prompt must be (batch, length >= 1) token ids (torch.long), got "
+                             f"{prompt.dtype} {tuple(prompt.shape)}")
+        check_value("max_new_tokens", max_new_tokens, int, ge=0)
+        temperature = check_value("temperature", temperature, float, ge=0)
+        top_k = check_value("top_k", top_k, int | None, ge=1)
+        was_training = self.training
+        self.eval()
+        try:
+            kv = KVCache() if cache else None
+            tokens = new = prompt
+            for _ in range(max_new_tokens):
+                last = self.features(new if cache else tokens, cache=kv)[:, -1:]
+                new = next_token(self.logits(last)[:, -1], temperature, top_k, generator)
+                tokens = torch.cat([tokens, new], dim=1)
+        finally:
+            self.train(was_training)
+        return tokens
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-__all__ = ["GPT", "GPTConfig", "draw_"]
+def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, 1) next tokens from (B, V) logits: the argmax at ``temperature`` 0, else a draw (with ``generator``)
+    from softmax(logits / temperature) over the ``top_k`` largest logits (all without top_k; nanoGPT's sampling)."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+__all__ = ["GPT", "GPTConfig", "LOGIT_CHUNK", "draw_", "next_token"]

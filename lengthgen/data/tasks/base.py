@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,6 +16,8 @@ class Batch:
     loss_mask: (B, L) bool, positions that count in the loss (for ``classify``: all True).
     doc_ids:   optional (B, L) long, document ids for document masking.
     extra:     task-specific tensors the metrics need (e.g. legal-next-token masks).
+    position_extras: the names of the extras with a position axis (B, L, ...), cut by `positions`.
+    start:     the position of column 0 in the sampled sequences (nonzero for a `positions` cut).
     """
 
     tokens: torch.Tensor
@@ -23,19 +25,30 @@ class Batch:
     loss_mask: torch.Tensor
     doc_ids: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    position_extras: tuple[str, ...] = ()
+    start: int = 0
 
     def to(self, device: torch.device | str) -> "Batch":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Batch(move(self.tokens), move(self.targets), move(self.loss_mask), move(self.doc_ids),
-                     {k: move(v) for k, v in self.extra.items()})
+        return replace(self, tokens=move(self.tokens), targets=move(self.targets), loss_mask=move(self.loss_mask),
+                       doc_ids=move(self.doc_ids), extra={k: move(v) for k, v in self.extra.items()})
 
     def rows(self, lo: int, hi: int) -> "Batch":
         """Sequences ``lo:hi`` (every per-sequence tensor cut along the batch axis; other extras kept)."""
         total = self.tokens.shape[0]
         cut = lambda t: None if t is None else t[lo:hi]  # noqa: E731
-        return Batch(cut(self.tokens), cut(self.targets), cut(self.loss_mask), cut(self.doc_ids),
-                     {k: cut(v) if torch.is_tensor(v) and v.shape[:1] == (total,) else v
-                      for k, v in self.extra.items()})
+        return replace(self, tokens=cut(self.tokens), targets=cut(self.targets), loss_mask=cut(self.loss_mask),
+                       doc_ids=cut(self.doc_ids), extra={k: cut(v) if torch.is_tensor(v) and v.shape[:1] == (total,)
+                                                         else v for k, v in self.extra.items()})
+
+    def positions(self, lo: int, hi: int) -> "Batch":
+        """Positions ``lo:hi`` of every sequence: tokens, loss mask, document ids, per-position targets and the
+        ``position_extras`` cut along the position axis; ``start`` moves by ``lo``; the rest is kept."""
+        cut = lambda t: None if t is None else t[:, lo:hi]  # noqa: E731
+        per_position = self.targets.shape[:2] == self.tokens.shape
+        return replace(self, tokens=cut(self.tokens), targets=cut(self.targets) if per_position else self.targets,
+                       loss_mask=cut(self.loss_mask), doc_ids=cut(self.doc_ids), start=self.start + lo,
+                       extra={k: cut(v) if k in self.position_extras else v for k, v in self.extra.items()})
 
 
 class Task:

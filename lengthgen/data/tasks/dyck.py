@@ -66,7 +66,7 @@ class DyckTask(Task):
         legal = (((vocab < k) & (state_depth[..., None] < m))
                  | ((vocab == k + state_top[..., None]) & (state_depth[..., None] > 0)))
         return Batch(tokens, brackets, torch.ones_like(tokens, dtype=torch.bool),
-                     extra={"legal": legal})
+                     extra={"legal": legal}, position_extras=("legal",))
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """``legal_accuracy``: (B, L), whether the argmax prediction is a legal next token."""

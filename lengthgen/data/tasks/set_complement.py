@@ -54,7 +54,7 @@ class SetComplementTask(Task):
         on BOS counts as error) and the uniform distribution over unseen tokens; NaN where none is
         left."""
         probs = output.float().softmax(-1)
-        positions = torch.arange(output.shape[1], device=output.device)
+        positions = batch.start + torch.arange(output.shape[1], device=output.device)
         unseen = batch.extra["first_pos"][:, None, :] > positions[None, :, None]      # (B, L, v)
         n_unseen = unseen.sum(-1, keepdim=True)
         uniform = unseen.float() / n_unseen.clamp(min=1)

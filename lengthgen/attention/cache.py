@@ -1,0 +1,57 @@
+"""`KVCache`: the keys and values a model has seen, so that decoding runs only the new positions.
+
+Each `Attention` layer appends its new keys (after QK-norm and RoPE at their absolute positions) and values, then
+attends with its new queries to every key it keeps: `attend`'s convention that queries are the last Lq of the Lk
+keys. Everything else that depends on positions depends on differences only (distance terms t = i - j, the
+sliding window, documents, the query-scaling count n_i), so a layer with a sliding window W keeps only its last
+W - 1 keys (with the new one, the W its next query sees) and the output still equals recomputing the whole
+sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LayerCache:
+    """One layer's cache: keys and values (B, Hkv, kept, D), their document ids (B, kept) or None, and ``seen``,
+    the number of positions the layer has seen (the absolute position of its next query)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.doc_ids: torch.Tensor | None = None
+        self.seen = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None, window: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Append the new positions' keys, values and document ids; returns what the new queries attend to (the
+        kept positions, then the new ones), and then keeps the last ``window - 1`` (all without a window)."""
+        if self.k is not None and (doc_ids is None) != (self.doc_ids is None):
+            raise ValueError("KVCache: give doc_ids with every chunk of positions or with none")
+        self.seen += k.shape[2]
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+            doc_ids = None if doc_ids is None else torch.cat([self.doc_ids, doc_ids], dim=1)
+        first = 0 if window is None else max(0, k.shape[2] - (window - 1))
+        self.k, self.v = k[:, :, first:], v[:, :, first:]
+        self.doc_ids = None if doc_ids is None else doc_ids[:, first:]
+        return k, v, doc_ids
+
+
+class KVCache:
+    """A model's cache: one `LayerCache` per attention layer, by the layer's ``layer_index`` (`layer`), and
+    ``length``, the number of positions the model has seen (`lengthgen.model.GPT` advances it).
+
+    Start a new one per batch of sequences; every sequence of the batch has the same positions (no padding)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerCache] = {}
+        self.length = 0
+
+    def layer(self, index: int) -> LayerCache:
+        """The cache of layer ``index`` (a new, empty one the first time)."""
+        return self.layers.setdefault(index, LayerCache())
+
+
+__all__ = ["KVCache", "LayerCache"]

@@ -1,0 +1,179 @@
+"""Decoding with a `KVCache` equals recomputing the whole sequence, for every attention option and model option
+(issue 13): the cached logits at every step, greedy and sampled `GPT.generate`, windows that keep only their last
+keys, documents; and the errors of bad generation arguments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lengthgen import GPT, GPTConfig
+from lengthgen.attention import PRESETS, Attention, KVCache
+from lengthgen.config import ConfigError
+from lengthgen.model.config import PLACEMENTS
+from lengthgen.model.gpt import next_token
+
+VOCAB = 23
+F32 = dict(rtol=1e-4, atol=1e-5)
+#: every mechanism at once: p-softmax, sqrt(2 log n) scaling with a per-head multiplier and QK-norm, ALiBi,
+#: a window, documents, p-RoPE, GQA, AVNorm with its affine, an elementwise gate
+COMBINED = dict(softmax_p=2.0, query_scaling="sqrt_log_n", learnable_scaling="head", scaling_init=1.3,
+                qk_norm="layer", distance="alibi", window=6, doc_masking=True, position="prope",
+                prope_fraction=0.5, kv_heads=1, out_norm="head_layer", out_norm_affine=True, gate="elementwise")
+SPECS = {**{name: name for name in PRESETS}, "combined": COMBINED}
+
+#: model options beyond attention (each on top of a small model; init_std 0.3 makes attention peaked, so a wrong
+#: position or a missing key changes the logits)
+MODELS = {
+    "qk_norm_affine": dict(attention=dict(qk_norm="rms", qk_norm_affine=True)),
+    "seed000_rope": dict(attention=dict(position="prope", prope_fraction=0.5, rope_min_freq=1 / 1024)),
+    "gqa": dict(heads=4, attention=dict(kv_heads=2)),
+    "out_norm_and_gates": dict(attention=dict(out_norm="head_rms", gate="head", gate_act="2sigmoid",
+                                              gate_width=5), init_overrides={"*gate.weight": 0.3}),
+    "value_embeddings": dict(layers=3, value_embeds=[0, -1, 0], gate_width=4),
+    "unet_skip": dict(layers=3, skips=[(0, 2)], gate_width=4),
+    "no_attention_layer": dict(layers=3, no_attention_layers=[1]),
+    "parallel": dict(block="parallel", linear_bias=True, mlp="gelu_tanh"),
+    "first_token_embedding": dict(attention="nope", first_token_embedding=True),
+    "embed_norm_and_cap": dict(embed_norm=True, norm="rms", logit_cap=23.0, logit_cap_form="sigmoid"),
+    "local_and_global": dict(layers=3, attention=dict(window=4),
+                             layer_attention=[{"every": 3, "offset": 2, "spec": "nope"}]),
+    "attention_only": dict(mlp_ratio=0.0, norm_placement="post"),
+    **{f"placement_{p}": dict(layers=3, norm_placement=p, norm="rms") for p in PLACEMENTS},
+}
+
+
+def model(seed: int = 0, **changes) -> GPT:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=VOCAB, dim=16, layers=2, heads=2, mlp_ratio=2.0, init_std=0.3, norm="layer")
+    return GPT(GPTConfig(**{**cfg, **changes})).eval()
+
+
+def tokens(batch: int = 2, length: int = 13, seed: int = 1) -> torch.Tensor:
+    return torch.randint(VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def decoded(net: GPT, toks: torch.Tensor, chunks: list[int], doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of ``toks`` computed chunk by chunk (sizes ``chunks``) through one `KVCache`."""
+    cache, out, lo = KVCache(), [], 0
+    for size in chunks:
+        docs = None if doc_ids is None else doc_ids[:, lo:lo + size]
+        out.append(net(toks[:, lo:lo + size], doc_ids=docs, cache=cache))
+        lo += size
+    assert lo == toks.shape[1] and cache.length == lo
+    return torch.cat(out, dim=1)
+
+
+def assert_cache_equals_recomputation(net: GPT, doc_ids: torch.Tensor | None = None) -> None:
+    toks = tokens()
+    with torch.no_grad():
+        full = net(toks, doc_ids=doc_ids)
+        for chunks in ([1] * 13, [4, 3, 6]):
+            torch.testing.assert_close(decoded(net, toks, chunks, doc_ids), full, **F32)
+    prompt = toks[:, :4]
+    greedy = net.generate(prompt, 9)
+    assert torch.equal(greedy, net.generate(prompt, 9, cache=False))
+    assert torch.equal(greedy[:, :4], prompt) and greedy.shape == (2, 13)
+    with torch.no_grad():   # each generated token is the argmax of the full forward's logits at its step
+        assert torch.equal(net(greedy[:, :-1]).argmax(-1)[:, 3:], greedy[:, 4:])
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_cache_equals_recomputation_for_every_preset_and_combined(name):
+    assert_cache_equals_recomputation(model(attention=SPECS[name]))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cache_equals_recomputation_for_every_model_option(name):
+    assert_cache_equals_recomputation(model(**MODELS[name]))
+
+
+def test_documents_given_chunk_by_chunk():
+    doc_ids = torch.tensor([[0] * 3 + [1] * 6 + [2] * 4, [5] * 9 + [6] * 4])
+    net = model(attention=dict(doc_masking=True, query_scaling="log_n", distance="scale_invariant"))
+    toks = tokens()
+    with torch.no_grad():
+        full = net(toks, doc_ids=doc_ids)
+        assert not torch.allclose(full, net(toks), **F32)   # the documents matter
+        for chunks in ([5] + [1] * 8, [2, 7, 4]):
+            torch.testing.assert_close(decoded(net, toks, chunks, doc_ids), full, **F32)
+        cache = KVCache()
+        net(toks[:, :3], doc_ids=doc_ids[:, :3], cache=cache)
+        with pytest.raises(ValueError, match="doc_ids with every chunk of positions or with none"):
+            net(toks[:, 3:4], cache=cache)
+
+
+def test_local_layers_keep_only_their_window():
+    window = 4
+    net = model(layers=3, attention=dict(window=window, query_scaling="log_n", distance="alibi"),
+                layer_attention=[{"layers": [1], "spec": "baseline"}])
+    cache = KVCache()
+    with torch.no_grad():
+        for i in range(13):
+            net(tokens()[:, i:i + 1], cache=cache)
+    assert [cache.layer(i).k.shape[2] for i in range(3)] == [window - 1, 13, window - 1]
+    assert [cache.layer(i).seen for i in range(3)] == [13, 13, 13]
+    assert_cache_equals_recomputation(net)
+
+
+def test_attention_layer_alone_with_a_cache():
+    torch.manual_seed(0)
+    layer = Attention(16, 4, dict(COMBINED, kv_heads=2), layer_index=3).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    docs = torch.tensor([[0] * 4 + [1] * 5, [2] * 9])
+    cache = KVCache()
+    parts = [layer(x[:, lo:hi], docs[:, lo:hi], cache=cache) for lo, hi in ((0, 4), (4, 5), (5, 9))]
+    torch.testing.assert_close(torch.cat(parts, 1), layer(x, docs), rtol=1e-10, atol=1e-10)
+    assert list(cache.layers) == [3] and cache.layer(3).seen == 9
+
+
+def test_batch_norm_decodes_in_eval_mode_and_refuses_training_mode():
+    net = model(norm="batch")
+    assert_cache_equals_recomputation(net)   # eval mode: running statistics, one token at a time
+    net.train()
+    with pytest.raises(ValueError, match="norm='batch' in training mode .* decode in eval mode"):
+        net(tokens(), cache=KVCache())
+    net.generate(tokens()[:, :3], 2)          # generate runs in eval mode and restores the mode
+    assert net.training
+
+
+@pytest.mark.parametrize("name", ["baseline", "combined"])
+def test_sampling_with_and_without_cache_draws_the_same_tokens(name):
+    net = model(attention=SPECS[name])
+    prompt = tokens(length=3)
+    draw = lambda cache: net.generate(prompt, 10, temperature=0.8, top_k=5, cache=cache,  # noqa: E731
+                                      generator=torch.Generator().manual_seed(7))
+    sampled = draw(True)
+    assert torch.equal(sampled, draw(False))
+    assert not torch.equal(sampled, net.generate(prompt, 10))   # not the greedy continuation
+    one = net.generate(prompt, 6, temperature=5.0, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(one, net.generate(prompt, 6))
+
+
+def test_next_token_top_k_draws_only_the_k_largest():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, -1.0]]).expand(2000, -1)
+    g = torch.Generator().manual_seed(0)
+    drawn = next_token(logits, temperature=1.0, top_k=2, generator=g)
+    assert set(drawn.flatten().tolist()) == {1, 3}
+    free = next_token(logits, temperature=1.0, generator=g)
+    assert set(free.flatten().tolist()) == {0, 1, 2, 3, 4}
+    assert next_token(logits[:1]).tolist() == [[1]]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(max_new_tokens=-1), ConfigError, r"^max_new_tokens=-1 is not valid; it must be an integer >= 0$"),
+    (dict(temperature=-0.5), ConfigError, r"^temperature=-0.5 is not valid; it must be a finite number >= 0$"),
+    (dict(top_k=0), ConfigError, r"^top_k=0 is not valid; it must be an integer >= 1, or none$"),
+    (dict(prompt=torch.zeros(3, dtype=torch.long)), ValueError, r"prompt must be \(batch, length >= 1\)"),
+    (dict(prompt=torch.zeros(1, 3)), ValueError, r"token ids \(torch.long\), got torch.float32"),
+])
+def test_bad_generation_arguments(kwargs, error, match):
+    args = {"prompt": tokens(length=3), "max_new_tokens": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        model().generate(args.pop("prompt"), args.pop("max_new_tokens"), **args)
+
+
+@pytest.mark.parametrize("head", ["regress", "classify"])
+def test_generate_needs_an_lm_head(head):
+    with pytest.raises(ValueError, match=rf"GPT.generate needs an lm head; this model's head is '{head}'"):
+        model(head=head, num_classes=3).generate(tokens(length=3), 2)

@@ -1,0 +1,84 @@
+"""``lengthgen sample RUN --prompt TEXT``: a text run continues a prompt with its tokenizer; task runs are refused
+in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lengthgen.cli import main
+from lengthgen.data.text import ByteTokenizer
+from lengthgen.model import GPT
+from lengthgen.train.checkpoint import rng_state, save_checkpoint
+from lengthgen.train.config import RunConfig
+
+TEXT = {"kind": "text", "text": {"corpus": "stdlib", "tokenizer": "byte"}}
+
+
+def written_run(folder, data: dict, vocab: int = 259, edit=None):
+    """A run folder with one checkpoint of a small GPT, its weights moved off their init (then ``edit(gpt)``)."""
+    cfg = RunConfig.from_dict({"model": {"dim": 32, "layers": 2, "heads": 2, "vocab_size": vocab, "head": "lm",
+                                         "tie_embeddings": False}, "data": data})
+    torch.manual_seed(0)
+    gpt = GPT(cfg.model)
+    with torch.no_grad():
+        for t in gpt.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.randn_like(t) * 0.3)
+        if edit is not None:
+            edit(gpt)
+    save_checkpoint(folder, 1, gpt, [], {"config": cfg.to_dict(), "history": [0.0], "rng": rng_state()})
+    return gpt
+
+
+def sample(capsys, *args: str) -> str:
+    assert main(["sample", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_greedy_sample_is_the_models_greedy_continuation(tmp_path, capsys):
+    gpt = written_run(tmp_path / "run", TEXT)
+    out = sample(capsys, str(tmp_path / "run"), "--prompt", "def f(", "--temperature", "0", "--max-new-tokens", "12")
+    tok = ByteTokenizer()
+    prompt = [tok.bos_id, *tok.encode("def f(")]
+    new = gpt.eval().generate(torch.tensor([prompt]), 12)[0, len(prompt):].tolist()
+    end = next((i for i, t in enumerate(new) if t in (tok.bos_id, tok.eos_id)), len(new))
+    assert out == tok.decode(tok.encode("def f(") + new[:end]) + "\n" and out.startswith("def f(")
+
+
+def test_sampling_follows_the_seed(tmp_path, capsys):
+    written_run(tmp_path / "run", TEXT)
+    args = [str(tmp_path / "run"), "--prompt", "x = ", "--max-new-tokens", "30", "--temperature", "1.5"]
+    first = sample(capsys, *args, "--seed", "1")
+    assert first == sample(capsys, *args, "--seed", "1")
+    assert first != sample(capsys, *args, "--seed", "2")
+
+
+def test_text_ends_at_an_id_the_tokenizer_lacks(tmp_path, capsys):
+    def always_280(gpt):   # the final norm outputs e_0, and only id 280 (beyond the byte vocabulary) reads it
+        gpt.final_norm.weight.zero_()
+        gpt.final_norm.bias.zero_()
+        gpt.final_norm.bias[0] = 1.0
+        gpt.head.weight.zero_()
+        gpt.head.weight[280, 0] = 10.0
+
+    written_run(tmp_path / "run", TEXT, vocab=300, edit=always_280)
+    assert sample(capsys, str(tmp_path / "run"), "--prompt", "abc", "--temperature", "0") == "abc\n"
+
+
+def test_a_task_run_is_refused_in_one_line(tmp_path, capsys):
+    written_run(tmp_path / "run", {"kind": "task", "task": "dyck"}, vocab=5)
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "(("]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lengthgen sample: error: ")
+    assert "'dyck' task run" in err and f"lengthgen eval {tmp_path / 'run'}" in err
+
+
+@pytest.mark.parametrize("args, match", [(["--temperature", "-1"], "--temperature: -1 is not valid"),
+                                         (["--temperature", "nan"], "--temperature: nan is not valid"),
+                                         (["--top-k", "0"], "--top-k: 0 is not valid")])
+def test_bad_sampling_arguments_are_one_line_errors(tmp_path, capsys, args, match):
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", str(tmp_path / "run"), "--prompt", "a", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and match in err
