@@ -212,7 +212,8 @@ def compare_command(args: argparse.Namespace) -> int:
     results = run_compare(cfg, args.out, variants=variants, bases=bases, progress=not args.no_progress,
                           resume=args.resume, overwrite=args.overwrite)
     print(terminal_table(results))
-    print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json)")
+    plots = ", ".join(sorted(path.name for path in Path(args.out).glob("*.png")))
+    print(f"report: {Path(args.out) / 'report.md'} (plots {plots}; raw results.json)")
     return 0
 
 
@@ -281,6 +282,74 @@ def eval_command(args: argparse.Namespace) -> int:
         if args.out:
             result.save(args.out)
     print(run_summary(result, train_length=train_length))
+    return 0
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 0,0.5,1") from None
+
+
+def _needle_args(p: argparse.ArgumentParser) -> None:
+    from lengthgen.eval import DEPTHS
+
+    p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
+    p.add_argument("--lengths", type=_int_list, help="comma-separated context lengths, up to 64x the training length "
+                   "(default 1,2,4,8,16 x training; with --hf 256,512,1024,2048)")
+    p.add_argument("--depths", type=_float_list, default=list(DEPTHS), help="comma-separated needle depths in [0, 1], "
+                   "the fraction of the filler before the needle (default 0,0.1,...,1)")
+    p.add_argument("--samples", type=_positive_int, default=100, help="sequences per (depth, length) cell")
+    p.add_argument("--needles", type=_positive_int, default=1, help="needles per context, each asked for (RULER's "
+                   "multi-query needles; mqar and text; passkey holds one)")
+    p.add_argument("--bema", action="store_true", help="map the BEMA weights")
+    p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
+    p.add_argument("--corpus", default="stdlib", help="with --hf: the filler's text corpus (stdlib, a path, bin:GLOB)")
+    p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
+    p.add_argument("--train-length", type=_positive_int, help="with --hf: the model's training length, marked on "
+                   "the map")
+    p.add_argument("--out", "-o", help="folder for needle.json, needle.md and needle.png (default: the run folder; "
+                   "required with --hf or a checkpoint)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("needle", _needle_args)
+def needle_command(args: argparse.Namespace) -> int:
+    """Retrieval maps: needle-in-a-haystack exact match by needle depth and context length.
+
+    A run's own retrieval task (passkey, mqar) or, for text runs and --hf models, key-value sentences hidden in
+    real text (the run's corpus; with --hf --corpus, default the embedded stdlib) with a query for each at the end.
+    Writes needle.json (every cell), needle.md (tables) and needle.png (the heatmap, training length marked)."""
+    from lengthgen.report.needle import grid_rows, write_needle
+    from lengthgen.report.tables import table
+    from lengthgen.train.run_folder import lock
+
+    if not (args.run or args.hf) or (args.run and args.hf):
+        raise CommandError("give a run folder or checkpoint, or --hf PATH")
+    if args.train_length and not args.hf:
+        raise CommandError("--train-length marks an HF model's map; a run's map is marked with its own")
+    if not args.out and (args.hf or not (Path(args.run) / "config.json").is_file()):
+        raise CommandError("give --out, the folder for the map (only a run folder is its own default)")
+    out, progress = Path(args.out or args.run), not args.no_progress
+    with lock(out):
+        if args.hf:
+            from lengthgen.hf import needle_hf
+
+            result = needle_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 512, 1024, 2048],
+                               depths=args.depths, needles=args.needles, samples=args.samples,
+                               tokenizer=args.tokenizer, train_length=args.train_length, progress=progress)
+        else:
+            from lengthgen.experiments.needle import needle_run
+
+            result = needle_run(args.run, lengths=args.lengths, depths=args.depths, needles=args.needles,
+                                samples=args.samples, bema=args.bema, progress=progress)
+        paths = write_needle(result, out)
+    chance = next((c.chance["exact_match"] for c in result.cells if "exact_match" in c.chance), None)
+    print(f"exact match by needle depth (rows) and context length, {result.source}"
+          + (f" (chance {chance:.3g})" if chance is not None else ""))
+    print("\n".join(table(grid_rows([result], "exact_match"))))
+    print(f"map: {paths[2]} (tables {paths[1]}, every cell {paths[0]})")
     return 0
 
 

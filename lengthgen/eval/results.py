@@ -7,9 +7,12 @@
   (lengthgen version, git commit when available, torch version, device, date). A run folder's ``eval.json``.
 * `Comparison`: runs of several variants on one source, headline metric and title (``results.json`` of
   ``lengthgen compare``; a retrofit is a comparison of ``before`` and ``after`` with its own title).
+* `NeedleMap`: a retrieval map, a `NeedleCell` per (needle depth, context length) (``needle.json`` of
+  ``lengthgen needle``; in a comparison, each run's ``RunEval.needle``).
 
-Files hold ``{"schema": SCHEMA, "kind": "run" | "comparison", ...}``; `RunEval.load` / `Comparison.load` raise
-`ResultsError` (a one-line message naming the file) for truncated, foreign or other-schema files.
+Files hold ``{"schema": SCHEMA, "kind": "run" | "comparison" | "needle", ...}``; `RunEval.load`,
+`Comparison.load` and `NeedleMap.load` raise `ResultsError` (a one-line message naming the file) for truncated,
+foreign or other-schema files.
 """
 
 from __future__ import annotations
@@ -110,6 +113,60 @@ class LengthEval:
 
 
 @dataclass
+class NeedleCell:
+    """One cell of a retrieval map: ``samples`` sequences of ``length`` tokens with the needle(s) at ``depth``.
+    Means over the sequences of each one's ``exact_match`` (fraction of its answers whose every token is the
+    argmax: greedy decoding's exact match), ``token_accuracy`` (over its answer tokens) and ``answer_loss``
+    (mean cross-entropy of its answer tokens, nats); ``chance``: each one's chance level where the source defines
+    it."""
+    depth: float
+    length: int
+    samples: int
+    exact_match: float
+    token_accuracy: float
+    answer_loss: float
+    chance: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class NeedleMap:
+    """A retrieval map: a `NeedleCell` for every (depth, length) of ``depths`` x ``lengths`` (``cells`` ordered by
+    length, then depth), ``needles`` needles per context, seeded with ``eval_seed``. ``source`` names the task or
+    text; ``train_length`` marks the map (None: not known). ``config``, ``seed`` and ``run_dir`` describe the model
+    (empty in a comparison, whose `RunEval` holds them)."""
+    source: str
+    needles: int
+    depths: list[float]
+    lengths: list[int]
+    cells: list[NeedleCell]
+    eval_seed: int
+    provenance: Provenance
+    train_length: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    run_dir: str | None = None
+    eval_seconds: float | None = None
+
+    def grid(self, value: str) -> list[list[float]]:
+        """``value`` (a `NeedleCell` field) by depth (rows) and length (columns)."""
+        at = {(c.depth, c.length): getattr(c, value) for c in self.cells}
+        return [[at[depth, length] for length in self.lengths] for depth in self.depths]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NeedleMap":
+        d = dict(d)
+        cells = [NeedleCell(**cell) for cell in d.pop("cells")]
+        return cls(cells=cells, provenance=Provenance(**d.pop("provenance")), **d)
+
+    def save(self, path: str | Path) -> Path:
+        return _save(self, "needle", path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "NeedleMap":
+        return _load(cls, "needle", path)
+
+
+@dataclass
 class RunEval:
     """One run's evaluation: a `LengthEval` per length (ascending) and what produced it."""
     lengths: list[LengthEval]
@@ -124,6 +181,7 @@ class RunEval:
     eval_seconds: float | None = None
     parameters: int | None = None                          # the evaluated model's parameter count
     train_tokens: int | None = None                        # tokens the run trained on (None: not known)
+    needle: NeedleMap | None = None                        # its retrieval map (compare.needle_depths)
 
     def at(self, length: int) -> LengthEval:
         """The evaluation at ``length`` (KeyError naming the evaluated lengths if there is none)."""
@@ -136,7 +194,9 @@ class RunEval:
     def from_dict(cls, d: dict[str, Any]) -> "RunEval":
         d = dict(d)
         lengths = [LengthEval.from_dict(row) for row in d.pop("lengths")]
-        return cls(lengths=lengths, provenance=Provenance(**d.pop("provenance")), **d)
+        needle = d.pop("needle", None)
+        return cls(lengths=lengths, provenance=Provenance(**d.pop("provenance")),
+                   needle=None if needle is None else NeedleMap.from_dict(needle), **d)
 
     def save(self, path: str | Path) -> Path:
         return _save(self, "run", path)
@@ -235,4 +295,5 @@ def _load(cls: Any, kind: str, path: str | Path) -> Any:
         raise ResultsError(f"{path}: malformed {kind} result ({type(err).__name__}: {err})") from None
 
 
-__all__ = ["Bucket", "Comparison", "LengthEval", "MULTIPLES", "Provenance", "ResultsError", "RunEval", "SCHEMA"]
+__all__ = ["Bucket", "Comparison", "LengthEval", "MULTIPLES", "NeedleCell", "NeedleMap", "Provenance", "ResultsError",
+           "RunEval", "SCHEMA"]

@@ -33,7 +33,8 @@ import torch
 
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
 from lengthgen.config import ConfigError, build, check, invalid, option, to_plain
-from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
+from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles, eval_source, evaluate
+from lengthgen.experiments.needle import needle_filler, run_map
 from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.report import write_report
 from lengthgen.train import train
@@ -73,6 +74,9 @@ class CompareConfig:
     eval_tokens: int = option(8192, "tokens per evaluated length", ge=1)
     metric: str | None = option(None, "the report's headline: loss or the source's metric (default: the "
                                 "source's)")
+    needle_depths: list[float] = option([], "retrieval maps at these needle depths and the eval lengths, e.g. [0, "
+                                        "0.5, 1] (passkey, mqar, text; empty: none)", ge=0, le=1)
+    needle_samples: int = option(100, "sequences per retrieval-map cell", ge=1)
 
     def __post_init__(self) -> None:
         check(self)
@@ -215,6 +219,8 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
                                     f" (default {train_length} x {', '.join(map(str, MULTIPLES))})")
     for length in eval_lengths:
         check_length(source, key, length)
+    if cc.needle_depths:
+        check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric = check_metric(source, cc.metric)
     with lock(out):
         if not resume:
@@ -228,7 +234,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
                 trained, train_s = _train(run_cfg, out / "runs" / f"{name}-seed{seed}", resume, progress,
                                           f"[{name} seed {seed}]", log)
                 start = time.perf_counter()
-                for key, evaluation in _evaluate(trained, name, sources, eval_lengths, cc.eval_tokens):
+                for key, evaluation in _evaluate(trained, name, sources, eval_lengths, cc):
                     results.setdefault(key, []).append(dataclasses.replace(
                         evaluation, train_seconds=train_s, train_tokens=trained.trainer.tokens))
                     log(f"[{key} seed {seed}] {metric} at length " + ", ".join(
@@ -274,24 +280,29 @@ def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, log: Callable
     return folders
 
 
-def _evaluate(trained, name: str, sources: dict[str, Any], lengths: list[int], tokens: int
+def _evaluate(trained, name: str, sources: dict[str, Any], lengths: list[int], cc: CompareConfig
               ) -> list[tuple[str, RunEval]]:
     """(variant name, evaluation) of a trained run's weights and, with BEMA on, of its BEMA weights
     (``name+bema``), with the one evaluator under the run's autocast and CPU threads, seeded with its seed, in
-    forward passes of the run's ``eval_batch_size`` x training length tokens. ``sources``: data config JSON -> what it is
-    evaluated on (text: single long validation documents), filled as needed."""
+    forward passes of the run's ``eval_batch_size`` x training length tokens; with ``needle_depths`` also its
+    retrieval map. ``sources``: data config JSON -> what it is evaluated on (text: single long validation documents)
+    and its needles' filler, filled as needed."""
     cfg, trainer = trained.config, trained.trainer
     key = json.dumps(to_plain(cfg.data), sort_keys=True)
     if key not in sources:
-        sources[key] = eval_source(cfg.data, trainer.source)
+        sources[key] = (eval_source(cfg.data, trainer.source),
+                        needle_filler(cfg.data, trainer.source) if cc.needle_depths else None)
 
     def one(bema: bool) -> RunEval:
         saved = torch.get_num_threads()
         torch.set_num_threads(cfg.train.threads or saved)     # the run's CPU threads, as in training
         try:
-            evaluation = evaluate(trained.model, sources[key], lengths, tokens_per_length=tokens,
+            evaluation = evaluate(trained.model, sources[key][0], lengths, tokens_per_length=cc.eval_tokens,
                                   seed=cfg.train.seed, autocast=trainer.autocast_dtype,
                                   forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
+            if cc.needle_depths:
+                evaluation.needle = run_map(trained.model, cfg, sources[key][1], lengths, cc.needle_depths,
+                                            samples=cc.needle_samples, autocast=trainer.autocast_dtype)
         finally:
             torch.set_num_threads(saved)
         return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,

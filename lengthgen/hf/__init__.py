@@ -9,13 +9,14 @@ Both directions::
 
 Modules: ``masks`` (transformers masks -> documents for `attend`), ``attention`` (the ``"lengthgen"``
 attention function and the parameters a spec adds), ``retrofit`` (retrofit, reload), ``model`` (the exported
-model type ``"lengthgen"``), ``export`` (``lengthgen export``), ``eval`` (local models by position through
-lengthgen's evaluator), ``registry`` (`register`). Importing this package calls `register` when transformers is
-installed; nothing else changes transformers.
+model type ``"lengthgen"``), ``export`` (``lengthgen export``), ``eval`` (local models by position and their
+retrieval maps through lengthgen's evaluator), ``registry`` (`register`). Importing this package calls `register`
+when transformers is installed; nothing else changes transformers.
 """
 
 from lengthgen.hf.attention import LengthgenState, lengthgen_attention_forward, module_spec
-from lengthgen.hf.eval import evaluate_hf, load_local_model, measure_hf, token_losses
+from lengthgen.hf.eval import (evaluate_hf, load_local_model, measure_hf, measure_needle_hf, needle_hf,
+                               token_losses)
 from lengthgen.hf.export import byte_tokenizer, export_run
 from lengthgen.hf.masks import plan_mask
 from lengthgen.hf.registry import register
@@ -28,5 +29,5 @@ except ImportError:      # transformers is optional: the functions above raise a
     pass
 
 __all__ = ["LengthgenState", "attention_modules", "byte_tokenizer", "evaluate_hf", "export_run", "from_pretrained",
-           "lengthgen_attention_forward", "lengthgen_parameters", "load_local_model", "measure_hf", "module_spec",
-           "plan_mask", "register", "retrofit", "retrofit_notes", "token_losses"]
+           "lengthgen_attention_forward", "lengthgen_parameters", "load_local_model", "measure_hf", "measure_needle_hf",
+           "module_spec", "needle_hf", "plan_mask", "register", "retrofit", "retrofit_notes", "token_losses"]

@@ -1,5 +1,6 @@
 """Local transformers models by position: loading without downloads, per-token losses, and `evaluate_hf` through
-lengthgen's one evaluator (`lengthgen.eval.evaluate` with the `measure_hf` adapter)."""
+lengthgen's one evaluator (`lengthgen.eval.evaluate` with the `measure_hf` adapter); their retrieval maps
+(`needle_hf`, text needles in a corpus tokenized with the model's tokenizer, with `measure_needle_hf`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from lengthgen.config import ConfigError
-from lengthgen.eval import LongDocuments, RunEval, evaluate
+from lengthgen.eval import DEPTHS, LongDocuments, NeedleMap, RunEval, answer_scores, evaluate, needle_map
 from lengthgen.hf.registry import register, require_transformers
 from lengthgen.hf.retrofit import from_pretrained
 
@@ -50,6 +51,16 @@ def load_local_model(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
     return model.eval()
 
 
+def _plain_lm(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(base model, LM head) of a plain decoder LM (Llama, Mistral, Qwen2/3), whose logits are the head of the
+    final hidden states; None for others."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(model).__name__ in _PLAIN_LM_HEADS and base is not None and head is not None:
+        return base, head
+    return None
+
+
 @torch.no_grad()
 def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_logits: int = 1 << 26) -> torch.Tensor:
@@ -66,16 +77,15 @@ def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.T
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
     targets = tokens[:, 1:]
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(model).__name__ in _PLAIN_LM_HEADS and base is not None and head is not None:
+    parts = _plain_lm(model)
+    if parts is not None:
+        base, head = parts
         hidden = base(input_ids=tokens, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
         b, n = targets.shape
         step = max(1, max_logits // max(1, b * head.weight.shape[0]))
-        parts = [torch.nn.functional.cross_entropy(head(hidden[:, i:i + step]).float().transpose(1, 2),
-                                                   targets[:, i:i + step], reduction="none")
-                 for i in range(0, n, step)]
-        nll = torch.cat(parts, dim=1)
+        nll = torch.cat([torch.nn.functional.cross_entropy(head(hidden[:, i:i + step]).float().transpose(1, 2),
+                                                           targets[:, i:i + step], reduction="none")
+                         for i in range(0, n, step)], dim=1)
     else:
         logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
@@ -89,6 +99,17 @@ def measure_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Ten
     `token_losses` on the batch's tokens followed by its last target (NaN outside the loss mask)."""
     tokens = torch.cat([batch.tokens, batch.targets[:, -1:]], dim=1)
     return {"loss": token_losses(model, tokens).masked_fill(~batch.loss_mask, float("nan"))}
+
+
+def measure_needle_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Tensor]:
+    """The retrieval maps' adapter (`lengthgen.eval.Measure`) for a causal LM: `answer_scores` of the logits at
+    the answer positions (for plain decoder LMs the head runs on those positions only)."""
+    parts = _plain_lm(model)
+    if parts is None:
+        logits = model(input_ids=batch.tokens, use_cache=False).logits[batch.loss_mask]
+    else:
+        logits = parts[1](parts[0](input_ids=batch.tokens, use_cache=False).last_hidden_state[batch.loss_mask])
+    return answer_scores(logits, batch)
 
 
 def _tokenizer(path: str | os.PathLike, name: str | None) -> Any:
@@ -107,6 +128,18 @@ def _tokenizer(path: str | os.PathLike, name: str | None) -> Any:
         raise ConfigError(f"tokenizer: {err}", "tokenizer") from None
 
 
+def _model_and_tokenizer(path: str | os.PathLike, tokenizer: str | None) -> tuple[Any, nn.Module]:
+    """The tokenizer (`_tokenizer`) and the model (`load_local_model`); `ConfigError` when the tokenizer has more
+    ids than the model's embedding."""
+    tok = _tokenizer(path, tokenizer)
+    model = load_local_model(path)
+    rows = model.get_input_embeddings().num_embeddings
+    if tok.vocab_size > rows:
+        raise ConfigError(f"tokenizer: {tok.name!r} has {tok.vocab_size} ids but the model at {str(path)!r} embeds "
+                          f"only {rows}", "tokenizer")
+    return tok, model
+
+
 def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 1024),
                 tokens: int = 8192, split: str = "val", seed: int = 0, tokenizer: str | None = None) -> RunEval:
     """Loss by position of a local HF model (`load_local_model`) on single long documents of ``corpus``'s
@@ -118,12 +151,7 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
     """
     from lengthgen.data.text import make_text_data
 
-    tok = _tokenizer(path, tokenizer)
-    model = load_local_model(path)
-    rows = model.get_input_embeddings().num_embeddings
-    if tok.vocab_size > rows:
-        raise ConfigError(f"tokenizer: {tok.name!r} has {tok.vocab_size} ids but the model at {str(path)!r} embeds "
-                          f"only {rows}", "tokenizer")
+    tok, model = _model_and_tokenizer(path, tokenizer)
     data = make_text_data(corpus, tok, split=split)
     source = LongDocuments([(f"{split} split", data)], data)
     result = evaluate(model, source, list(lengths), tokens_per_length=tokens, seed=seed, diagnostics=False,
@@ -131,4 +159,22 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
     return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split, "tokenizer": tok.name})
 
 
-__all__ = ["evaluate_hf", "load_local_model", "measure_hf", "model_folder", "token_losses"]
+def needle_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 512, 1024, 2048),
+              depths: list[float] = DEPTHS, needles: int = 1, samples: int = 100, split: str = "val", seed: int = 0,
+              tokenizer: str | None = None, train_length: int | None = None, forward_tokens: int | None = None,
+              progress: bool = True) -> NeedleMap:
+    """The retrieval map of a local HF model (`lengthgen.eval.needle_map`): text needles in ``corpus``'s ``split``
+    tokenized with ``tokenizer`` (as `evaluate_hf`), in the model's own dtype, ``forward_tokens`` tokens per
+    forward pass at most (None: a cell's sequences at once). ``train_length`` marks the map."""
+    from lengthgen.data.text import make_text_data
+
+    tok, model = _model_and_tokenizer(path, tokenizer)
+    data = make_text_data(corpus, tok, split=split)
+    result = needle_map(model, data, list(lengths), list(depths), needles=needles, samples=samples, seed=seed,
+                        forward_tokens=forward_tokens, measure=measure_needle_hf, progress=progress,
+                        train_length=train_length)
+    return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split, "tokenizer": tok.name})
+
+
+__all__ = ["evaluate_hf", "load_local_model", "measure_hf", "measure_needle_hf", "model_folder", "needle_hf",
+           "token_losses"]

@@ -1,6 +1,6 @@
 """Reports from results: tables (`tables`, shared by the terminal and ``report.md``), ``report.md``
-(`markdown`), plots (`plots`), the rule that names a winner (`stats`) and seed 004's theory rows (`theory`).
-Nothing here trains or evaluates."""
+(`markdown`), plots (`plots`), retrieval maps (`needle`), the rule that names a winner (`stats`) and seed 004's
+theory rows (`theory`). Nothing here trains or evaluates."""
 
 from __future__ import annotations
 
@@ -9,24 +9,29 @@ from pathlib import Path
 from lengthgen.atomic import atomic_write_text
 from lengthgen.eval.results import Comparison
 from lengthgen.report.markdown import DIAGNOSTICS, EXTRAPOLATION, has_diagnostics, markdown_report
+from lengthgen.report.needle import NEEDLE_PLOT, plot_needle, variant_maps, write_needle
 from lengthgen.report.plots import plot_diagnostics, plot_extrapolation
 from lengthgen.report.stats import Verdict, verdict
 from lengthgen.report.tables import position_table, run_summary, terminal_table, verdicts
 
 
 def write_report(results: Comparison, out: str | Path) -> list[Path]:
-    """Write ``report.md`` (embedding the plots), ``extrapolation.png`` and, when the runs recorded attention
-    diagnostics, ``diagnostics.png`` for ``results`` into ``out``; returns the paths written."""
+    """Write ``report.md`` (embedding the plots), ``extrapolation.png``, ``diagnostics.png`` when the runs
+    recorded attention diagnostics and ``needle.png`` when they have retrieval maps, for ``results`` into ``out``;
+    returns the paths written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.md", out / EXTRAPOLATION]
     plot_extrapolation(results, paths[1])
     if has_diagnostics(results):
         paths.append(out / DIAGNOSTICS)
-        plot_diagnostics(results, paths[2])
+        plot_diagnostics(results, paths[-1])
+    if variant_maps(results):
+        paths.append(out / NEEDLE_PLOT)
+        plot_needle(variant_maps(results), paths[-1])
     atomic_write_text(paths[0], markdown_report(results))
     return paths
 
 
-__all__ = ["Verdict", "markdown_report", "plot_diagnostics", "plot_extrapolation", "position_table", "run_summary",
-           "terminal_table", "verdict", "verdicts", "write_report"]
+__all__ = ["Verdict", "markdown_report", "plot_diagnostics", "plot_extrapolation", "plot_needle", "position_table",
+           "run_summary", "terminal_table", "verdict", "verdicts", "write_needle", "write_report"]

@@ -8,9 +8,10 @@ from collections import Counter
 from typing import Any
 
 from lengthgen.eval.results import Comparison, RunEval
+from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
 from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, AT_LENGTH, chance_level, conclusion, length_label,
-                                     mean, metric_names, seed_values, value_rows, verdicts)
+                                     mean, metric_names, seed_values, table, value_rows, verdicts)
 
 #: the plots beside ``report.md``
 EXTRAPOLATION, DIAGNOSTICS = "extrapolation.png", "diagnostics.png"
@@ -49,6 +50,7 @@ def markdown_report(results: Comparison) -> str:
         lines += [f"![attention diagnostics by position]({DIAGNOSTICS})", "",
                   f"`{DIAGNOSTICS}`: attention diagnostics by query position at the longest length, averaged over "
                   "layers and heads (the first evaluated sequence of each seed).", ""]
+    lines += needle_section(results)
     lines += [*runs_table(results), "", "Raw numbers, every config and spec: `results.json`.", ""]
     return "\n".join(lines)
 
@@ -56,11 +58,6 @@ def markdown_report(results: Comparison) -> str:
 def has_diagnostics(results: Comparison) -> bool:
     """Whether every run recorded attention diagnostics at the longest length."""
     return all(run.at(results.eval_lengths[-1]).diagnostics for run in _runs(results))
-
-
-def table(rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
-            *("| " + " | ".join(row) + " |" for row in rows[1:])]
 
 
 def _runs(results: Comparison) -> list[RunEval]:

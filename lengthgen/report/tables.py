@@ -59,6 +59,12 @@ def cell(values: list[float], chance: float | None = None, higher_is_better: boo
     return text + (AT_CHANCE if chance is not None and not above_chance(values, chance, higher_is_better) else "")
 
 
+def table(rows: list[list[str]]) -> list[str]:
+    """Markdown lines of a table: a header row, then the others."""
+    return ["| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows[1:])]
+
+
 def length_label(length: int, train_length: int) -> str:
     return f"{length} ({length / train_length:g}x)"
 

@@ -1,5 +1,5 @@
-"""Helpers shared by the synthetic tasks: sample-argument checks, masked per-position accuracy and chance
-levels at the scored positions."""
+"""Helpers shared by the synthetic tasks: sample-argument checks (also of a needle's depth and count), masked
+per-position accuracy and chance levels at the scored positions."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ def check_sample_args(task: Task, batch_size: int, length: int) -> None:
         raise ValueError(f"task {task.name!r}: length {length} is below the minimum length {task.min_length}")
     if task.max_length is not None and length > task.max_length:
         raise ValueError(f"task {task.name!r}: length {length} exceeds the maximum length {task.max_length}")
+
+
+def check_needle(task: Task, depth: float, needles: int, most: int) -> None:
+    """Raise a ValueError naming the task and the bad value for a depth outside [0, 1] or a needle count outside
+    1..``most``."""
+    check_value(f"{task.name}.depth", depth, float, ge=0, le=1)
+    check_value(f"{task.name}.needles", needles, int, ge=1)
+    if needles > most:
+        raise ValueError(f"task {task.name!r}: needles={needles} is not valid here; it holds at most {most}"
+                         + (" (its query names no key)" if most == 1 else ""))
 
 
 def masked_accuracy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

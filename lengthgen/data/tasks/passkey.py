@@ -12,7 +12,7 @@ import torch
 
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.config import check_value
-from lengthgen.data.tasks.common import chance_at, check_sample_args, masked_accuracy
+from lengthgen.data.tasks.common import chance_at, check_needle, check_sample_args, masked_accuracy
 
 
 class PasskeyTask(Task):
@@ -23,7 +23,8 @@ class PasskeyTask(Task):
     The needle block (k+1 tokens) starts uniformly at random in the first L-k positions, anywhere it
     fits. Other targets are 0 (never scored). ``min_length = 2k + 1``.
 
-    ``extra["needle_pos"]``: (B,) long, the position of NEEDLE (for accuracy-versus-depth plots).
+    ``extra["needle_pos"]``: (B,) long, the position of NEEDLE. `at_depth` places it at a given depth;
+    ``answer_tokens`` = k tokens make one answer.
     """
 
     name = "passkey"
@@ -39,18 +40,43 @@ class PasskeyTask(Task):
         self.num_filler = check_value(f"{self.name}.num_filler", num_filler, int, ge=1)
         self.vocab_size = 12 + num_filler
         self.min_length = 2 * num_digits + 1
+        self.answer_tokens = num_digits
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         check_sample_args(self, batch_size, length)
+        tokens, digits = self._draw(batch_size, length, generator)
+        needle_pos = torch.randint(length - 2 * self.num_digits, (batch_size,), generator=generator,
+                                   device=generator.device)
+        return self._place(tokens, digits, needle_pos)
+
+    def at_depth(self, batch_size: int, length: int, depth: float, generator: torch.Generator,
+                 needles: int = 1) -> Batch:
+        """`sample`'s format with the needle at ``depth`` (retrieval maps): NEEDLE is preceded by exactly
+        ``round(depth * F)`` (Python's round) of the F = L - 2k - 1 filler tokens, so depth 0 puts it first and
+        depth 1 right before QUERY. The same generator draws the same filler and digits at every depth.
+        ``extra["answer"]``: (B, L) long, 0 at the k answer positions (one answer), -1 elsewhere. One needle only:
+        the query names no key, so several needles would be indistinguishable."""
+        check_sample_args(self, batch_size, length)
+        check_needle(self, depth, needles, most=1)
+        tokens, digits = self._draw(batch_size, length, generator)
+        position = round(depth * (length - 2 * self.num_digits - 1))
+        batch = self._place(tokens, digits, torch.full((batch_size,), position, device=generator.device))
+        batch.extra["answer"] = torch.where(batch.loss_mask, 0, -1)
+        return batch
+
+    def _draw(self, batch_size: int, length: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uniform filler (B, L) and answer digits (B, k)."""
         device = generator.device
+        tokens = 12 + torch.randint(self.num_filler, (batch_size, length), generator=generator, device=device)
+        return tokens, torch.randint(10, (batch_size, self.num_digits), generator=generator, device=device)
+
+    def _place(self, tokens: torch.Tensor, digits: torch.Tensor, needle_pos: torch.Tensor) -> Batch:
+        """Write NEEDLE + digits at ``needle_pos`` and QUERY + the first k-1 digits at the end."""
+        batch_size, length = tokens.shape
         k = self.num_digits
         haystack = length - k
-        tokens = 12 + torch.randint(self.num_filler, (batch_size, length), generator=generator,
-                                    device=device)
-        digits = torch.randint(10, (batch_size, k), generator=generator, device=device)
-        needle_pos = torch.randint(haystack - k, (batch_size,), generator=generator, device=device)
-        marker = torch.full((batch_size, 1), self.needle, dtype=torch.long, device=device)
-        tokens.scatter_(1, needle_pos[:, None] + torch.arange(k + 1, device=device),
+        marker = torch.full((batch_size, 1), self.needle, dtype=torch.long, device=tokens.device)
+        tokens.scatter_(1, needle_pos[:, None] + torch.arange(k + 1, device=tokens.device),
                         torch.cat([marker, digits], dim=1))
         tokens[:, haystack] = self.query
         tokens[:, haystack + 1:] = digits[:, :-1]

@@ -261,6 +261,19 @@ class TextData(Task):
                                reduction="none").view(b, l)
         return {"loss": torch.where(batch.loss_mask, loss, torch.full_like(loss, float("nan")))}
 
+    def plain_tokens(self, start: int, count: int) -> np.ndarray:
+        """(count,) int64: the documents' tokens back to back without their BOS, read cyclically from stream
+        position ``start`` (the filler of text needles)."""
+        if self.stream.num_tokens <= self.stream.num_documents:
+            raise CorpusError(f"{self.name}: its documents are empty; no text to read")
+        width, n = count, self.stream.num_tokens
+        while True:
+            index = (start + np.arange(width)) % n
+            index = index[~self._is_start[index]]
+            if index.size >= count:
+                return self.stream.tokens[index[:count]].astype(np.int64)
+            width += count - index.size
+
     def long_documents(self, min_length: int, count: int, seed: int = 0) -> torch.Tensor:
         """See ``long_documents``: (count, min_length) rows, each the start of one long document."""
         return long_document_rows(self.stream, min_length, count, seed)

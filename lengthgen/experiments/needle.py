@@ -1,0 +1,60 @@
+"""`lengthgen needle RUN`: a trained run's retrieval map, needle-in-a-haystack accuracy by depth and length
+(`lengthgen.eval.needle`), on its own retrieval task or, for text runs, in its corpus's text."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from lengthgen.data.config import DataConfig, make_source
+from lengthgen.eval import MULTIPLES, NeedleMap
+from lengthgen.eval import DEPTHS, check_needles, needle_map
+from lengthgen.train import load_run
+from lengthgen.train.config import RunConfig
+from lengthgen.train.setup import autocast_dtype, device_type
+
+
+def needle_filler(data: DataConfig, source: Any) -> Any:
+    """What a run's needles are hidden in: its task, or for text its corpus's validation split (the run's own
+    split where the corpus has none), as single long evaluations use."""
+    if data.kind != "text" or data.text.get("split", "train") == "all":
+        return source
+    from lengthgen.data.text import CorpusError, make_text_data
+
+    try:
+        return make_text_data(**{**data.text, "split": "val"})
+    except (CorpusError, ValueError):
+        return source
+
+
+def run_map(model: nn.Module, cfg: RunConfig, source: Any, lengths: list[int], depths: list[float], *,
+            needles: int = 1, samples: int = 100, autocast: torch.dtype | None = None, progress: bool = False
+            ) -> NeedleMap:
+    """The retrieval map of a model trained with ``cfg``, on ``source`` (`needle_filler`), seeded with its
+    ``train.seed``, in forward passes of ``train.eval_batch_size`` x training length tokens."""
+    train_length = max(cfg.lengths())
+    return needle_map(model, source, lengths, depths, needles=needles, samples=samples, seed=cfg.train.seed,
+                      autocast=autocast, forward_tokens=cfg.train.eval_batch_size * train_length, progress=progress,
+                      train_length=train_length)
+
+
+def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: list[float] = DEPTHS,
+               needles: int = 1, samples: int = 100, bema: bool = False, progress: bool = True) -> NeedleMap:
+    """The retrieval map of the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) at ``lengths``
+    (default: the training length x `MULTIPLES`) and ``depths``, on the run's device and autocast. Bad lengths,
+    depths or needle counts, and a run without needles, are `ConfigError` before the model runs."""
+    cfg, model = load_run(path, bema=bema)
+    kind = device_type(cfg.train)
+    lengths = lengths or [max(cfg.lengths()) * m for m in MULTIPLES]
+    source = needle_filler(cfg.data, make_source(cfg.data))
+    check_needles(source, lengths, list(depths), needles)
+    result = run_map(model.to(kind), cfg, source, lengths, list(depths), needles=needles, samples=samples,
+                     autocast=autocast_dtype(cfg.train, kind), progress=progress)
+    return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path))
+
+
+__all__ = ["needle_filler", "needle_run", "run_map"]
