@@ -13,10 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lengthgen"
 
 #: top to bottom; a module may import its own layer and the layers below it
 LAYERS = ("cli", "experiments", "hf", "report", "train", "eval", "model", "data", "attention", "base")
-#: modules whose layer is not their package's, by module name (so that moving one keeps its layer); the hf
-#: package's modules are hf whatever their name (``lengthgen.hf.retrofit`` retrofits transformers models)
-BY_NAME = {"__main__": "cli", "compare": "experiments", "retrofit": "experiments", "theory": "experiments",
-           "bench": "experiments", "needle": "experiments", "position_eval": "eval"}
+#: modules whose layer is not their package's, by dotted name
+BY_NAME = {"lengthgen.__main__": "cli"}
 BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.optional", "lengthgen.version")
 
 
@@ -25,8 +23,8 @@ def layer(module: str) -> str:
     parts = module.split(".")
     if module in BASE:
         return "base"
-    if parts[-1] in BY_NAME and parts[1] != "hf":
-        return BY_NAME[parts[-1]]
+    if module in BY_NAME:
+        return BY_NAME[module]
     if parts[1] in LAYERS:
         return parts[1]
     raise AssertionError(f"{module} has no layer: add it to LAYERS or BY_NAME in tests/test_layers.py")
@@ -82,8 +80,8 @@ def test_no_upward_import(path):
 
 
 def test_the_check_can_fail():
-    assert len(MODULES) > 40 and layer("lengthgen.experiments.compare") == layer("lengthgen.compare")
-    assert layer("lengthgen.eval.position_eval") == layer("lengthgen.train.position_eval") == "eval"
+    assert len(MODULES) > 40 and layer("lengthgen.experiments.needle") == "experiments"
+    assert layer("lengthgen.report.needle") == "report" and layer("lengthgen.__main__") == "cli"
     assert layer("lengthgen.data.config") == "data" and layer("lengthgen.config") == "base"
     source = "import torch\nfrom lengthgen.config import check\n\n\ndef f():\n    from ...train import trainer\n"
     assert upward_imports("lengthgen.data.tasks.counting", source) == ["line 6: lengthgen.train.trainer (train)"]

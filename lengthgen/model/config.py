@@ -135,6 +135,8 @@ class GPTConfig:
         if self.block == "parallel" and self.norm_placement.startswith("hybrid"):
             raise invalid("GPTConfig.norm_placement", self.norm_placement, "pre, post, peri or mix for "
                           "block='parallel' (hybrid placements norm attention and MLP differently)")
+        if (self.gate_width or 0) > self.dim:
+            raise invalid("GPTConfig.gate_width", self.gate_width, f"at most dim={self.dim}")
         for pattern, std in self.init_overrides.items():
             self.init_overrides[pattern] = check_value(f"GPTConfig.init_overrides.{pattern}", std, float, ge=0)
         self.check_layers()
@@ -142,6 +144,9 @@ class GPTConfig:
             key = "GPTConfig.attention" if spec is self.attention else "GPTConfig.layer_attention"
             if self.heads % (spec.kv_heads or self.heads):
                 raise invalid(f"{key}.kv_heads", spec.kv_heads, f"a divisor of heads={self.heads}")
+            if (spec.gate_width or 0) > self.dim:
+                raise invalid(f"{key}.gate_width", spec.gate_width, f"at most dim={self.dim} (the gate reads the "
+                              "first gate_width channels of the layer input)")
             if self.resolved_head_dim % 2 and spec.position != "nope":
                 raise invalid("GPTConfig.head_dim", self.resolved_head_dim, f"even (dim // heads when unset) for "
                               f"position={spec.position!r}, which rotates pairs of dimensions")
