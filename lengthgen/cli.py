@@ -158,6 +158,8 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=_positive_int, help="seeds per variant: 0, 1, ..., N-1; mean and spread are "
                                                       "reported (sets compare.seeds)")
     p.add_argument("--eval-tokens", type=_positive_int, help="tokens per evaluated length (sets compare.eval_tokens)")
+    p.add_argument("--workers", type=_positive_int, help="runs at once, each in its own process with train.threads "
+                                                        "CPU threads (sets compare.workers)")
     p.add_argument("--metric", help="the report's headline: loss or the source's metric (default: the source's; "
                                     "loss for the embedded default; sets compare.metric)")
     p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare); it must be "
@@ -186,7 +188,7 @@ def compare_command(args: argparse.Namespace) -> int:
     flags = {"data.task": args.task, "data.length": args.train_length, "train.steps": args.steps,
              "compare.seeds": seeds, "compare.eval_lengths": args.eval_lengths,
              "compare.eval_tokens": args.eval_tokens, "compare.pretrain_steps": args.pretrain_steps,
-             "compare.metric": args.metric}
+             "compare.metric": args.metric, "compare.workers": args.workers}
     overrides = list(args.overrides) + logging_overrides(args)
     cfg = base_config(args.config, overrides + [f"{k}={v}" for k, v in flags.items() if v is not None])
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
