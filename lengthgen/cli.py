@@ -163,11 +163,13 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-lengths", type=_int_list, help="comma-separated lengths (default 1,2,4,8,16 x training; "
                                                           "sets compare.eval_lengths)")
     p.add_argument("--steps", type=_positive_int, help="training steps per variant (sets train.steps)")
-    p.add_argument("--pretrain-steps", type=_positive_int, help="pretrain each base this many steps, then finetune every "
-                                                      "variant from it (seed 000; sets compare.pretrain_steps)")
+    p.add_argument("--pretrain-steps", type=_positive_int, help="pretrain each base this many steps, then finetune "
+                   "every variant from it (seed 000; sets compare.pretrain_steps)")
     p.add_argument("--seeds", type=_positive_int, help="seeds per variant: 0, 1, ..., N-1; mean and spread are "
                                                       "reported (sets compare.seeds)")
     p.add_argument("--eval-tokens", type=_positive_int, help="tokens per evaluated length (sets compare.eval_tokens)")
+    p.add_argument("--workers", type=_positive_int, help="runs at once, each in its own process with train.threads "
+                                                        "CPU threads (sets compare.workers)")
     p.add_argument("--metric", help="the report's headline: loss or the source's metric (default: the source's; "
                                     "loss for the embedded default; sets compare.metric)")
     p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare); it must be "
@@ -196,7 +198,7 @@ def compare_command(args: argparse.Namespace) -> int:
     flags = {"data.task": args.task, "data.length": args.train_length, "train.steps": args.steps,
              "compare.seeds": seeds, "compare.eval_lengths": args.eval_lengths,
              "compare.eval_tokens": args.eval_tokens, "compare.pretrain_steps": args.pretrain_steps,
-             "compare.metric": args.metric}
+             "compare.metric": args.metric, "compare.workers": args.workers}
     overrides = list(args.overrides) + logging_overrides(args)
     cfg = base_config(args.config, overrides + [f"{k}={v}" for k, v in flags.items() if v is not None])
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
@@ -386,8 +388,8 @@ def _sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the text to continue (after a BOS, as documents start)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=200, help="tokens to generate (default 200; "
                    "the text ends earlier where the model ends its document)")
-    p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="softmax temperature (default 0.8); 0: greedy, "
-                   "the most likely token at each step")
+    p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="softmax temperature (default "
+                   "0.8); 0: greedy, the most likely token at each step")
     p.add_argument("--top-k", type=_positive_int, help="draw from the K most likely tokens only (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
     p.add_argument("--bema", action="store_true", help="sample from the BEMA weights")

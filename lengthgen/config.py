@@ -376,5 +376,5 @@ def format_config(config: Any, width: int = 34) -> str:
 
 
 __all__ = ["ConfigError", "build", "check", "check_value", "describe", "differences", "documented", "expected",
-           "format_config", "hints", "invalid", "load_toml", "option", "parse_assignment", "parse_value", "set_key", "to_plain",
-           "toml_value", "unknown_key"]
+           "format_config", "hints", "invalid", "load_toml", "option", "parse_assignment", "parse_value", "set_key",
+           "to_plain", "toml_value", "unknown_key"]

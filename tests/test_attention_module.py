@@ -12,7 +12,6 @@ import torch.nn as nn
 from lengthgen.attention import FIELDS, PRESETS, Attention, AttentionSpec, attend, resolve_spec
 from lengthgen.attention import backends
 from lengthgen.attention import functional as fn
-from lengthgen.attention import spec as spec_mod
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.module import SPEC_PARAMETERS, is_spec_parameter
 

@@ -200,7 +200,8 @@ def test_check_value_accepts_and_converts(value, hint, bounds, out):
     ({1: 2}, dict[str, Any], {}, "k={1: 2} is not valid; it must be a table"),
     ("s", list[int], {}, "k='s' is not valid; it must be a list, each item an integer"),
     ({"kappa": "x"}, BemaConfig, {}, "k.kappa='x' is not valid; it must be a finite number >= 0"),
-    ({"x": 1}, BemaConfig, {}, "k.x is not a valid key; valid keys: enabled, kappa, eta, rho, gamma, tau, update_every"),
+    ({"x": 1}, BemaConfig, {},
+     "k.x is not a valid key; valid keys: enabled, kappa, eta, rho, gamma, tau, update_every"),
 ])
 def test_check_value_rejects_naming_the_key(value, hint, bounds, message):
     with pytest.raises(ConfigError) as info:

@@ -303,5 +303,6 @@ def test_additive_mask():
     visible = torch.tensor([[True, False, True]])
     assert torch.equal(mods.additive(visible, torch.float32), torch.tensor([[0.0, float("-inf"), 0.0]]))
     ones = visible.double()
-    assert torch.equal(mods.additive(ones, torch.float64), torch.tensor([[0.0, float("-inf"), 0.0]], dtype=torch.float64))
+    expected = torch.tensor([[0.0, float("-inf"), 0.0]], dtype=torch.float64)
+    assert torch.equal(mods.additive(ones, torch.float64), expected)
     assert torch.equal(ones, visible.double())                                 # the 0 / 1 input is kept

@@ -278,7 +278,8 @@ def test_needle_maps_round_trip_alone_and_in_a_run(tmp_path):
 def passkey_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("passkey")
     assert main(["train", "--set", "data.task=passkey", "--set", "data.task_kwargs={num_digits=2}",
-                 "--set", "data.length=16", "--set", "train.steps=2", "--set", "model.dim=16", "--set", "model.layers=1",
+                 "--set", "data.length=16", "--set", "train.steps=2", "--set", "model.dim=16",
+                 "--set", "model.layers=1",
                  "--set", "model.heads=2", "--set", "train.batch_size=4", "--set", "train.eval_batches=0",
                  "--out", str(out / "run"), "--no-progress"]) == 0
     return out / "run"
@@ -297,7 +298,8 @@ def test_needle_command_maps_a_run_into_its_folder(passkey_run, capsys):
 
 def test_text_runs_hide_needles_in_their_corpus(tmp_path, capsys):
     assert main(["train", "--set", "data.kind=text", "--set", 'data.text={corpus="stdlib", tokenizer="byte"}',
-                 "--set", "data.length=64", "--set", "train.steps=1", "--set", "model.dim=16", "--set", "model.layers=1",
+                 "--set", "data.length=64", "--set", "train.steps=1", "--set", "model.dim=16",
+                 "--set", "model.layers=1",
                  "--set", "model.heads=2", "--set", "train.batch_size=2", "--set", "train.eval_batches=0",
                  "--out", str(tmp_path / "lm"), "--no-progress"]) == 0
     assert main(["needle", str(tmp_path / "lm"), "--lengths", "64", "--depths", "0", "--out", str(tmp_path / "m")]) == 2
@@ -331,7 +333,8 @@ def test_compare_adds_the_maps_to_its_report(tmp_path, capsys):
 
 
 def test_hf_maps_a_tiny_local_model(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers", reason="the HF path needs transformers (pip install -e '.[dev]')")
+    transformers = pytest.importorskip("transformers",
+                                       reason="the HF path needs transformers (pip install -e '.[dev]')")
     from lengthgen.hf import load_local_model, measure_needle_hf
 
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

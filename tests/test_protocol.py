@@ -16,6 +16,7 @@ TINY = ["data.task=counting", "data.length=8", "train.steps=2", "model.dim=16", 
         "train.batch_size=4", "compare.eval_lengths=[8, 16]", "compare.eval_tokens=32"]
 PLACEMENTS = 'compare.variants={pre = {model.norm_placement = "pre"}, post = {model.norm_placement = "post"}}'
 BASES = 'compare.bases={rope = {}, nope = {model.attention.position = "nope"}}'
+VARIANTS = 'compare.variants={l1 = {}, avnorm = {model.attention.out_norm = "head_layer"}}'
 QUIET = dict(progress=False, log=lambda _: None)
 
 
@@ -38,7 +39,7 @@ def test_variants_and_bases_are_config_changes(tmp_path):
 def test_pretrain_protocol_finetunes_every_variant_from_its_base_and_evaluates_bema(tmp_path):
     """Seed 000: pretrain each base, then finetune every variant from it (the unchanged one is 'continued')."""
     cfg = base_config(None, TINY + [BASES, "compare.pretrain_steps=3", "train.bema.enabled=true",
-                                    'compare.variants={l1 = {}, avnorm = {model.attention.out_norm = "head_layer"}}'])
+                                    VARIANTS])
     results = run_compare(cfg, tmp_path, **QUIET)
     assert list(results.variants) == ["rope/l1", "rope/l1+bema", "rope/avnorm", "rope/avnorm+bema", "nope/l1",
                                       "nope/l1+bema", "nope/avnorm", "nope/avnorm+bema"]
@@ -73,6 +74,31 @@ def test_protocol_is_one_command_from_a_config(tmp_path, capsys):
     assert list(results.variants) == ["nope/l1", "nope/rms"] and len(results.variants["nope/rms"]) == 2
     assert (out / "pretrain" / "nope-seed1").is_dir() and not (out / "pretrain" / "pe-seed0").exists()
     assert "nope/rms" in capsys.readouterr().out
+
+
+def test_workers_give_the_sequential_results(tmp_path):
+    """compare.workers=2 trains the pretraining and finetuning runs two at a time in their own processes; every
+    evaluation (and BEMA's) equals the sequential comparison's, in the same order, and every run's log lines
+    are logged."""
+    cfg = base_config(None, TINY + [BASES, "compare.pretrain_steps=2", "train.bema.enabled=true", "train.threads=1",
+                                    "compare.seeds=[0, 1]", VARIANTS])
+    one = run_compare(cfg, tmp_path / "one", bases=["nope"], **QUIET)
+    lines = []
+    two = run_compare(cfg.override("compare.workers=2"), tmp_path / "two", bases=["nope"], progress=False,
+                      log=lines.append)
+    assert list(two.variants) == list(one.variants) and len(one.variants) == 4
+    for name, runs in one.variants.items():
+        for a, b in zip(runs, two.variants[name], strict=True):
+            assert (b.seed, b.lengths, b.final_train_loss, b.train_tokens) == \
+                (a.seed, a.lengths, a.final_train_loss, a.train_tokens), name
+            assert b.run_dir.startswith(str(tmp_path / "two" / "runs"))
+    assert sum("trained in" in line for line in lines) == 2 + 4
+    assert any(line.startswith("[nope/avnorm+bema seed 1] abs_error at length 8:") for line in lines)
+
+
+def test_workers_need_each_runs_threads():
+    with pytest.raises(ConfigError, match=r"compare.workers=2 runs several runs at once: set train.threads"):
+        plan(base_config(None, TINY + ["compare.workers=2", "train.threads=0"]))
 
 
 @pytest.mark.parametrize("override, match", [

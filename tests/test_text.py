@@ -13,7 +13,7 @@ import torch
 
 from lengthgen.config import ConfigError
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.text import (BIN_MAGIC, BinCorpus, ByteTokenizer, CorpusError, FileCorpus,
+from lengthgen.data.text import (BIN_MAGIC, ByteTokenizer, CorpusError, FileCorpus,
                                  HFTokenizer, ResourceUnavailableError, ShardFormatError,
                                  StdlibCorpus, TextData, TiktokenTokenizer, TokenStream,
                                  long_documents, make_corpus, make_text_data, make_tokenizer,
@@ -120,7 +120,7 @@ def _tiny_hf_tokenizer(path):
 
 
 def test_hf_tokenizer_round_trip_and_cached_stream(tmp_path):
-    path = _tiny_hf_tokenizer(tmp_path / "tokenizer.json")
+    _tiny_hf_tokenizer(tmp_path / "tokenizer.json")
     tok = make_tokenizer(f"hf:{tmp_path}")
     assert tok.bos_id == 0 and tok.vocab_size > 256
     text = "def bar(y):\n    return y * 2  # ü\n"

@@ -249,6 +249,6 @@ def dense_mask(mask_mod: MaskMod, batch: int, lq: int, lk: int, device=None) -> 
     return mask_mod(b, h, q_idx, kv_idx).expand(-1, 1, lq, lk)
 
 
-__all__ = ["additive", "affine_terms", "alibi", "alibi_slopes", "and_masks", "causal", "dense_mask", "document", "document_bounds",
-           "document_starts", "explicit", "first_visible", "grids", "log_bias", "mask_mod_for", "scale_invariant",
-           "score_mod_for", "sliding_window", "visible_counts"]
+__all__ = ["additive", "affine_terms", "alibi", "alibi_slopes", "and_masks", "causal", "dense_mask", "document",
+           "document_bounds", "document_starts", "explicit", "first_visible", "grids", "log_bias", "mask_mod_for",
+           "scale_invariant", "score_mod_for", "sliding_window", "visible_counts"]

@@ -8,7 +8,8 @@ optional *bases* (changes applied before each variant; every base x variant is o
 protocol: per base and seed one run is pretrained for that many steps, then every variant is finetuned from it
 for ``train.steps`` steps with a fresh optimizer (`lengthgen.experiments.retrofit.finetune_config`); the variant
 without changes is the base continued the same number of steps. A run with BEMA on is also evaluated with its
-BEMA weights, as variant ``name+bema``.
+BEMA weights, as variant ``name+bema``. With ``workers`` > 1, that many runs train and evaluate at once, each in its
+own process (`lengthgen.experiments.jobs`), with the results of a sequential comparison.
 
 The embedded default needs no download and no GPU: next-token prediction on a Dyck language (2 bracket types,
 depth <= 8; the formal-language setting of "Post-Norm can Resharpen Attention", seed 003), trained at 64
@@ -22,22 +23,17 @@ fails alike beyond the training length, or none learns the task in a few hundred
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import ConfigError, build, check, invalid, option, to_plain
-from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles, eval_source, evaluate
-from lengthgen.experiments.needle import needle_filler, run_map
+from lengthgen.config import ConfigError, build, check, invalid, option
+from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
+from lengthgen.experiments.jobs import Job, Runner
+from lengthgen.experiments.needle import needle_filler
 from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.report import write_report
-from lengthgen.train import train
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.run_folder import check_fresh, lock
 from lengthgen.train.setup import check_length, resolve
@@ -77,6 +73,8 @@ class CompareConfig:
     needle_depths: list[float] = option([], "retrieval maps at these needle depths and the eval lengths, e.g. [0, "
                                         "0.5, 1] (passkey, mqar, text; empty: none)", ge=0, le=1)
     needle_samples: int = option(100, "sequences per retrieval-map cell", ge=1)
+    workers: int = option(1, "runs trained and evaluated at once, each in its own process with train.threads CPU "
+                          "threads (results equal a sequential run's)", ge=1)
 
     def __post_init__(self) -> None:
         check(self)
@@ -195,7 +193,10 @@ def plan(cfg: RunConfig, variants: list[str] | None = None, bases: list[str] | N
             for base in base_names for variant in variants}
     result = Plan(cc, runs, base_cfgs)
     for run in runs:
-        result.config(run, 0, "pretrained" if cc.pretrain_steps else None)
+        run_cfg = result.config(run, 0, "pretrained" if cc.pretrain_steps else None)
+        if cc.workers > 1 and not run_cfg.train.threads:
+            raise ConfigError(f"compare.workers={cc.workers} runs several runs at once: set train.threads (each "
+                              "run's CPU threads, e.g. 1), so they share the cores", "compare.workers")
     return result
 
 
@@ -222,30 +223,23 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric = check_metric(source, cc.metric)
-    with lock(out):
+    with lock(out), Runner(cc.workers, log) as runner:
         if not resume:
             check_fresh(out, overwrite=overwrite)
-        pretrained = _pretrain(runs, out / "pretrain", resume, progress, log) if cc.pretrain_steps else {}
+        pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
+        jobs = [Job(runs.config(name, seed, pretrained.get((base, seed))), out / "runs" / f"{name}-seed{seed}",
+                    f"[{name} seed {seed}]", name, tuple(eval_lengths), cc.eval_tokens, metric,
+                    tuple(cc.needle_depths), cc.needle_samples, resume, progress)
+                for name, (base, _) in runs.runs.items() for seed in cc.seeds]
         results: dict[str, list[RunEval]] = {}
-        sources: dict[str, Any] = {}     # what each data config is evaluated on, made once
-        for name, (base, _) in runs.runs.items():
-            for seed in cc.seeds:
-                run_cfg = runs.config(name, seed, pretrained.get((base, seed)))
-                trained, train_s = _train(run_cfg, out / "runs" / f"{name}-seed{seed}", resume, progress,
-                                          f"[{name} seed {seed}]", log)
-                start = time.perf_counter()
-                for key, evaluation in _evaluate(trained, name, sources, eval_lengths, cc):
-                    results.setdefault(key, []).append(dataclasses.replace(
-                        evaluation, train_seconds=train_s, train_tokens=trained.trainer.tokens))
-                    log(f"[{key} seed {seed}] {metric} at length " + ", ".join(
-                        f"{r.length}: {r.at_length.get(metric, math.nan):.4g}" for r in evaluation.lengths)
-                        + f" (evaluated in {time.perf_counter() - start:.0f} s)")
+        for key, evaluation in (pair for pairs in runner.run(jobs) for pair in pairs):
+            results.setdefault(key, []).append(evaluation)
         source_name = getattr(source, "name", cfg.data.task)
         comparison = Comparison(
             title=f"lengthgen compare: {source_name}", source=source_name, metric=metric,
             higher_is_better=source.higher_is_better if metric == source.metric else False,
             train_length=train_length, eval_lengths=eval_lengths, config=cfg.to_dict(),
-            provenance=evaluation.provenance,
+            provenance=results[next(iter(results))][0].provenance,
             specs={key: evals[0].config["model"]["attention"] for key, evals in results.items()}, variants=results,
             **_protocol(cc, runs, pretrained))
         comparison.save(out / "results.json")
@@ -253,66 +247,12 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     return comparison
 
 
-def _train(cfg: RunConfig, run_dir: Path, resume: bool, progress: bool, label: str, log: Callable[[str], None]):
-    """Train one run (``resume``: reuse or continue the one in ``run_dir``); returns it and its training seconds
-    (None for a run not trained from step 0 in this call)."""
-    steps = cfg.train.steps
-    log(f"{label} training {steps} steps at length {max(cfg.lengths())}" + (" (resuming)" if resume else ""))
-    start = time.perf_counter()
-    trained = train(cfg, run_dir, progress=progress, resume=resume)
-    started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
-    if started:
-        log(f"{label} {'reused the finished run' if started == steps else f'resumed at step {started}'} {run_dir}")
-    else:
-        log(f"{label} trained in {seconds:.0f} s")
-    return trained, (seconds if started == 0 else None)
-
-
-def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, log: Callable[[str], None]) -> dict[tuple, Path]:
+def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, runner: Runner) -> dict[tuple, Path]:
     """Seed 000's pretraining: one run per (base, seed) of ``pretrain_steps`` steps; their folders."""
-    folders = {}
-    for base in runs.bases:
-        for seed in runs.compare.seeds:
-            cfg = runs.pretrain_config(base, seed)
-            label = f"[pretrain {base or 'base'} seed {seed}]"
-            folders[base, seed] = _train(cfg, out / f"{base or 'base'}-seed{seed}", resume, progress, label,
-                                         log)[0].run_dir
+    folders = {(base, seed): out / f"{base or 'base'}-seed{seed}" for base in runs.bases for seed in runs.compare.seeds}
+    runner.run([Job(runs.pretrain_config(base, seed), folder, f"[pretrain {base or 'base'} seed {seed}]",
+                    resume=resume, progress=progress) for (base, seed), folder in folders.items()])
     return folders
-
-
-def _evaluate(trained, name: str, sources: dict[str, Any], lengths: list[int], cc: CompareConfig
-              ) -> list[tuple[str, RunEval]]:
-    """(variant name, evaluation) of a trained run's weights and, with BEMA on, of its BEMA weights
-    (``name+bema``), with the one evaluator under the run's autocast and CPU threads, seeded with its seed, in
-    forward passes of the run's ``eval_batch_size`` x training length tokens; with ``needle_depths`` also its
-    retrieval map. ``sources``: data config JSON -> what it is evaluated on (text: single long validation documents)
-    and its needles' filler, filled as needed."""
-    cfg, trainer = trained.config, trained.trainer
-    key = json.dumps(to_plain(cfg.data), sort_keys=True)
-    if key not in sources:
-        sources[key] = (eval_source(cfg.data, trainer.source),
-                        needle_filler(cfg.data, trainer.source) if cc.needle_depths else None)
-
-    def one(bema: bool) -> RunEval:
-        saved = torch.get_num_threads()
-        torch.set_num_threads(cfg.train.threads or saved)     # the run's CPU threads, as in training
-        try:
-            evaluation = evaluate(trained.model, sources[key][0], lengths, tokens_per_length=cc.eval_tokens,
-                                  seed=cfg.train.seed, autocast=trainer.autocast_dtype,
-                                  forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
-            if cc.needle_depths:
-                evaluation.needle = run_map(trained.model, cfg, sources[key][1], lengths, cc.needle_depths,
-                                            samples=cc.needle_samples, autocast=trainer.autocast_dtype)
-        finally:
-            torch.set_num_threads(saved)
-        return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,
-                                   run_dir=str(trained.run_dir), final_train_loss=trained.history[-1])
-
-    out = [(name, one(False))]
-    if trainer.bema is not None and trainer.bema.started:
-        with trainer.use_bema():
-            out.append((f"{name}+bema", one(True)))
-    return out
 
 
 def _protocol(cc: CompareConfig, runs: Plan, pretrained: dict[tuple, Path]) -> dict[str, Any]:

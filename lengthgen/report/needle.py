@@ -51,7 +51,8 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
     first = next(iter(maps.values()))[0]
     depths, lengths = first.depths, first.lengths
     fig, axes = plt.subplots(1, len(maps), squeeze=False, sharey=True, layout="constrained",
-                             figsize=(2.4 + len(maps) * (0.8 + 0.75 * len(lengths)), max(3.6, 2.2 + 0.35 * len(depths))))
+                             figsize=(2.4 + len(maps) * (0.8 + 0.75 * len(lengths)),
+                                      max(3.6, 2.2 + 0.35 * len(depths))))
     for ax, (name, runs) in zip(axes[0], maps.items()):
         grid = mean_grid(runs)
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")

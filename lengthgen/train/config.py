@@ -10,7 +10,6 @@ full key and the valid keys or choices, before anything is trained.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path

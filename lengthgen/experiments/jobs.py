@@ -1,0 +1,151 @@
+"""The runs of a comparison as jobs: train one run (or reuse / continue it) and evaluate it with the one evaluator.
+
+A `Runner` runs them one after another, or ``workers`` at a time, each in its own spawned process
+(``compare.workers``). The results are the same either way: a run seeds its weights, data and evaluation from its
+own ``train.seed`` and uses its own ``train.threads`` (required with several workers, so the runs share the
+cores instead of each taking all of them), and it writes only its own folder, under that folder's lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from lengthgen.config import to_plain
+from lengthgen.eval import RunEval, eval_source, evaluate
+from lengthgen.experiments.needle import needle_filler, run_map
+from lengthgen.train import train
+from lengthgen.train.config import RunConfig
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run: its config and folder, its label in the log and, unless it is only trained (a pretraining
+    run: ``name`` None), the variant name its evaluations are filed under, the evaluation lengths, tokens per
+    length, the metric its log line shows and the retrieval map's needle depths (none: no map) and samples
+    per cell."""
+    config: RunConfig
+    run_dir: Path
+    label: str
+    name: str | None = None
+    lengths: tuple[int, ...] = ()
+    tokens: int = 0
+    metric: str = "loss"
+    needle_depths: tuple[float, ...] = ()
+    needle_samples: int = 100
+    resume: bool = False
+    progress: bool = True
+
+
+class Runner:
+    """Runs lists of jobs (`run`), one after another or, with ``workers`` > 1, that many at once in spawned
+    processes (started once, kept until `close`; a context manager)."""
+
+    def __init__(self, workers: int, log: Log) -> None:
+        self.log, self.sources = log, {}
+        self.pool = None if workers == 1 else ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
+        """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
+        processes: without progress bars, each job's log lines logged when it ends."""
+        if self.pool is None:
+            return [run_job(job, self.log, self.sources) for job in jobs]
+        futures = [self.pool.submit(_in_worker, dataclasses.replace(job, progress=False)) for job in jobs]
+        results = []
+        for future in futures:
+            evaluations, lines = future.result()
+            for line in lines:
+                self.log(line)
+            results.append(evaluations)
+        return results
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def __enter__(self) -> "Runner":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str]]:
+    lines: list[str] = []
+    return run_job(job, lines.append, {}), lines
+
+
+def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
+    """Train ``job``'s run (``resume``: reuse or continue the one in its folder) and, when it has a ``name``,
+    evaluate it (`evaluate_run`) with its training seconds and tokens recorded. ``sources``: `evaluate_run`'s."""
+    steps = job.config.train.steps
+    log(f"{job.label} training {steps} steps at length {max(job.config.lengths())}"
+        + (" (resuming)" if job.resume else ""))
+    start = time.perf_counter()
+    trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume)
+    started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
+    if started:
+        log(f"{job.label} {'reused the finished run' if started == steps else f'resumed at step {started}'} "
+            f"{job.run_dir}")
+    else:
+        log(f"{job.label} trained in {seconds:.0f} s")
+    if job.name is None:
+        return []
+    start = time.perf_counter()
+    out = []
+    for key, evaluation in evaluate_run(trained, job, sources):
+        out.append((key, dataclasses.replace(evaluation, train_seconds=seconds if started == 0 else None,
+                                             train_tokens=trained.trainer.tokens)))
+        log(f"[{key} seed {job.config.train.seed}] {job.metric} at length " + ", ".join(
+            f"{r.length}: {r.at_length.get(job.metric, math.nan):.4g}" for r in evaluation.lengths)
+            + f" (evaluated in {time.perf_counter() - start:.0f} s)")
+    return out
+
+
+def evaluate_run(trained, job: Job, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
+    """(variant name, evaluation) of a trained run's weights and, with BEMA on, of its BEMA weights
+    (``name+bema``), with the one evaluator under the run's autocast and CPU threads, seeded with its seed, in
+    forward passes of the run's ``eval_batch_size`` x training length tokens; with ``job.needle_depths`` also its
+    retrieval map. ``sources``: data config JSON -> what it is evaluated on (text: single long validation
+    documents) and its needles' filler, filled as needed."""
+    cfg, trainer, lengths = trained.config, trained.trainer, list(job.lengths)
+    key = json.dumps(to_plain(cfg.data), sort_keys=True)
+    if key not in sources:
+        sources[key] = (eval_source(cfg.data, trainer.source),
+                        needle_filler(cfg.data, trainer.source) if job.needle_depths else None)
+
+    def one(bema: bool) -> RunEval:
+        saved = torch.get_num_threads()
+        torch.set_num_threads(cfg.train.threads or saved)     # the run's CPU threads, as in training
+        try:
+            evaluation = evaluate(trained.model, sources[key][0], lengths, tokens_per_length=job.tokens,
+                                  seed=cfg.train.seed, autocast=trainer.autocast_dtype,
+                                  forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
+            if job.needle_depths:
+                evaluation.needle = run_map(trained.model, cfg, sources[key][1], lengths, list(job.needle_depths),
+                                            samples=job.needle_samples, autocast=trainer.autocast_dtype)
+        finally:
+            torch.set_num_threads(saved)
+        return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,
+                                   run_dir=str(trained.run_dir), final_train_loss=trained.history[-1])
+
+    out = [(job.name, one(False))]
+    if trainer.bema is not None and trainer.bema.started:
+        with trainer.use_bema():
+            out.append((f"{job.name}+bema", one(True)))
+    return out
+
+
+__all__ = ["Job", "Runner", "evaluate_run", "run_job"]
