@@ -411,10 +411,10 @@ def test_optional_packages_give_an_install_hint(tmp_path, capsys, monkeypatch, m
 
 
 def test_interrupted_compare_continues_with_resume(tmp_path, monkeypatch):
-    import lengthgen.experiments.compare as compare
+    import lengthgen.experiments.jobs as jobs
 
     reference = _compare(tmp_path / "reference", variants=("baseline", "l2"))
-    original = compare.train
+    original = jobs.train
 
     class Killed(BaseException):
         pass
@@ -425,10 +425,10 @@ def test_interrupted_compare_continues_with_resume(tmp_path, monkeypatch):
             raise Killed
         return original(cfg, run_dir, **kwargs)
 
-    monkeypatch.setattr(compare, "train", interrupted)
+    monkeypatch.setattr(jobs, "train", interrupted)
     with pytest.raises(Killed):
         _compare(tmp_path / "c", variants=("baseline", "l2"))
-    monkeypatch.setattr(compare, "train", original)
+    monkeypatch.setattr(jobs, "train", original)
     finished = files(tmp_path / "c" / "runs" / "baseline-seed0")
     cfg = config("train.steps=2", "compare.eval_lengths=[8, 16]", "compare.eval_tokens=16")
     results = run_compare(cfg, tmp_path / "c", variants=["baseline", "l2"], progress=False, log=lambda _: None,
