@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import inspect
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -536,11 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
-    checkpoints, missing optional packages) exit with status 2 and a one-line message; run folder warnings are
-    one line too."""
+    checkpoints, missing optional packages) exit with status 2 and a one-line message, a diverged run (non-finite
+    loss) with status 1 and one line; run folder warnings are one line too."""
     from lengthgen.config import ConfigError
     from lengthgen.eval import ResultsError
     from lengthgen.optional import MissingPackageError
+    from lengthgen.train import NonFiniteLossError
     from lengthgen.train.checkpoint import CheckpointError
     from lengthgen.train.run_folder import RunFolderError, RunFolderWarning
 
@@ -560,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
                 FileNotFoundError) as err:
             print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
             return 2
+        except NonFiniteLossError as err:       # the run diverged: not bad input, but no traceback either
+            print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -526,3 +526,26 @@ def test_fuzz_configs_raise_only_config_errors(assignments):
             (assignments, str(err))
     except MissingPackageError as err:
         assert "pip install" in str(err)
+
+
+def test_a_diverged_run_ends_in_one_line_with_status_1(tmp_path, capsys, monkeypatch):
+    from lengthgen.model import GPT
+
+    original = GPT.loss
+
+    def loss(self, output, batch):
+        value, per = original(self, output, batch)
+        return value * float("nan"), per
+
+    monkeypatch.setattr(GPT, "loss", loss)
+    code, err = cli(capsys, "train", *sets("train.steps=3"), "--out", tmp_path / "nan", "--no-progress")
+    assert code == 1 and "training loss is nan at step 0" in err
+
+
+def test_a_reader_that_leaves_early_is_not_a_traceback():
+    import subprocess
+    import sys
+
+    shown = subprocess.run(f"{sys.executable} -m lengthgen config show counting | head -1", shell=True,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.stdout.count("\n") == 1 and "Traceback" not in shown.stderr and "Error" not in shown.stderr
