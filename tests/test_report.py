@@ -3,6 +3,8 @@ the tables and report.md that apply it, and the plots' styles, labels, legends, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -37,13 +39,15 @@ def _run(seed: int, values: dict[int, float], chance: float | None, dense: bool 
 
 def comparison(seeds: dict[str, list[float]], chance: float | None = 0.1, dense: bool = True) -> Comparison:
     """Variants whose seeds score ``seeds[variant]`` at the longest length (and 0.9 at the others)."""
-    variants = {name: [_run(i, {16: 0.9, 32: 0.9, 64: v}, chance, dense) for i, v in enumerate(values)]
-                for name, values in seeds.items()}
+    specs = {name: {"out_norm": "head_layer" if name == "b" else "none", "softmax_p": i + 1.0}
+             for i, name in enumerate(seeds)}
+    variants = {name: [dataclasses.replace(_run(i, {16: 0.9, 32: 0.9, 64: v}, chance, dense), config={
+        "name": f"{name}-{i}", "train": {"seed": i, "steps": 2}, "model": {"dim": 8, "attention": specs[name]}})
+        for i, v in enumerate(values)] for name, values in seeds.items()}
     return Comparison(title="test", source="mqar", metric="accuracy", higher_is_better=True, train_length=16,
                       eval_lengths=LENGTHS, config={"model": {"dim": 8}, "train": {"steps": 2}},
                       provenance=Provenance.capture("cpu"),
-                      specs={name: {"out_norm": "head_layer" if name == "b" else "none", "softmax_p": i + 1.0}
-                             for i, name in enumerate(seeds)}, variants=variants)
+                      specs=specs, variants=variants)
 
 
 # ------------------------------------------------------------------ the rule
@@ -136,7 +140,7 @@ def test_report_summarizes_the_setup_and_defines_both_means():
     assert "at length L = mean over positions [L/2, L)" in text
     assert "## accuracy, mean over all positions [0, L)" in text and "| 0.86 [0.81, 0.91] |\n" in text
     assert "1,000 parameters" in text and "4,096 tokens in all" in text and "2 steps" in text
-    assert "| variant | out_norm | softmax_p |" in text          # the attention fields that differ
+    assert "| variant | `model.attention.out_norm` | `model.attention.softmax_p` |" in text   # the keys that differ
     assert "- **Seeds**: 0, 1 (2 seeds per variant)" in text and "lengths 16 (1x), 32 (2x), 64 (4x)" in text
     assert "![accuracy by evaluated length and by position](extrapolation.png)" in text
     assert "![attention diagnostics by position](diagnostics.png)" in text

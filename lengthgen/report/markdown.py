@@ -89,8 +89,8 @@ def setup(results: Comparison) -> list[str]:
              f"- **Model**: {model.get('layers')} layers, width {model.get('dim')}, {model.get('heads')} heads, "
              f"MLP ratio {model.get('mlp_ratio')}, {model.get('norm')} norm ({model.get('norm_placement')}); "
              f"{_by_variant(results, 'parameters', 'parameters')}",
-             "- **Attention variants** (the fields in which they differ; every other field is shared):", "",
-             *variant_table(results.specs), "",
+             "- **Variants** (the config keys in which their runs differ, seeds aside; every other key is shared):",
+             "", *variant_table(results), "",
              f"- **Training** ({'the finetuning; before: its own run' if results.retrofit else 'per run'}): "
              f"{train.get('steps')} steps at length {results.train_length}"
              + (f" (stages {train.get('stages')})" if train.get("stages") else "")
@@ -127,15 +127,33 @@ def _seconds(values: list[float | None]) -> str:
     return f"{mean(known):.1f} s (range {min(known):.1f}-{max(known):.1f})" if known else "n/a"
 
 
-def variant_table(specs: dict[str, dict[str, Any]]) -> list[str]:
-    """A markdown table of the attention fields that differ between variants."""
-    if not specs:
-        return ["  (no specs recorded)"]
-    fields = [f for f in next(iter(specs.values())) if len({repr(s.get(f)) for s in specs.values()}) > 1]
-    if not fields:
-        return ["  (all variants share one attention spec)"]
-    rows = [["variant", *fields], *([name, *(str(spec.get(f)) for f in fields)] for name, spec in specs.items())]
+def variant_table(results: Comparison) -> list[str]:
+    """A markdown table of the config keys (``model.attention.softmax_p``, ``model.norm_placement``, ...) whose
+    values differ between the variants' runs (``name``, ``train.seed`` and the pretrained run ``train.init_from``
+    aside), and which variants are evaluated with BEMA weights."""
+    configs = {name: _flat(runs[0].config) for name, runs in results.variants.items() if runs and runs[0].config}
+    if len(configs) < len(results.variants):
+        return ["  (no configs recorded)"]
+    keys = sorted({k for c in configs.values() for k in c} - {"name", "train.seed", "train.init_from"})
+    keys = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
+    bema = any(runs[0].bema for runs in results.variants.values())
+    if not keys and not bema:
+        return ["  (all variants share one config)"]
+    rows = [["variant", *(f"`{k}`" for k in keys), *(["weights"] if bema else [])]]
+    for name, runs in results.variants.items():
+        rows.append([name, *(str(configs[name].get(k)) for k in keys),
+                     *((["BEMA" if runs[0].bema else "trained"]) if bema else [])])
     return ["  " + line for line in table(rows)]
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key not in ("task_kwargs", "init_overrides"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def retrofit_section(results: Comparison) -> list[str]:
