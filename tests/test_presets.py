@@ -1,9 +1,12 @@
-"""Every preset in configs/ loads as is, documents itself, and trains 2 steps + evaluates by position on CPU
-with tiny overrides (the GPU-sized ones included, at their own depth); every [compare] experiment plans its runs,
-and seed 000's whole protocol runs tiny."""
+"""Every preset in configs/ and every CPU analog in configs/cpu/ loads as is, documents itself, and trains 2 steps
++ evaluates by position on CPU with tiny overrides (the GPU-sized ones included, at their own depth); every
+[compare] experiment plans its runs, and seed 000's whole protocol runs tiny. A CPU analog has 3 seeds or more,
+evaluates to 16x its training length or more, and names in its header every key in which it differs from its
+GPU preset."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,9 @@ from lengthgen.experiments.compare import base_config, plan, run_compare
 from lengthgen.train import train
 from lengthgen.train.config import load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
+ROOT = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = sorted(ROOT.glob("*.toml"))
+ANALOGS = sorted((ROOT / "cpu").glob("*.toml"))
 SEEDS = {"seed000_avnorm", "seed001_counting", "seed003_set_complement", "seed003_max_retrieval", "seed003_dyck",
          "seed003_tomita", "seed004_logit_scaling"}
 
@@ -33,15 +38,19 @@ def test_presets_exist():
     assert SEEDS | {"stdlib_small", "counting", "mqar"} <= names
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def label(path: Path) -> str:
+    return path.stem if path.parent == ROOT else f"{path.parent.name}/{path.stem}"
+
+
+@pytest.mark.parametrize("path", CONFIGS + ANALOGS, ids=label)
 def test_preset_loads_and_trains_tiny_on_cpu(path, tmp_path):
     text = path.read_text()
     assert text.startswith("#") and "lengthgen " in text.split("\nname")[0], \
         f"{path.name} needs a top comment saying what it reproduces and how to run it"
-    if path.stem in SEEDS:
+    if path.parent == ROOT and path.stem in SEEDS:
         assert "Remaining deviations" in text and "GPU time" in text, path.name
     full = load_config(path)                       # the preset itself is valid
-    assert full.name == path.stem
+    assert full.name == label(path).replace("/", "_")
     cfg = load_config(path, tiny(path))
     result = train(cfg, tmp_path / path.stem, progress=False)
     assert result.step == 2 and len(result.history) == 2
@@ -53,7 +62,7 @@ def test_preset_loads_and_trains_tiny_on_cpu(path, tmp_path):
         assert "loss" in rows[-1].buckets and rows[-1].buckets["loss"][-1].hi == 32
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem in SEEDS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem in SEEDS] + ANALOGS, ids=label)
 def test_seed_preset_compare_plans_every_run(path):
     """Every run of the preset's experiment has a valid config, and no two runs are the same experiment."""
     runs = plan(base_config(path))
@@ -74,3 +83,39 @@ def test_seed000_protocol_runs_tiny(tmp_path):
     assert results.retrofit["pretrain_steps"] == 2 and Comparison.load(tmp_path / "results.json") == results
     nope = results.variants["nope/rmsnorm"][0].config["model"]["attention"]
     assert nope["position"] == "nope" and nope["out_norm"] == "head_rms" and nope["out_norm_eps"] == 1e-6
+
+
+def test_every_seed_has_a_cpu_analog():
+    assert {"seed000_avnorm", "seed001_counting", "seed003_set_complement", "seed004_logit_scaling"} <= \
+        {p.stem for p in ANALOGS}
+    assert {p.stem for p in ANALOGS} <= SEEDS
+
+
+def flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("path", ANALOGS, ids=label)
+def test_cpu_analog_is_its_seed_preset_made_smaller(path):
+    """The issue's rules for a CPU analog: one command, 3 seeds or more, evaluated to 16x its training length or
+    more, a measured wall time in its header, and every key in which it differs from the GPU preset named there
+    (with why)."""
+    header = path.read_text().split("\nname")[0]
+    assert f"lengthgen compare --config configs/cpu/{path.name} --out runs/" in header
+    assert "wall" in header and "What differs" in header, path.name
+    cfg, gpu = load_config(path), load_config(ROOT / path.name)
+    runs = plan(base_config(path))
+    assert len(runs.compare.seeds) >= 3
+    assert max(runs.compare.eval_lengths) >= 16 * max(cfg.lengths())
+    theirs, ours = flat(gpu.to_dict()), flat(cfg.to_dict())
+    differing = {key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)} - {"name"}
+    parts = lambda key: [".".join(key.split(".")[:n]) for n in range(2, key.count(".") + 2)]  # noqa: E731
+    named = lambda part: re.search(re.escape(part) + r"(?![\w.])", header)  # noqa: E731
+    unnamed = sorted(key for key in differing if not any(named(part) for part in parts(key)))
+    assert not unnamed, f"{path.name} differs from configs/{path.name} in keys its header does not name: {unnamed}"

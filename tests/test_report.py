@@ -4,7 +4,6 @@ the tables and report.md that apply it, and the plots' styles, labels, legends, 
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import pytest
