@@ -229,12 +229,39 @@ def markdown(result: dict, command: str) -> str:
                                          f"{r['ratio']:.2f} [{r['spread'][0]:.2f}, {r['spread'][1]:.2f}]"
                                          for r in here))
             out.append(f"| {length} | {ref['time_s']:.4f} s | " + " | ".join(cells) + " |")
+        out += targets(sub)
     if result["memory"]:
         out.append("\n## Peak memory of one forward + backward (MiB, inputs excluded)\n")
         out.append("| L | variant | backend | peak MiB |\n|---|---|---|---|")
         out += [f"| {m['L']} | {m['variant']} | {m['backend']} | {m.get('peak_MiB', m.get('error'))} |"
                 for m in result["memory"]]
     return "\n".join(out) + "\n"
+
+
+#: issue 15's targets for the memory-linear path (tiled or cpu_flash, the faster), as a ratio to SDPA causal p = 1
+TARGETS = {"window": 1.5, "doc": 1.5, "l2": 2.0, "doc_l2": 2.0, "alibi": 2.0, "log_bias": 2.0, "scale_invariant": 2.0}
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The targets table of one thread count: per L and variant, the faster memory-linear backend's ratio and
+    what ``auto`` picked with its ratio, each marked when over the target."""
+    variants = [v for v in TARGETS if any(r["variant"] == v for r in rows)]
+    out = ["", "Targets: the faster memory-linear backend (tiled or cpu_flash) and what `auto` picked, each at most "
+           + ", ".join(f"{v} {t}x" for v, t in TARGETS.items() if v in variants) + " SDPA p=1 (**over**: missed).",
+           "",
+        "| L | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    for length in sorted({r["L"] for r in rows}):
+        cells = []
+        for variant in variants:
+            here = [r for r in rows if r["L"] == length and r["variant"] == variant]
+            linear = min((r for r in here if r["backend"] in ("tiled", "cpu_flash")), key=lambda r: r["ratio"],
+                         default=None)
+            auto = next((r for r in here if r["backend"] == "auto"), None)
+            mark = lambda r: f"{r['ratio']:.2f}" + ("" if r["ratio"] <= TARGETS[variant] else " **over**")  # noqa: E731
+            cells.append("; ".join([*([f"{linear['backend']} {mark(linear)}"] if linear else []),
+                                    *([f"auto={auto['picked']} {mark(auto)}"] if auto else [])]) or "n/a")
+        out.append(f"| {length} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _csv(kind):
