@@ -23,7 +23,9 @@ MODEL = ["--set", "model.dim=16", "--set", "model.layers=1", "--set", "model.hea
 TINY = {
     "train": MODEL + ["--set", "train.steps=3", "--set", "train.batch_size=4", "--set", "train.tokens_per_step=none",
                       "--set", "train.eval_batches=1", "--set", "train.eval_batch_size=2", "--log-every", "2"],
-    "compare": MODEL + ["--steps", "2", "--eval-tokens", "256", "--set", "train.batch_size=4", "--log-every", "1"],
+    "compare": MODEL + ["--steps", "2", "--eval-tokens", "256", "--set", "train.batch_size=4", "--log-every", "1",
+                        "--workers", "1", "--set", "compare.needle_samples=2"],
+    "needle": ["--samples", "2"],
     "eval": ["--tokens", "256"],
     "retrofit": ["--steps", "2", "--eval-tokens", "256", "--set", "train.batch_size=4"],
     "bench": ["--variants", "baseline", "--head-dims", "64", "--reps", "1", "--warmup", "1"],
