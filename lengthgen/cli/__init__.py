@@ -1,0 +1,78 @@
+"""Command line: ``lengthgen <command> ...`` (also ``python -m lengthgen <command> ...``).
+
+The top layer: each command parses its arguments and calls the layers below (`lengthgen.experiments`,
+`lengthgen.train`, `lengthgen.report`): `training` (train, compare, retrofit), `analysis` (report, eval, needle,
+export, sample, theory, bench, config), `common` (the registry, argument types, shared options). A subcommand is
+one function decorated with `command`, whose docstring is its help and whose ``add_arguments`` callback declares
+its options::
+
+    def _eval_args(p): p.add_argument("run")
+    @command("eval", _eval_args)
+    def eval_command(args) -> int: ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import warnings
+
+from lengthgen.cli import training  # noqa: F401, I001 - registers train, compare, retrofit (listed first)
+from lengthgen.cli import analysis  # noqa: F401 - registers the other commands
+from lengthgen.cli.common import COMMANDS, CONFIG_HELP, SEEDS_HELP, CommandError, Parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lengthgen.version import __version__
+
+    parser = Parser(prog="lengthgen", description="Length generalization of attention.",
+                    epilog=f"{CONFIG_HELP}\n{SEEDS_HELP}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lengthgen {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (add_arguments, handler) in COMMANDS.items():
+        help_text = (handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None
+        p = sub.add_parser(name, help=help_text, description=inspect.cleandoc(handler.__doc__ or ""),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(p)
+        p.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
+    checkpoints, missing optional packages) exit with status 2 and a one-line message, a diverged run (non-finite
+    loss) with status 1 and one line; run folder warnings are one line too."""
+    from lengthgen.config import ConfigError
+    from lengthgen.eval import ResultsError
+    from lengthgen.optional import MissingPackageError
+    from lengthgen.train import NonFiniteLossError
+    from lengthgen.train.checkpoint import CheckpointError
+    from lengthgen.train.run_folder import RunFolderError, RunFolderWarning
+
+    args = build_parser().parse_args(argv)
+    with warnings.catch_warnings():
+        show = warnings.showwarning
+
+        def one_line(message, category, *rest):
+            if not issubclass(category, RunFolderWarning):
+                return show(message, category, *rest)
+            print(f"lengthgen {args.command}: warning: {message}", file=sys.stderr)
+
+        warnings.showwarning = one_line
+        try:
+            return args.handler(args)
+        except (CommandError, ConfigError, ResultsError, RunFolderError, CheckpointError, MissingPackageError,
+                FileNotFoundError) as err:
+            print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
+            return 2
+        except NonFiniteLossError as err:       # the run diverged: not bad input, but no traceback either
+            print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
+            return 1
+        except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 141
+
+
+__all__ = ["COMMANDS", "CommandError", "build_parser", "main"]

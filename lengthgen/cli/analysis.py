@@ -1,0 +1,259 @@
+"""Commands that read runs and results: report, eval, needle, export, sample, theory, bench, config."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+from pathlib import Path
+
+from lengthgen.cli.common import CommandError, command, float_list, int_list, non_negative_float, positive_int, writing
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="compare or retrofit folders (or results.json files) to report on")
+    p.add_argument("--out", "-o", help="write results.json and the report here (default: rebuild the report of a "
+                                       "single results.json beside it; required when merging several)")
+
+
+@command("report", _report_args)
+def report_command(args: argparse.Namespace) -> int:
+    """Rebuild report.md and the plots from existing results.json files (several are merged into --out)."""
+    from lengthgen.eval import Comparison
+    from lengthgen.report import terminal_table, write_report
+    from lengthgen.train.run_folder import lock
+
+    paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
+    if len(paths) > 1 and not args.out:
+        raise CommandError("merging several results needs --out, a folder of its own for the merged report")
+    out = Path(args.out) if args.out else paths[0].parent
+    if len(paths) > 1 and any(out.resolve() == path.parent.resolve() for path in paths):
+        raise CommandError(f"--out {out} holds one of the merged results.json; give a folder of its own")
+    merged = Comparison.load(paths[0])
+    for path in paths[1:]:
+        merged.merge(Comparison.load(path), str(path))
+    with lock(out):
+        if out.resolve() != paths[0].parent.resolve():
+            merged.save(out / "results.json")
+        write_report(merged, out)
+    print(terminal_table(merged))
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
+    p.add_argument("--lengths", type=int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
+    p.add_argument("--tokens", type=positive_int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
+    p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
+    p.add_argument("--corpus", default="stdlib", help="with --hf: text corpus (stdlib, a path, bin:GLOB)")
+    p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
+    p.add_argument("--out", "-o", help="write the results JSON here (in a lengthgen folder: under its lock)")
+
+
+@command("eval", _eval_args)
+def eval_command(args: argparse.Namespace) -> int:
+    """Evaluate a trained run (or a local HF model) by position at lengths far beyond training."""
+    from lengthgen.report import run_summary
+
+    if not (args.run or args.hf):
+        raise CommandError("give a run folder or checkpoint, or --hf PATH")
+    with writing(Path(args.out)) if args.out else contextlib.nullcontext():
+        if args.hf:
+            from lengthgen.hf import evaluate_hf
+
+            result = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024],
+                                 tokens=args.tokens, tokenizer=args.tokenizer)
+            train_length = None
+        else:
+            from lengthgen.experiments.eval_run import eval_run
+            from lengthgen.train.config import RunConfig
+
+            result = eval_run(args.run, lengths=args.lengths, tokens=args.tokens, bema=args.bema)
+            train_length = max(RunConfig.from_dict(result.config).lengths())
+        if args.out:
+            result.save(args.out)
+    print(run_summary(result, train_length=train_length))
+    return 0
+
+
+def _needle_args(p: argparse.ArgumentParser) -> None:
+    from lengthgen.eval import DEPTHS
+
+    p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
+    p.add_argument("--lengths", type=int_list, help="comma-separated context lengths, up to 64x the training length "
+                   "(default 1,2,4,8,16 x training; with --hf 256,512,1024,2048)")
+    p.add_argument("--depths", type=float_list, default=list(DEPTHS), help="comma-separated needle depths in [0, 1], "
+                   "the fraction of the filler before the needle (default 0,0.1,...,1)")
+    p.add_argument("--samples", type=positive_int, default=100, help="sequences per (depth, length) cell")
+    p.add_argument("--needles", type=positive_int, default=1, help="needles per context, each asked for (RULER's "
+                   "multi-query needles; mqar and text; passkey holds one)")
+    p.add_argument("--bema", action="store_true", help="map the BEMA weights")
+    p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
+    p.add_argument("--corpus", default="stdlib", help="with --hf: the filler's text corpus (stdlib, a path, bin:GLOB)")
+    p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
+    p.add_argument("--train-length", type=positive_int, help="with --hf: the model's training length, marked on "
+                   "the map")
+    p.add_argument("--out", "-o", help="folder for needle.json, needle.md and needle.png (default: the run folder; "
+                   "required with --hf or a checkpoint)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@command("needle", _needle_args)
+def needle_command(args: argparse.Namespace) -> int:
+    """Retrieval maps: needle-in-a-haystack exact match by needle depth and context length.
+
+    A run's own retrieval task (passkey, mqar) or, for text runs and --hf models, key-value sentences hidden in
+    real text (the run's corpus; with --hf --corpus, default the embedded stdlib) with a query for each at the end.
+    Writes needle.json (every cell), needle.md (tables) and needle.png (the heatmap, training length marked)."""
+    from lengthgen.report.needle import grid_rows, write_needle
+    from lengthgen.report.tables import table
+    from lengthgen.train.run_folder import lock
+
+    if not (args.run or args.hf) or (args.run and args.hf):
+        raise CommandError("give a run folder or checkpoint, or --hf PATH")
+    if args.train_length and not args.hf:
+        raise CommandError("--train-length marks an HF model's map; a run's map is marked with its own")
+    if not args.out and (args.hf or not (Path(args.run) / "config.json").is_file()):
+        raise CommandError("give --out, the folder for the map (only a run folder is its own default)")
+    out, progress = Path(args.out or args.run), not args.no_progress
+    with lock(out):
+        if args.hf:
+            from lengthgen.hf import needle_hf
+
+            result = needle_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 512, 1024, 2048],
+                               depths=args.depths, needles=args.needles, samples=args.samples,
+                               tokenizer=args.tokenizer, train_length=args.train_length, progress=progress)
+        else:
+            from lengthgen.experiments.needle import needle_run
+
+            result = needle_run(args.run, lengths=args.lengths, depths=args.depths, needles=args.needles,
+                                samples=args.samples, bema=args.bema, progress=progress)
+        paths = write_needle(result, out)
+    chance = next((c.chance["exact_match"] for c in result.cells if "exact_match" in c.chance), None)
+    print(f"exact match by needle depth (rows) and context length, {result.source}"
+          + (f" (chance {chance:.3g})" if chance is not None else ""))
+    print("\n".join(table(grid_rows([result], "exact_match"))))
+    print(f"map: {paths[2]} (tables {paths[1]}, every cell {paths[0]})")
+    return 0
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a trained run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("--out", "-o", required=True, help="the Hugging Face model folder to write (new or empty)")
+    p.add_argument("--bema", action="store_true", help="export the BEMA weights")
+
+
+@command("export", _export_args)
+def export_command(args: argparse.Namespace) -> int:
+    """Write a trained run as a Hugging Face model folder (lengthgen.hf.from_pretrained or AutoModelForCausalLM)."""
+    from lengthgen.hf import export_run
+
+    for line in export_run(args.run, args.out, bema=args.bema):
+        print(line)
+    return 0
+
+
+def _sample_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="a trained text run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the text to continue (after a BOS, as documents start)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate (default 200; "
+                   "the text ends earlier where the model ends its document)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="softmax temperature (default "
+                   "0.8); 0: greedy, the most likely token at each step")
+    p.add_argument("--top-k", type=positive_int, help="draw from the K most likely tokens only (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--bema", action="store_true", help="sample from the BEMA weights")
+
+
+@command("sample", _sample_args)
+def sample_command(args: argparse.Namespace) -> int:
+    """Continue a text prompt with a trained text run's model (KV-cached generation); prints prompt and continuation."""
+    from lengthgen.experiments.sample import sample_run
+
+    print(sample_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k, seed=args.seed, bema=args.bema))
+    return 0
+
+
+@command("theory", lambda p: p.add_argument("--out", "-o", default="runs/theory", help="output folder"))
+def theory_command(args: argparse.Namespace) -> int:
+    """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.png."""
+    from lengthgen.experiments.theory import main_theory
+
+    main_theory(args.out)
+    return 0
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from lengthgen.experiments import bench
+
+    p.add_argument("what", choices=["attention"], help="what to benchmark")
+    bench.add_arguments(p)
+
+
+@command("bench", _bench_args)
+def bench_command(args: argparse.Namespace) -> int:
+    """Benchmark attention backends x variants against SDPA (ratios measured in the same run)."""
+    from lengthgen.experiments import bench
+
+    bench.main(args)
+    return 0
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["show"], help="show: print a resolved config, each key with its value, "
+                   "meaning and valid values")
+    p.add_argument("what", nargs="?", help="a TOML or JSON config file, a run folder, a name in configs/ "
+                   "(counting, mqar, ...), compare (its embedded default), attention (every AttentionSpec field "
+                   "and the presets) or an attention preset (l2, avnorm, ...); default: lengthgen train's defaults")
+    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key as train and compare do, e.g. --set model.attention=l2")
+
+
+@command("config", _config_args)
+def config_command(args: argparse.Namespace) -> int:
+    """Show a resolved config: each key with its value, meaning and valid values (set any with --set KEY=VALUE)."""
+    from lengthgen.attention import PRESETS
+    from lengthgen.config import format_config
+    from lengthgen.train.tracking import spec_changes
+
+    what = args.what
+    if what == "attention" or what in PRESETS:
+        if args.overrides:
+            raise CommandError("--set applies to run configs; for attention use --set model.attention.FIELD=VALUE")
+        print(format_config(PRESETS.get(what, PRESETS["baseline"])))
+        print(f"\n# presets (model.attention=NAME) and how they differ from baseline, the defaults"
+              f"{' above' if what == 'attention' else ''}")
+        for name, spec in PRESETS.items():
+            print(f"{name:<16} {spec_changes(spec) or 'the defaults'}")
+        return 0
+    cfg = _run_config_to_show(what, args.overrides)
+    print(format_config(cfg))
+    if cfg.data.kind == "task":
+        from lengthgen.data.tasks import TASKS
+
+        arguments = inspect.signature(TASKS[cfg.data.task]).parameters.values()
+        print(f"\n# data.task_kwargs of {cfg.data.task}: " + ", ".join(
+            f"{a.name} (default {a.default!r})" for a in arguments if a.default is not inspect.Parameter.empty))
+    return 0
+
+
+def _run_config_to_show(what: str | None, overrides: list[str]):
+    """The `RunConfig` that ``lengthgen config show WHAT`` prints (see its ``what`` argument)."""
+    from lengthgen.experiments.compare import base_config
+    from lengthgen.train.config import load_config
+
+    if what is None or what == "compare":
+        return base_config(None, overrides) if what else load_config(None, overrides)
+    path = Path(what)
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists() and (Path("configs") / f"{what}.toml").exists():
+        path = Path("configs") / f"{what}.toml"
+    elif not path.exists():
+        names = ", ".join(sorted(p.stem for p in Path("configs").glob("*.toml"))) or "none here"
+        raise CommandError(f"{what!r} is not a config file, a run folder, a name in configs/ ({names}), compare, "
+                           "attention or an attention preset (lengthgen config show attention lists them)")
+    return load_config(path, overrides)

@@ -1,0 +1,115 @@
+"""The command line's shared parts: the command registry, argument types, the config and logging options."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+
+class CommandError(Exception):
+    """A bad command-line argument; printed as a one-line error (exit status 2)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (``lengthgen train: error: ...``), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give a positive integer")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a number >= 0") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not valid; give a finite number >= 0")
+    return value
+
+
+Handler = Callable[[argparse.Namespace], int]
+#: name -> (add_arguments, handler)
+
+
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler]] = {}
+
+
+def command(name: str, add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None):
+    """Register ``handler(args) -> exit code`` as subcommand ``name``."""
+    def register(handler: Handler) -> Handler:
+        COMMANDS[name] = (add_arguments, handler)
+        return handler
+    return register
+
+
+CONFIG_HELP = "Every config key with its meaning and valid values: lengthgen config show [CONFIG] [--set ...]."
+
+
+SEEDS_HELP = ("Seeds, the notes cited by number: 000 AVnorm (per-head output norm), 001 p-softmax (\"Attention\n"
+              "Normalizes the Wrong Norm\"), 002 a note on normalization, 003 post-norm resharpens attention,\n"
+              "004 long-context attention (sqrt(2 log n) logit scaling).")
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and repeatable ``--set key=value`` (shared by commands that take a run config)."""
+    p.add_argument("--config", "-c", help="TOML config (e.g. configs/counting.toml); defaults if omitted")
+    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set model.attention=l2 --set train.steps=200 "
+                        "(values are TOML literals, else strings; keys: lengthgen config show)")
+
+
+def add_logging_arguments(p: argparse.ArgumentParser) -> None:
+    """``--log-every``, ``--wandb`` and ``--no-progress`` (shared by the commands that train)."""
+    p.add_argument("--log-every", type=int, metavar="N", help="log every N steps (sets train.log_every)")
+    p.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (sets "
+                   "train.wandb; needs pip install wandb; WANDB_MODE=offline works without a network)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="plain log lines instead of a progress bar (the default when stdout is not a terminal)")
+
+
+def logging_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides that ``--log-every`` and ``--wandb`` stand for."""
+    return ([f"train.log_every={args.log_every}"] if args.log_every is not None else []) + \
+        ([f"train.wandb={json.dumps(args.wandb)}"] if args.wandb else [])
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 256,1024") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 256,1024")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 0,0.5,1") from None
+
+
+def writing(path: Path) -> contextlib.AbstractContextManager:
+    """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses to
+    replace a run's own files other than its evaluations."""
+    from lengthgen.train.run_folder import LOCK, WRITTEN, lock
+
+    if not (path.parent / LOCK).exists():
+        return contextlib.nullcontext()
+    if path.name in WRITTEN - {"eval.json", "eval_bema.json"}:
+        raise CommandError(f"--out {path} would replace a file of the run; choose another file name")
+    return lock(path.parent)
