@@ -15,23 +15,11 @@ from lengthgen.attention import AttentionSpec, attend, backends
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.attention.backends import flex
+from helpers import make_docs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def make_docs(b: int, length: int, seed: int = 0, max_len: int = 9) -> torch.Tensor:
-    """(B, L) doc ids: runs of random length in [1, max_len] (several documents per row)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(b):
-        ids, doc = [], 0
-        while len(ids) < length:
-            ids += [doc] * int(torch.randint(1, max_len + 1, (1,), generator=gen))
-            doc += 1
-        rows.append(ids[:length])
-    return torch.tensor(rows)
 
 
 def make_inputs(b, h, hkv, lq, lk, d, dtype=torch.float32, device="cpu", seed=0, dv=None):

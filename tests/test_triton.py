@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 
 def distance_for(p: float, regime: str) -> str:
@@ -75,18 +75,6 @@ def tolerance(case: dict) -> float:
     return torch.finfo(getattr(torch, dtype)).eps + 4 * torch.finfo(torch.float32).eps * case["logits"][1]
 
 
-def make_docs(b: int, length: int, seed: int = 0, max_len: int = 12) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(b):
-        ids, doc = [], 0
-        while len(ids) < length:
-            ids += [doc] * int(torch.randint(1, max_len + 1, (1,), generator=gen))
-            doc += 1
-        rows.append(ids[:length])
-    return torch.tensor(rows)
-
-
 def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int = 0) -> dict[str, float]:
     """Relative max errors of the triton backend's out, dq, dk, dv and returned LSE_1, LSE_p against the float64
     dense oracle."""
@@ -113,7 +101,7 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
         else:
             q[..., 0] = k[..., 0] = math.sqrt(size)
     grad = torch.randn(b, h, lq, dv, generator=gen)
-    docs = make_docs(b, lk, seed=lk) if case.get("docs") else None
+    docs = make_docs(b, lk, seed=lk, max_len=12) if case.get("docs") else None
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
     assert tp.unsupported(spec, q, True) is None, tp.unsupported(spec, q, True)
     out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True)
