@@ -13,6 +13,7 @@ from lengthgen.eval.buckets import bucket_edges
 from lengthgen.report import markdown_report, terminal_table, verdict, verdicts, write_report
 from lengthgen.report.plots import diagnostics_figure, extrapolation_figure, variant_styles
 from lengthgen.report.stats import above_chance
+from lengthgen.report.tables import groups
 
 LENGTHS = [16, 32, 64]
 
@@ -207,3 +208,16 @@ def test_per_query_metrics_are_plotted_by_length_only():
     (ax,) = sparse.axes
     assert ax.get_xlabel() == "evaluated length L (tokens)" and len(_lines(sparse)["a"][0].get_xdata()) == 3
     assert len(extrapolation_figure(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})).axes) == 2
+
+
+def test_with_bases_the_rule_compares_each_bases_variants_apart():
+    results = comparison({"a/x": [0.80, 0.85, 0.90], "a/y": [0.5, 0.6, 0.7],
+                          "b/x": [0.82, 0.60, 0.95], "b/y": [0.3, 0.4, 0.5]})
+    assert groups(results) == {"a": ["a/x", "a/y"], "b": ["b/x", "b/y"]}
+    assert verdicts(results)[64].winner is None                        # a/x and b/x overlap across the bases
+    assert verdicts(results, groups(results)["a"])[64].winner == "a/x"
+    assert verdicts(results, groups(results)["b"])[64].winner == "b/x"
+    text = terminal_table(results)
+    assert "verdict (a)" in text and "verdict (b)" in text and "Among the a/ variants, at 64 tokens" in text
+    assert "| best (rule) (b) |" in markdown_report(results)
+    assert groups(comparison({"a/x": [0.8], "y": [0.5]})) == {"": ["a/x", "y"]}   # not all based: one group

@@ -11,7 +11,7 @@ from lengthgen.eval.results import Comparison, RunEval
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
 from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, AT_LENGTH, chance_level, conclusion, length_label,
-                                     mean, metric_names, seed_values, table, value_rows, verdicts)
+                                     mean, metric_names, seed_values, table, value_rows, verdict_rows)
 
 #: the plots beside ``report.md``
 EXTRAPOLATION, DIAGNOSTICS = "extrapolation.png", "diagnostics.png"
@@ -22,16 +22,15 @@ CHANCE = ("chance = the expected value of the best predictor that knows the task
 def markdown_report(results: Comparison) -> str:
     """The whole report, embedding `EXTRAPOLATION` and, when the runs recorded attention diagnostics,
     `DIAGNOSTICS`."""
-    metric, by_length = results.metric, verdicts(results)
+    metric = results.metric
     arrow = "higher is better" if results.higher_is_better else "lower is better"
     lines = [f"# {results.title}", ""] + ([results.description, ""] if results.description else [])
-    lines += ["## Setup", "", *setup(results), "", "## Conclusion", "", conclusion(results, by_length), "",
+    lines += ["## Setup", "", *setup(results), "", "## Conclusion", "", conclusion(results), "",
               f"Rule: {RULE}. Each seed has its own initialization, training batches and evaluation batches.", "",
               f"## {metric} at length L ({arrow})", "",
               f"{AT_LENGTH}. Cells: mean over seeds, [min, max] over seeds when several, (ratio to the mean at the "
               f"training length); {AT_CHANCE} = not better than the chance level in every seed; {CHANCE}.", ""]
-    rows = value_rows(results, metric, ratio=True)
-    rows.append(["best (rule)", *(by_length[n].short() for n in results.eval_lengths)])
+    rows = value_rows(results, metric, ratio=True) + verdict_rows(results, "best (rule)")
     lines += table(rows)
     if any(run.at(n).mean.get(metric) != run.at(n).at_length.get(metric)
            for runs in results.variants.values() for run in runs for n in results.eval_lengths):

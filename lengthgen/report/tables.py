@@ -39,10 +39,29 @@ def metric_names(results: Comparison) -> list[str]:
     return list(dict.fromkeys([results.metric, *first]))
 
 
-def verdicts(results: Comparison) -> dict[int, Verdict]:
-    """The rule's verdict on the headline metric at each evaluated length."""
-    return {n: verdict(seed_values(results, results.metric, n), results.higher_is_better,
+def groups(results: Comparison) -> dict[str, list[str]]:
+    """The sets of variants the rule compares: all of them (key ``""``) or, when every name is ``base/variant``
+    (compare's ``bases``), each base's variants apart: each base is its own experiment (seed 000: with and
+    without positions), so a variant is named best against the others of its base."""
+    out: dict[str, list[str]] = {}
+    for name in results.variants:
+        out.setdefault(name.split("/", 1)[0] if "/" in name else "", []).append(name)
+    return {"": list(results.variants)} if "" in out or len(out) == 1 else out
+
+
+def verdicts(results: Comparison, names: list[str] | None = None) -> dict[int, Verdict]:
+    """The rule's verdict on the headline metric at each evaluated length, among ``names`` (default: all)."""
+    def among(values: dict[str, list[float]]) -> dict[str, list[float]]:
+        return values if names is None else {k: v for k, v in values.items() if k in names}
+    return {n: verdict(among(seed_values(results, results.metric, n)), results.higher_is_better,
                        chance_level(results, results.metric, n)) for n in results.eval_lengths}
+
+
+def verdict_rows(results: Comparison, label: str = "verdict") -> list[list[str]]:
+    """One row of the rule's short verdicts by length per group of variants (`groups`)."""
+    return [[f"{label} ({group})" if group else label,
+             *(found.short() for found in verdicts(results, names).values())]
+            for group, names in groups(results).items()]
 
 
 def mean(values: list[float]) -> float:
@@ -92,12 +111,18 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
     return rows
 
 
-def conclusion(results: Comparison, by_length: dict[int, Verdict] | None = None) -> str:
-    """What the rule concludes at the longest length, with every variant's mean there."""
+def conclusion(results: Comparison) -> str:
+    """What the rule concludes at the longest length, with every variant's mean there; per base when the
+    variants have bases (`groups`)."""
+    return " ".join(_conclusion(results, names, f"Among the {group}/ variants, at" if group else "At")
+                    for group, names in groups(results).items())
+
+
+def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
     longest, metric = results.eval_lengths[-1], results.metric
-    found = (by_length or verdicts(results))[longest]
-    where = f"At {longest} tokens ({longest / results.train_length:g}x the training length)"
-    means = sorted(((mean(v), name) for name, v in seed_values(results, metric, longest).items()),
+    found = verdicts(results, names)[longest]
+    where = f"{prefix} {longest} tokens ({longest / results.train_length:g}x the training length)"
+    means = sorted(((mean(v), name) for name, v in seed_values(results, metric, longest).items() if name in names),
                    reverse=results.higher_is_better)
     listed = ", ".join(f"{name} {m:.4g}" for m, name in means if not math.isnan(m))
     direction = "highest" if results.higher_is_better else "lowest"
@@ -114,13 +139,11 @@ def conclusion(results: Comparison, by_length: dict[int, Verdict] | None = None)
 def terminal_table(results: Comparison) -> str:
     """The headline metric at each length (mean [min, max] over seeds), the chance level, the rule's verdict
     per length and the conclusion."""
-    by_length = verdicts(results)
-    rows = value_rows(results, results.metric)
-    rows.append(["verdict", *(by_length[n].short() for n in results.eval_lengths)])
+    rows = value_rows(results, results.metric) + verdict_rows(results)
     title = f"{results.metric} at length L (mean over positions [L/2, L); training length {results.train_length})"
     notes = [f"{AT_CHANCE} = not better than the chance level in every seed"] if any(
         AT_CHANCE in c for row in rows[1:] for c in row[1:]) else []
-    return "\n".join([title, *aligned(rows), *notes, conclusion(results, by_length).replace("**", "")])
+    return "\n".join([title, *aligned(rows), *notes, conclusion(results).replace("**", "")])
 
 
 def aligned(lines: list[list[str]], right: bool = False) -> list[str]:
