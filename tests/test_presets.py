@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from lengthgen.config import differences
 from lengthgen.eval import Comparison, RunEval
 from lengthgen.experiments.compare import base_config, plan, run_compare
 from lengthgen.train import train
@@ -91,16 +92,6 @@ def test_every_seed_has_a_cpu_analog():
     assert {p.stem for p in ANALOGS} <= SEEDS
 
 
-def flat(tree: dict, prefix: str = "") -> dict[str, object]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 @pytest.mark.parametrize("path", ANALOGS, ids=label)
 def test_cpu_analog_is_its_seed_preset_made_smaller(path):
     """The issue's rules for a CPU analog: one command, 3 seeds or more, evaluated to 16x its training length or
@@ -113,8 +104,7 @@ def test_cpu_analog_is_its_seed_preset_made_smaller(path):
     runs = plan(base_config(path))
     assert len(runs.compare.seeds) >= 3
     assert max(runs.compare.eval_lengths) >= 16 * max(cfg.lengths())
-    theirs, ours = flat(gpu.to_dict()), flat(cfg.to_dict())
-    differing = {key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key)} - {"name"}
+    differing = {key for key, _, _ in differences(gpu.to_dict(), cfg.to_dict())} - {"name"}
     parts = lambda key: [".".join(key.split(".")[:n]) for n in range(2, key.count(".") + 2)]  # noqa: E731
     named = lambda part: re.search(re.escape(part) + r"(?![\w.])", header)  # noqa: E731
     unnamed = sorted(key for key in differing if not any(named(part) for part in parts(key)))

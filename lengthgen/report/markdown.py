@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from typing import Any
 
+from lengthgen.config import differences
 from lengthgen.eval.results import Comparison, RunEval
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
@@ -130,29 +131,27 @@ def variant_table(results: Comparison) -> list[str]:
     """A markdown table of the config keys (``model.attention.softmax_p``, ``model.norm_placement``, ...) whose
     values differ between the variants' runs (``name``, ``train.seed`` and the pretrained run ``train.init_from``
     aside), and which variants are evaluated with BEMA weights."""
-    configs = {name: _flat(runs[0].config) for name, runs in results.variants.items() if runs and runs[0].config}
+    configs = {name: runs[0].config for name, runs in results.variants.items() if runs and runs[0].config}
     if len(configs) < len(results.variants):
         return ["  (no configs recorded)"]
-    keys = sorted({k for c in configs.values() for k in c} - {"name", "train.seed", "train.init_from"})
-    keys = [k for k in keys if len({repr(c.get(k)) for c in configs.values()}) > 1]
+    first = next(iter(configs.values()))
+    keys = sorted({key for config in configs.values() for key, _, _ in differences(first, config)}
+                  - {"name", "train.seed", "train.init_from"})
     bema = any(runs[0].bema for runs in results.variants.values())
     if not keys and not bema:
         return ["  (all variants share one config)"]
     rows = [["variant", *(f"`{k}`" for k in keys), *(["weights"] if bema else [])]]
     for name, runs in results.variants.items():
-        rows.append([name, *(str(configs[name].get(k)) for k in keys),
+        rows.append([name, *(str(_at(configs[name], k)) for k in keys),
                      *((["BEMA" if runs[0].bema else "trained"]) if bema else [])])
     return ["  " + line for line in table(rows)]
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value and key not in ("task_kwargs", "init_overrides"):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def _at(config: dict[str, Any], key: str) -> Any:
+    """The value of dotted ``key`` in a config dict (None where missing)."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def retrofit_section(results: Comparison) -> list[str]:
