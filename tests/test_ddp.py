@@ -9,21 +9,14 @@ size the ranks' own maxima are so close that the losses would not tell the diffe
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-BASE = ["model.dim=32", "model.layers=2", "model.heads=2", "model.mlp_ratio=2.0", "train.steps=5",
-        "train.lr=1e-2", "train.batch_size=8", "train.eval_batches=1", "train.eval_batch_size=4",
-        "train.eval_every=0", "train.checkpoint_every=0", "train.threads=1", "data.task=counting",
-        "data.task_kwargs={vocab_size = 4}", "data.length=16", "train.eval_lengths=[16, 32]", "train.log_every=1"]
+from helpers import DISTRIBUTED_RUN as BASE
+from helpers import logged_losses, torchrun_two
+
 RUN_A = BASE + ["train.grad_accum=2"]
 RUN_B = BASE + ["train.qk_clip=0.03"]
-
-
-def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 def test_two_processes_match_one(tmp_path):
@@ -31,15 +24,10 @@ def test_two_processes_match_one(tmp_path):
     from lengthgen.eval import RunEval
     from lengthgen.train import train
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = torchrun_two(__file__, tmp_path)
     for name, overrides in (("a", RUN_A), ("b", RUN_B)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
-        ddp = _losses(tmp_path / f"ddp-{name}")
+        ddp = logged_losses(tmp_path / f"ddp-{name}")
         records = [json.loads(line) for line in (tmp_path / f"ddp-{name}" / "metrics.jsonl").read_text().splitlines()]
         assert len(ddp) == 5 and all(r["rank_batch_size"] == 4 for r in records if "loss" in r)  # half of 8 each
         if name == "b":

@@ -12,24 +12,16 @@ update's norm, as far as either is from the float64 iteration), so run M is comp
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import DISTRIBUTED_RUN as BASE
+from helpers import logged_losses, torchrun_two
 
-BASE = ["model.dim=32", "model.layers=2", "model.heads=2", "model.mlp_ratio=2.0", "train.steps=5",
-        "train.lr=1e-2", "train.batch_size=8", "train.eval_batches=1", "train.eval_batch_size=4",
-        "train.eval_every=0", "train.checkpoint_every=0", "train.threads=1", "data.task=counting",
-        "data.task_kwargs={vocab_size = 4}", "data.length=16", "train.eval_lengths=[16, 32]", "train.log_every=1"]
 RUN_A = BASE + ["train.grad_accum=2"]
 RUN_M = BASE + ["train.optimizer=muon", "train.muon_lr=0.05", "model.tie_embeddings=false"]
-
-
-def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 def test_two_sharded_processes_match_one(tmp_path):
@@ -38,15 +30,10 @@ def test_two_sharded_processes_match_one(tmp_path):
     from lengthgen.train.config import RunConfig
     from lengthgen.train.weights import load_run
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_two(__file__, tmp_path)
     for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
-        sharded = _losses(tmp_path / f"fsdp-{name}")
+        sharded = logged_losses(tmp_path / f"fsdp-{name}")
         assert len(sharded) == 5
         for step, (x, y) in enumerate(zip(sharded, single.history)):
             assert abs(x - y) <= tol * max(1.0, abs(y)), (name, step, sharded, single.history)
