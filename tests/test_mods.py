@@ -243,10 +243,9 @@ def test_explicit_mask_errors_and_backends():
 # return_lse: one shape and one meaning
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_return_lse_is_the_same_on_every_backend(dtype):
-    """(out, LSE_1, LSE_p): (B, H, Lq) natural-log logsumexps of the logits and of p times them, no gradient."""
-    spec = AttentionSpec(softmax_p=3.0, distance="scale_invariant", window=6, doc_masking=True)
+def lse_case(spec: AttentionSpec, dtype: torch.dtype):
+    """Scaled queries (B=2, H=4, Lq=7), grouped keys and values (2 heads, Lk=11), two documents per row, the
+    float64 logits of the mods' reference and the dtype's tolerance."""
     q = randn(2, 4, 7, 16, seed=6).to(dtype).requires_grad_()
     k, v = randn(2, 2, 11, 16, seed=7).to(dtype), randn(2, 2, 11, 16, seed=8).to(dtype)
     docs = torch.tensor([[0] * 5 + [1] * 6, [0] * 2 + [1] * 9])
@@ -254,8 +253,16 @@ def test_return_lse_is_the_same_on_every_backend(dtype):
     visible = mods.mask_mod_for(spec, 7, 11, mods.document_starts(spec, docs))
     score = mods.score_mod_for(spec, 4, 7, 11, dtype=torch.float64)
     logit = fn.logits(qs.double(), fn.repeat_kv(k, 2).double(), score, visible, torch.arange(7), torch.arange(11))
-    want_1, want_p = torch.logsumexp(logit, -1), torch.logsumexp(3.0 * logit, -1)
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    return qs, k, v, docs, logit, tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_return_lse_is_the_same_on_every_backend(dtype):
+    """(out, LSE_1, LSE_p): (B, H, Lq) natural-log logsumexps of the logits and of p times them, no gradient."""
+    spec = AttentionSpec(softmax_p=3.0, distance="scale_invariant", window=6, doc_masking=True)
+    qs, k, v, docs, logit, tol = lse_case(spec, dtype)
+    want_1, want_p = torch.logsumexp(logit, -1), torch.logsumexp(3.0 * logit, -1)
     runs = {"dense": dense.attention, "tiled": lambda *a, **kw: tiled.attention(*a, q_block=3, k_block=4, **kw)}
     if dtype == torch.float32:
         runs["flex"] = flex.attention
@@ -279,15 +286,8 @@ def test_return_lse_is_the_same_on_every_backend(dtype):
 def test_cpu_flash_return_lse(dtype):
     """cpu_flash (p = 1 only): LSE_1 = LSE_p = logsumexp of the logits, -inf for a row that sees nothing."""
     spec = AttentionSpec(distance="alibi", window=6, doc_masking=True)
-    q = randn(2, 4, 7, 16, seed=6).to(dtype).requires_grad_()
-    k, v = randn(2, 2, 11, 16, seed=7).to(dtype), randn(2, 2, 11, 16, seed=8).to(dtype)
-    docs = torch.tensor([[0] * 5 + [1] * 6, [0] * 2 + [1] * 9])
-    qs = fn.scale_queries(q, spec, 11, docs)
-    visible = mods.mask_mod_for(spec, 7, 11, mods.document_starts(spec, docs))
-    score = mods.score_mod_for(spec, 4, 7, 11, dtype=torch.float64)
-    want = torch.logsumexp(fn.logits(qs.double(), fn.repeat_kv(k, 2).double(), score, visible, torch.arange(7),
-                                     torch.arange(11)), -1)
-    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    qs, k, v, docs, logit, tol = lse_case(spec, dtype)
+    want = torch.logsumexp(logit, -1)
     out, lse_1, lse_p = cpu_flash.attention(qs, k, v, spec, docs, q_block=3, return_lse=True)
     assert lse_1.shape == (2, 4, 7) and lse_1.dtype == dtype and not lse_1.requires_grad and out.requires_grad
     torch.testing.assert_close(lse_1.double(), want, **tol)
