@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(p for p, _ in PARTS)} (default all; "
                     "env always runs; chosen parts share the budget without per-part limits)")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results (tiny: runs/gpu-check)")
-    ap.add_argument("--seed-kernel", default=None, help="seed 001's kernel.py (default: ../shared/seed-code/...)")
+    ap.add_argument("--seed-kernel", default=None,
+                    help="seed 001's kernel.py (not shipped; without it the seed001 part is skipped)")
     ap.add_argument("--commit", default=None, help="the lengthgen commit measured (when the checkout has no .git)")
     ap.add_argument("--pytest-workers", type=int, default=8, help="pytest-xdist workers for the CUDA tests")
     ap.add_argument("--run-part", help=argparse.SUPPRESS)

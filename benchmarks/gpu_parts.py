@@ -19,7 +19,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 #: the ~124M modded-nanogpt-like model, with GPT-2's vocabulary padded to 50304
 MODEL_CONFIG = ROOT / "benchmarks" / "gpt124m.toml"
-SEED_KERNEL = ROOT.parent / "shared" / "seed-code" / "001-attention-norm" / "kernel.py"
 
 GPU = dict(
     model=["model.vocab_size=50304"], train_batch=16, train_length=2048, train_steps=10, train_warmup=3,
@@ -126,10 +125,12 @@ def seed001(tiny: bool, seed_kernel: str | None = None, **_: Any) -> dict[str, A
     """Our fused kernel (``attend(..., backend="triton")``) side by side with seed 001's own Triton kernel at the
     same shapes and p, bf16, causal, forward + backward; the seed's kernel autotunes over `SEED_CONFIGS` only
     (its lists of 256 launch configurations per kernel take longer to tune than this check has)."""
-    path = Path(seed_kernel) if seed_kernel else SEED_KERNEL
+    if not seed_kernel:
+        return dict(status="skipped: seed 001's kernel is not shipped with lengthgen; pass --seed-kernel PATH "
+                           "(make gpu-check SEED_KERNEL=PATH)")
+    path = Path(seed_kernel)
     if not path.is_file():
-        return dict(status=f"skipped: seed 001's kernel is not at {path} (it is not shipped with lengthgen; "
-                           "pass --seed-kernel PATH)")
+        return dict(status=f"skipped: seed 001's kernel is not at {path}")
     spec = importlib.util.spec_from_file_location("seed001_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
