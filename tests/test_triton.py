@@ -132,9 +132,27 @@ def _run_group(group: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def interpreter_defect() -> str | None:
+    """Why this triton's interpreter cannot run the kernels, or None. Triton 3.6's interpreter turns a scalar
+    into a loop bound with ``int(ndarray of shape (1,))``, which NumPy 2.4 rejects; triton 3.7 squeezes first.
+    The kernels compiled for CUDA never take this path."""
+    import numpy
+    import triton
+
+    try:
+        int(numpy.zeros(1))
+    except TypeError:
+        if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+            return (f"triton {triton.__version__}'s interpreter cannot cast loop bounds under numpy "
+                    f"{numpy.__version__} (fixed in triton 3.7)")
+    return None
+
+
 @pytest.mark.parametrize("group", list(INTERPRETER_GROUPS))
 def test_interpreter_matches_dense(group):
     pytest.importorskip("triton")
+    if reason := interpreter_defect():
+        pytest.skip(reason)
     results = _run_group(group)
     failures = []
     for name, case in INTERPRETER_GROUPS[group].items():
