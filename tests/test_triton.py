@@ -2,8 +2,9 @@
 
 CPU: the kernels run under the Triton interpreter at tiny shapes. ``TRITON_INTERPRET=1`` must be set before
 triton builds the kernels, so each group of cases runs in a subprocess (this file run as a script): nothing
-leaks into other test modules sharing the pytest(-xdist) worker. CUDA (skipped without it): forward and
-backward in float32 and bfloat16 at head dims 64 and 128.
+leaks into other test modules sharing the pytest(-xdist) worker. Every kernel is also compiled ahead of time
+for sm_80 and sm_90 (CPU; triton ships ptxas). CUDA (skipped without it): forward and backward in float32 and
+bfloat16 at head dims 64 and 128.
 """
 
 from __future__ import annotations
@@ -200,6 +201,50 @@ def test_unsupported_reasons(monkeypatch):
     assert tp.unsupported(spec, torch.empty(1, 2, 8, 64), False) is not None
     monkeypatch.setattr(tp, "triton", None)
     assert "not importable" in tp.unsupported(spec, torch.empty(1, 2, 8, 64), False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ahead-of-time compilation for CUDA targets (no GPU needed: triton ships ptxas)
+
+#: kernel argument names by type; every other argument is an int32 scalar
+TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+FP32_POINTERS = {"M", "LSP", "LSE1", "SLOPES", "DELTA"}
+INT32_POINTERS = {"STARTS", "ENDS"}
+FP32_SCALARS = {"p", "inv_p", "tau_inv", "lam"}
+#: opt-in shared memory per block, bytes (CUDA C++ Programming Guide, compute capabilities table)
+SHARED_LIMIT = {80: 166912, 90: 232448}
+# (arch, dtype, head_dim, distance, window, documents, p = 1): each distance, dtype and flag at least once
+AOT_CASES = [(90, "bf16", 128, "none", False, False, True), (90, "bf16", 128, "scale_invariant", True, True, False),
+             (90, "fp16", 64, "alibi", True, True, False), (90, "bf16", 64, "log_bias", False, True, False),
+             (80, "fp32", 128, "log_bias", True, True, False)]     # the last: the most shared memory, A100's limit
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_kernels_compile_for_cuda(kernel):
+    """Every kernel compiles for sm_80 and sm_90 with the launch configuration the backend uses, and fits the
+    architecture's shared memory. The interpreter accepts code the compiler rejects (plain Python globals, for
+    one), so this is the CPU check that the CUDA build works."""
+    pytest.importorskip("triton")
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from lengthgen.attention.backends import triton_psoftmax as tp
+
+    if tp.INTERPRETED:
+        pytest.skip("this process built the kernels for TRITON_INTERPRET=1")
+    fn = {"fwd": tp._fwd_kernel, "dq": tp._bwd_dq_kernel, "dkdv": tp._bwd_dkdv_kernel}[kernel]
+    for arch, dtype, head_dim, distance, window, docs, p_one in AOT_CASES:
+        cfg = tp._configs(kernel, head_dim)
+        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        constants = dict(D=head_dim, D_V=head_dim, DIST=tp.DISTANCE_CODES[distance], HAS_WINDOW=window,
+                         HAS_DOCS=docs, P_ONE=p_one, PREC="ieee" if dtype == "fp32" else "tf32", **cfg)
+        signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in TENSOR_ARGS
+                     else "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
+                     else "fp32" if name in FP32_SCALARS else "i32" for name in fn.arg_names}
+        compiled = triton_compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
+                                  options=options)
+        assert 0 < compiled.metadata.shared <= SHARED_LIMIT[arch], (arch, dtype, head_dim, compiled.metadata.shared)
 
 
 # ---------------------------------------------------------------------------------------------------

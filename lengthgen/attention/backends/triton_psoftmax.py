@@ -89,8 +89,9 @@ def unsupported(spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bo
 # kernels
 
 if triton is not None:
-    LOG2E = 1.4426950408889634
-    LN2 = 0.6931471805599453
+    # compiled kernels read only constexpr globals (the interpreter takes any)
+    LOG2E = tl.constexpr(1.4426950408889634)
+    LN2 = tl.constexpr(0.6931471805599453)
 
     @triton.jit
     def _slope(SLOPES, h, DIST: tl.constexpr):
@@ -103,17 +104,19 @@ if triton is not None:
     @triton.jit
     def _logits(s, t, slope, tau_inv, lam, DIST: tl.constexpr):
         """(l, a_t) for dot products s and distances t (int, any sign; only t >= 0 is ever visible): the
-        score mods `mods.scale_invariant`, `mods.alibi`, `mods.log_bias` written inline."""
+        score mods `mods.scale_invariant`, `mods.alibi`, `mods.log_bias` written inline. One return per
+        compile-time branch: the compiler rejects a function whose reachable returns differ in type."""
+        tf = tl.maximum(t, 0).to(tl.float32)
         if DIST == 0:
             return s, 1.0
-        tf = tl.maximum(t, 0).to(tl.float32)
-        if DIST == 2:                                   # ALiBi: -m_h t
-            return s - slope * tf, 1.0
-        log_t = tl.log(1.0 + tf * tau_inv)
-        if DIST == 1:                                   # scale_invariant: a_t s - 2 log(1 + t / tau)
+        elif DIST == 1:                                 # scale_invariant: a_t s - 2 log(1 + t / tau)
+            log_t = tl.log(1.0 + tf * tau_inv)
             a = tl.sqrt(1.0 + 2.0 * log_t)
             return s * a - 2.0 * log_t, a
-        return s - lam * log_t, 1.0                     # log_bias
+        elif DIST == 2:                                 # ALiBi: -m_h t
+            return s - slope * tf, 1.0
+        else:                                           # log_bias
+            return s - lam * tl.log(1.0 + tf * tau_inv), 1.0
 
     @triton.jit
     def _visible(pos_q, pos_k, start_q, LK, WINDOW, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
