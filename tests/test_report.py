@@ -221,3 +221,20 @@ def test_with_bases_the_rule_compares_each_bases_variants_apart():
     assert "verdict (a)" in text and "verdict (b)" in text and "Among the a/ variants, at 64 tokens" in text
     assert "| best (rule) (b) |" in markdown_report(results)
     assert groups(comparison({"a/x": [0.8], "y": [0.5]})) == {"": ["a/x", "y"]}   # not all based: one group
+
+
+def test_with_bases_each_base_has_its_panels_and_a_variant_one_style_across_them():
+    results = comparison({"a/x": [0.8, 0.9], "a/y": [0.5, 0.6], "b/x": [0.7, 0.8], "b/y": [0.4, 0.5]})
+    for fig in (extrapolation_figure(results), diagnostics_figure(results)):     # a row of 2 panels per base
+        _assert_readable(fig)
+        assert [ax.get_title().split(":")[0] for ax in fig.axes] == ["a", "a", "b", "b"]
+        lines = _lines(fig)
+        assert {line.axes for line in lines["a/x"]} == set(fig.axes[:2])
+        assert {line.axes for line in lines["b/y"]} == set(fig.axes[2:])
+        assert lines["a/x"][0].get_color() == lines["b/x"][0].get_color() != lines["a/y"][0].get_color()
+        legend = {t.get_text() for t in fig.legends[0].get_texts()}
+        assert {"x", "y"} <= legend and not legend & set(results.variants)
+    sparse = comparison({f"{base}/{v}": [0.8, 0.9] for base in "abcde" for v in "xy"}, dense=False)
+    fig = extrapolation_figure(sparse)                                   # by length only: 4 panels to a row
+    assert [ax.get_title()[0] for ax in fig.axes if ax.get_visible()] == list("abcde")
+    assert len(fig.axes) == 8 and fig.axes[0].get_ylim() == fig.axes[4].get_ylim()

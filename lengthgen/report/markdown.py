@@ -11,8 +11,8 @@ from lengthgen.config import differences
 from lengthgen.eval.results import Comparison, RunEval
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
-from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, AT_LENGTH, chance_level, conclusion, length_label,
-                                     mean, metric_names, seed_values, table, value_rows, verdict_rows)
+from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, AT_LENGTH, chance_level, conclusion, groups,
+                                     length_label, mean, metric_names, seed_values, table, value_rows, verdict_rows)
 
 #: the plots beside ``report.md``
 EXTRAPOLATION, DIAGNOSTICS = "extrapolation.png", "diagnostics.png"
@@ -110,10 +110,21 @@ def setup(results: Comparison) -> list[str]:
 
 
 def _by_variant(results: Comparison, attr: str, unit: str) -> str:
-    """The runs' integer ``attr``: the value most variants share, then the variants that differ."""
+    """The runs' integer ``attr``: the value most variants share, then the others with the variants that have
+    each (named without their base when the value does not depend on the base)."""
     per_variant = {name: _span([getattr(run, attr) for run in runs]) for name, runs in results.variants.items()}
     common = Counter(per_variant.values()).most_common(1)[0][0]
-    others = ", ".join(f"{name}: {text}" for name, text in per_variant.items() if text != common)
+    if len(groups(results)) > 1:
+        short: dict[str, set[str]] = {}
+        for name, text in per_variant.items():
+            short.setdefault(name.split("/", 1)[1], set()).add(text)
+        if all(len(texts) == 1 for texts in short.values()):
+            per_variant = {name: texts.pop() for name, texts in short.items()}
+    having: dict[str, list[str]] = {}
+    for name, text in per_variant.items():
+        if text != common:
+            having.setdefault(text, []).append(name)
+    others = "; ".join(f"{', '.join(names)}: {text}" for text, names in having.items())
     return f"{common} {unit}" + (f" ({others})" if others else "")
 
 

@@ -4,7 +4,8 @@
 Every figure of a report draws a variant in one style (`variant_styles`: colour and hollow marker; earlier
 variants are drawn wider, so that a curve covered by a later one still shows on both sides), the spread over
 seeds as a min-max band when there are several, the chance level as a dashed black line, the training length
-as a dotted grey line, and one legend outside the axes."""
+as a dotted grey line, and one legend outside the axes. With bases (``base/variant`` runs, `tables.groups`)
+each base has its own panels, on shared y axes, and a variant has the same style in every base."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import math
 from pathlib import Path
 
 from lengthgen.eval.results import Bucket, Comparison, LengthEval
-from lengthgen.report.tables import chance_level
+from lengthgen.report.tables import chance_level, groups
 
 import matplotlib
 
@@ -55,8 +56,25 @@ def _by_bucket(rows: list[list[Bucket]]) -> tuple[list[int], list[list[float]]]:
     return [b.hi for b in rows[0]], [[seed[i].mean for seed in rows] for i in range(len(rows[0]))]
 
 
-def _legend(fig, results: Comparison, extra: list) -> None:
-    styles = variant_styles(results.variants)
+def _styles(results: Comparison) -> tuple[dict[str, list[str]], dict[str, dict], dict[str, dict]]:
+    """(groups of variants, style of each variant, style of each legend entry): with bases, a variant's style
+    and legend entry are those of its name without the base (``x`` for ``a/x`` and ``b/x``)."""
+    grouped = groups(results)
+    short = {name: name.split("/", 1)[1] if len(grouped) > 1 else name for name in results.variants}
+    legend = variant_styles(dict.fromkeys(short.values()))
+    return grouped, {name: legend[short[name]] for name in results.variants}, legend
+
+
+def _titled(group: str, title: str) -> str:
+    return f"{group}: {title}" if group else title
+
+
+def _suptitle(fig, text: str) -> None:
+    """The figure's title 0.1 inch below its top edge, whatever its height (tight_layout keeps the axes below)."""
+    fig.suptitle(text, y=1 - 0.1 / fig.get_figheight())
+
+
+def _legend(fig, results: Comparison, styles: dict[str, dict], extra: list) -> None:
     handles = [Line2D([], [], **style, label=name) for name, style in styles.items()] + extra
     seeds = max(len(runs) for runs in results.variants.values())
     if seeds > 1:
@@ -92,40 +110,53 @@ def plot_diagnostics(results: Comparison, path: str | Path) -> None:
 
 def extrapolation_figure(results: Comparison):
     """The headline metric at each evaluated length (mean over positions [L/2, L)) and, for metrics measured at
-    most positions, by position at the longest length; chance level and training length marked."""
+    most positions, by position at the longest length; chance level and training length marked. With bases:
+    a row of those panels per base, or for by-length panels only, one panel per base, four to a row."""
     metric, lengths, train_length = results.metric, results.eval_lengths, results.train_length
-    longest, styles = lengths[-1], variant_styles(results.variants)
+    longest = lengths[-1]
+    grouped, styles, legend_styles = _styles(results)
     by_position = _dense(results, metric, longest)
-    fig, axes = plt.subplots(1, 2 if by_position else 1, figsize=(11, 4.2) if by_position else (6.5, 4.2),
-                             squeeze=False)
-    ax = axes[0][0]
-    for variant, runs in results.variants.items():
-        _draw(ax, lengths, [[run.at(n).at_length.get(metric, math.nan) for run in runs] for n in lengths],
-              styles[variant], gid=variant)
+    cols = 2 if by_position else min(4, len(grouped))
+    rows = len(grouped) if by_position else -(-len(grouped) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(11 if by_position else 6.5 if cols == 1 else 4.4 * cols, 4.2 * rows),
+                             squeeze=False, sharey="col" if by_position else "all")
+    panels = [list(row) for row in axes] if by_position else [[ax] for ax in axes.flat]
+    for ax in axes.flat[len(grouped):] if not by_position else ():
+        ax.set_visible(False)
     chance = [chance_level(results, metric, n) for n in lengths]
-    if any(c is not None for c in chance):
-        ax.plot(lengths, [math.nan if c is None else c for c in chance], **CHANCE_STYLE)
-    _log2_axis(ax, train_length, "evaluated length L (tokens)")
-    ax.set_xticks(lengths, [f"{n}\n{n / train_length:g}x" for n in lengths])
-    ax.minorticks_off()
-    ax.set_ylabel(f"{metric} at length L\n(mean over positions [L/2, L))")
-    ax.set_title(f"{metric} by evaluated length")
-    if by_position:
-        ax = axes[0][1]
-        for variant, runs in results.variants.items():
-            _draw(ax, *_by_bucket([run.at(longest).buckets[metric] for run in runs]), styles[variant], gid=variant)
-        chance_rows = next(iter(results.variants.values()))[0].at(longest).chance_buckets.get(metric)
-        if chance_rows:
-            ax.plot([b.hi for b in chance_rows], [b.mean for b in chance_rows], **CHANCE_STYLE)
-        _log2_axis(ax, train_length, f"position in a length-{longest} sequence\n(bucket [2^(k-1), 2^k) drawn at 2^k)")
-        ax.set_ylabel(f"{metric}, mean over the bucket")
-        ax.set_title(f"{metric} by position at length {longest}")
+    for (group, names), row in zip(grouped.items(), panels):
+        ax = row[0]
+        for variant in names:
+            runs = results.variants[variant]
+            _draw(ax, lengths, [[run.at(n).at_length.get(metric, math.nan) for run in runs] for n in lengths],
+                  styles[variant], gid=variant)
+        if any(c is not None for c in chance):
+            ax.plot(lengths, [math.nan if c is None else c for c in chance], **CHANCE_STYLE)
+        _log2_axis(ax, train_length, "evaluated length L (tokens)")
+        ax.set_xticks(lengths, [f"{n}\n{n / train_length:g}x" for n in lengths])
+        ax.minorticks_off()
+        ax.set_ylabel(f"{metric} at length L\n(mean over positions [L/2, L))")
+        ax.set_title(_titled(group, f"{metric} by evaluated length"))
+        ax.yaxis.set_tick_params(labelleft=True)
+        if by_position:
+            ax = row[1]
+            for variant in names:
+                runs = results.variants[variant]
+                _draw(ax, *_by_bucket([run.at(longest).buckets[metric] for run in runs]), styles[variant],
+                      gid=variant)
+            chance_rows = results.variants[names[0]][0].at(longest).chance_buckets.get(metric)
+            if chance_rows:
+                ax.plot([b.hi for b in chance_rows], [b.mean for b in chance_rows], **CHANCE_STYLE)
+            _log2_axis(ax, train_length,
+                       f"position in a length-{longest} sequence\n(bucket [2^(k-1), 2^k) drawn at 2^k)")
+            ax.set_ylabel(f"{metric}, mean over the bucket")
+            ax.set_title(_titled(group, f"{metric} by position at length {longest}"))
     arrow = "higher is better" if results.higher_is_better else "lower is better"
-    fig.suptitle(f"{results.source}: {metric} beyond the training length ({arrow})")
+    _suptitle(fig, f"{results.source}: {metric} beyond the training length ({arrow})")
     extra = [Line2D([], [], **TRAIN_STYLE, label=f"training length {train_length}")]
     if any(c is not None for c in chance):
         extra.insert(0, Line2D([], [], **CHANCE_STYLE, label="chance (trivial baseline)"))
-    _legend(fig, results, extra)
+    _legend(fig, results, legend_styles, extra)
     return fig
 
 
@@ -140,31 +171,35 @@ def _layer_mean(row: LengthEval, stat: str) -> list[Bucket]:
 
 def diagnostics_figure(results: Comparison):
     """1/w_max (effective number of attended keys) and the RMS of the attention output before (solid) and after
-    (dashed) out-norm by query position, averaged over layers and heads, at the longest evaluated length."""
-    longest, styles = results.eval_lengths[-1], variant_styles(results.variants)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    (dashed) out-norm by query position, averaged over layers and heads, at the longest evaluated length; a row
+    per base with bases."""
+    longest = results.eval_lengths[-1]
+    grouped, styles, legend_styles = _styles(results)
+    fig, axes = plt.subplots(len(grouped), 2, figsize=(11, 4.2 * len(grouped)), squeeze=False, sharey="col")
     panels = (("inv_wmax", "1 / max_j w_ij (effective attended keys)"), ("rms_pre", "attention output RMS per head"))
     out_norm = False
-    for ax, (stat, label) in zip(axes, panels):
-        for variant, runs in results.variants.items():
-            rows = [_layer_mean(run.at(longest), stat) for run in runs]
-            if not all(rows):
-                continue
-            _draw(ax, *_by_bucket(rows), styles[variant], gid=variant)
-            if stat == "rms_pre" and results.specs.get(variant, {}).get("out_norm", "none") != "none":
-                out_norm = True
-                _draw(ax, *_by_bucket([_layer_mean(run.at(longest), "rms_post") for run in runs]), styles[variant],
-                      linestyle="--", gid=f"{variant} after out-norm")
-        _log2_axis(ax, results.train_length, f"query position in a length-{longest} sequence\n"
-                                             "(bucket [2^(k-1), 2^k) drawn at 2^k)")
-        ax.set_ylabel(label)
-        ax.set_title(label.split(" (")[0] + " by position")
-    axes[0].set_yscale("log")
-    fig.suptitle(f"{results.source}: attention diagnostics at length {longest} (mean over layers and heads)")
+    for (group, names), row in zip(grouped.items(), axes):
+        for ax, (stat, label) in zip(row, panels):
+            for variant in names:
+                runs = results.variants[variant]
+                rows = [_layer_mean(run.at(longest), stat) for run in runs]
+                if not all(rows):
+                    continue
+                _draw(ax, *_by_bucket(rows), styles[variant], gid=variant)
+                if stat == "rms_pre" and results.specs.get(variant, {}).get("out_norm", "none") != "none":
+                    out_norm = True
+                    _draw(ax, *_by_bucket([_layer_mean(run.at(longest), "rms_post") for run in runs]),
+                          styles[variant], linestyle="--", gid=f"{variant} after out-norm")
+            _log2_axis(ax, results.train_length, f"query position in a length-{longest} sequence\n"
+                                                 "(bucket [2^(k-1), 2^k) drawn at 2^k)")
+            ax.set_ylabel(label)
+            ax.set_title(_titled(group, label.split(" (")[0] + " by position"))
+        row[0].set_yscale("log")
+    _suptitle(fig, f"{results.source}: attention diagnostics at length {longest} (mean over layers and heads)")
     extra = [Line2D([], [], **TRAIN_STYLE, label=f"training length {results.train_length}")]
     if out_norm:
         extra.append(Line2D([], [], color="grey", linestyle="--", label="RMS after out-norm"))
-    _legend(fig, results, extra)
+    _legend(fig, results, legend_styles, extra)
     return fig
 
 
