@@ -121,7 +121,7 @@ def extrapolation_figure(results: Comparison):
     fig, axes = plt.subplots(rows, cols, figsize=(11 if by_position else 6.5 if cols == 1 else 4.4 * cols, 4.2 * rows),
                              squeeze=False, sharey="col" if by_position else "all")
     panels = [list(row) for row in axes] if by_position else [[ax] for ax in axes.flat]
-    for ax in axes.flat[len(grouped):] if not by_position else ():
+    for ax in (ax for row in panels[len(grouped):] for ax in row):      # the last row's empty slots
         ax.set_visible(False)
     chance = [chance_level(results, metric, n) for n in lengths]
     for (group, names), row in zip(grouped.items(), panels):
