@@ -86,6 +86,14 @@ def grads(out, inputs, seed=1):
     return torch.autograd.grad(out, inputs, upstream)
 
 
+def assert_like_dense(got, want, tol, inputs=None, want_grads=None):
+    """``got`` close to the dense ``want``; with ``want_grads`` (float64), its gradients wrt ``inputs`` too."""
+    torch.testing.assert_close(got, want, **tol)
+    if want_grads is not None:
+        for g_got, g_want in zip(grads(got, inputs), want_grads):
+            torch.testing.assert_close(g_got, g_want, **F64)
+
+
 def test_make_docs_has_several_documents_crossing_blocks():
     docs = make_docs(2, 13)
     start, _ = mods.document_bounds(docs)
@@ -140,11 +148,8 @@ def test_sdpa_matches_dense(name, dtype, tol):
     q, k, v = make_inputs(dtype=dtype, requires_grad=dtype == torch.float64)
     docs = make_docs(2, 13, seed=5)
     want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
-    got = run_sdpa(q, k, v, spec, docs)
-    torch.testing.assert_close(got, want, **tol)
-    if dtype == torch.float64:
-        for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-            torch.testing.assert_close(g_got, g_want, **F64)
+    gw = grads(want, (q, k, v)) if dtype == torch.float64 else None
+    assert_like_dense(run_sdpa(q, k, v, spec, docs), want, tol, (q, k, v), gw)
 
 
 CPU_FLASH_OPTIONS = [n for n in OPTIONS if cpu_flash.unsupported(AttentionSpec(**OPTIONS[n]), torch.empty(1), True)
@@ -176,11 +181,7 @@ def test_cpu_flash_matches_dense(name, dtype, tol):
     want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
     gw = grads(want, (q, k, v)) if dtype == torch.float64 else None
     for q_block in (4, 5, 64):
-        got = run_cpu_flash(q, k, v, spec, docs, q_block=q_block)
-        torch.testing.assert_close(got, want, **tol)
-        if gw is not None:
-            for g_got, g_want in zip(grads(got, (q, k, v)), gw):
-                torch.testing.assert_close(g_got, g_want, **F64)
+        assert_like_dense(run_cpu_flash(q, k, v, spec, docs, q_block=q_block), want, tol, (q, k, v), gw)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -194,9 +195,7 @@ def test_gqa_and_p_values(hkv, p):
     q, k, v = make_inputs(hkv=hkv, requires_grad=True)
     want = attend(q, k, v, spec, backend="dense")
     got = run_tiled(q, k, v, spec)
-    torch.testing.assert_close(got, want, **F64)
-    for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-        torch.testing.assert_close(g_got, g_want, **F64)
+    assert_like_dense(got, want, F64, (q, k, v), grads(want, (q, k, v)))
     # GQA means query head h uses key/value head h // (H / Hkv): compare with explicitly expanded k, v
     groups = 4 // hkv
     expanded = attend(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), spec, backend="dense")
@@ -217,18 +216,13 @@ def test_fewer_queries_are_the_last_positions(changes):
         q_last = q[:, :, -lq:]
         want = attend(q_last, k, v, spec, doc_ids=docs, backend="dense")
         torch.testing.assert_close(want, full[:, :, -lq:], **F64)
-        got = run_tiled(q_last, k, v, spec, docs)
-        torch.testing.assert_close(got, want, **F64)
         gw = grads(want, (q, k, v))
-        for g_got, g_want in zip(grads(got, (q, k, v)), gw):
-            torch.testing.assert_close(g_got, g_want, **F64)
+        assert_like_dense(run_tiled(q_last, k, v, spec, docs), want, F64, (q, k, v), gw)
         if sdpa.unsupported(spec) is None:
             torch.testing.assert_close(run_sdpa(q_last, k, v, spec, docs), want, **F64)
         if cpu_flash.unsupported(spec, q, True) is None:
             got = run_cpu_flash(q_last, k, v, spec, docs, q_block=2)
-            torch.testing.assert_close(got, want, **F64)
-            for g_got, g_want in zip(grads(got, (q, k, v)), gw):
-                torch.testing.assert_close(g_got, g_want, **F64)
+            assert_like_dense(got, want, F64, (q, k, v), gw)
 
 
 def test_many_documents_and_blocks():
@@ -240,9 +234,7 @@ def test_many_documents_and_blocks():
     gw = grads(want, (q, k, v))
     for qb, kb in [(1, 1), (7, 5), (16, 32), (70, 70)]:
         got = run_tiled(q, k, v, spec, docs, q_block=qb, k_block=kb)
-        torch.testing.assert_close(got, want, **F64)
-        for g_got, g_want in zip(grads(got, (q, k, v)), gw):
-            torch.testing.assert_close(g_got, g_want, **F64)
+        assert_like_dense(got, want, F64, (q, k, v), gw)
 
 
 @pytest.mark.parametrize("changes", [{}, dict(window=7), dict(doc_masking=True), dict(doc_masking=True, window=5)],
@@ -274,9 +266,7 @@ def test_default_blocks_long_input_matches_dense():
     q, k, v = make_inputs(b=1, h=1, hkv=1, lq=1300, lk=1300, d=4, seed=21, requires_grad=True)
     want = attend(q, k, v, spec, backend="dense")
     got = attend(q, k, v, spec, backend="tiled")
-    torch.testing.assert_close(got, want, **F64)
-    for g_got, g_want in zip(grads(got, (q, k, v)), grads(want, (q, k, v))):
-        torch.testing.assert_close(g_got, g_want, **F64)
+    assert_like_dense(got, want, F64, (q, k, v), grads(want, (q, k, v)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -293,18 +283,13 @@ def test_random_combinations(p, scaling, distance, window, doc, hkv, lq, q_block
     q, k, v = make_inputs(b=2, h=4, hkv=hkv, lq=lq, lk=11, d=4, seed=seed, requires_grad=True)
     docs = make_docs(2, 11, seed=seed)
     want = attend(q, k, v, spec, doc_ids=docs, backend="dense")
-    got = run_tiled(q, k, v, spec, docs, q_block=q_block, k_block=k_block)
-    torch.testing.assert_close(got, want, **F64)
     gw = grads(want, (q, k, v))
-    for g_got, g_want in zip(grads(got, (q, k, v)), gw):
-        torch.testing.assert_close(g_got, g_want, **F64)
+    assert_like_dense(run_tiled(q, k, v, spec, docs, q_block=q_block, k_block=k_block), want, F64, (q, k, v), gw)
     if sdpa.unsupported(spec) is None:
         torch.testing.assert_close(run_sdpa(q, k, v, spec, docs), want, **F64)
     if cpu_flash.unsupported(spec, q, True) is None:
         got = run_cpu_flash(q, k, v, spec, docs, q_block=q_block)
-        torch.testing.assert_close(got, want, **F64)
-        for g_got, g_want in zip(grads(got, (q, k, v)), gw):
-            torch.testing.assert_close(g_got, g_want, **F64)
+        assert_like_dense(got, want, F64, (q, k, v), gw)
 
 
 # ---------------------------------------------------------------------------------------------------
