@@ -27,6 +27,7 @@ import functools
 import json
 import math
 import numbers
+import re
 import types
 import typing
 from pathlib import Path
@@ -153,7 +154,7 @@ def expected(hint: Any, bounds: dict[str, float] | None = None) -> str:
         each = f"each {items.pop()}" if len(items) == 1 else "; ".join(expected(a, bounds) for a in args)
         return f"a list of {len(args)} items, {each}"
     if origin is dict:
-        return "a table"
+        return "a table" + ("" if args[1] is Any else f", each value {expected(args[1], bounds)}")
     if dataclasses.is_dataclass(hint):
         return f"a table with keys {', '.join(f.name for f in dataclasses.fields(hint))}"
     raise TypeError(f"config type {hint!r} is not supported")
@@ -197,7 +198,7 @@ def check_value(key: str, value: Any, hint: Any, **bounds: float) -> Any:
             return out if origin is list else tuple(out)
     elif origin is dict:
         if isinstance(value, dict) and all(isinstance(k, args[0]) for k in value):
-            return dict(value)
+            return {k: check_value(f"{key}.{k}", v, args[1], **bounds) for k, v in value.items()}
     elif dataclasses.is_dataclass(hint):
         if isinstance(value, hint):
             return value
@@ -267,7 +268,7 @@ _NONE_WORDS = ("none", "null")
 def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None) -> dict[str, Any]:
     """A copy of the config dict ``data`` with the dotted ``key`` set to ``value`` (sub-dicts created as
     needed). The only conversion: ``"none"``/``"null"`` becomes None where the field of ``cls`` at ``key``
-    is optional. Validation is the checker's, when the dict is built."""
+    is optional (or of any type). Validation is the checker's, when the dict is built."""
     head, _, rest = key.partition(".")
     hint = hints(cls).get(head) if cls is not None and dataclasses.is_dataclass(cls) else None
     out = dict(data)
@@ -275,7 +276,8 @@ def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None)
         inner = out.get(head)
         sub = hint if dataclasses.is_dataclass(hint) else _optional_arm(hint)
         out[head] = set_key(inner if isinstance(inner, dict) else {}, rest, value, sub)
-    elif _optional_arm(hint) is not None and isinstance(value, str) and value.lower() in _NONE_WORDS:
+    elif (hint is Any or _optional_arm(hint) is not None) and isinstance(value, str) \
+            and value.lower() in _NONE_WORDS:
         out[head] = None
     else:
         out[head] = value
@@ -341,6 +343,11 @@ def documented(cls: type) -> type:
     return cls
 
 
+def _toml_key(key: str) -> str:
+    """A table key as TOML writes it: bare when it can be, else quoted (e.g. a pattern ``blocks.*.mlp.proj``)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
 def toml_value(value: Any) -> str:
     """A value as written in a TOML file or a ``--set`` override (None: ``none``)."""
     if value is None:
@@ -352,7 +359,7 @@ def toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     return repr(value) if isinstance(value, float) else str(value)
 
 

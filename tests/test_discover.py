@@ -15,7 +15,7 @@ from lengthgen.cli import build_parser, main
 from lengthgen.config import describe
 from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
-from lengthgen.train.config import BemaConfig, RunConfig, TrainConfig, save_config
+from lengthgen.train.config import BemaConfig, RunConfig, TrainConfig, load_config, save_config
 from lengthgen.version import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +60,15 @@ def test_config_show_prints_every_key_with_value_meaning_and_choices(capsys, mon
     assert keys["train.steps"][0] == "7" and keys["model.attention.softmax_p"][0] == "2.0"
     assert keys["data.task"][0] == '"counting"' and keys["train.eval_lengths"][0] == "[32, 128]"
     assert keys["train.optimizer"][1].endswith("[one of adamw, muon]")
+
+
+def test_config_show_values_read_back_as_overrides(capsys, monkeypatch):
+    """Every value ``config show`` prints is valid TOML for ``--set`` (quoted pattern keys too)."""
+    monkeypatch.chdir(ROOT)
+    keys = shown(capsys, "configs/seed000_avnorm.toml")
+    cfg = load_config("configs/seed000_avnorm.toml")
+    assert keys["train.muon_lr_mul"][0] == '{"blocks.*.mlp.proj.weight" = 4.0}'
+    assert cfg.override(*(f"{key}={value}" for key, (value, _) in keys.items())) == cfg
 
 
 def test_config_show_reads_run_folders_compare_and_attention(tmp_path, capsys, monkeypatch):

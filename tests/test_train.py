@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from lengthgen.attention import Attention
+from lengthgen.config import ConfigError
 from lengthgen.train.config import RunConfig
 from lengthgen.eval import RunEval
 from lengthgen.model import GPT
 from lengthgen.train import (BEMA, NonFiniteLossError, Trainer, attention_max_logits, build_optimizers,
                              load_run, lr_multiplier, muon_param_names, qk_clip_, train)
+from lengthgen.train.optim import set_lr
 from lengthgen.train import checkpoint as ckpt_io
 
 
@@ -238,6 +240,31 @@ def test_muon_gets_hidden_matrices_adamw_the_rest():
             "blocks.0.norm1.weight", "blocks.0.attn.q_norm_weight"} <= in_adamw
     decay = [g for g in adamw.param_groups if g["weight_decay"] > 0 or g["params"][0].ndim >= 2][0]
     assert all(p.ndim >= 2 for p in decay["params"])
+
+
+def test_muon_lr_mul_scales_the_matched_matrices_and_follows_the_schedule():
+    cfg = config("train.optimizer=muon", "train.muon_lr=0.01",
+                 "train.muon_lr_mul={\"blocks.*.attn.*_proj.weight\" = 2.0, \"blocks.*.mlp.proj.weight\" = 4.0, "
+                 "\"blocks.1.mlp.proj.weight\" = 3.0}")
+    model = GPT(cfg.model.replace(vocab_size=8, head="lm"))
+    muon = build_optimizers(model, cfg.train)[0]
+    lr_of = {name: g["lr"] for g in muon.param_groups for p in g["params"]
+             for name, q in model.named_parameters() if q is p}
+    assert lr_of == {name: 0.01 * (2.0 if "_proj" in name else 3.0 if name == "blocks.1.mlp.proj.weight" else
+                                   4.0 if "mlp.proj" in name else 1.0) for name in muon_param_names(model)}
+    set_lr([muon], 0.5)
+    assert sorted(g["lr"] for g in muon.param_groups) == pytest.approx([0.005, 0.01, 0.015, 0.02])
+
+
+@pytest.mark.parametrize("keys, message", [
+    (["train.optimizer=muon", "train.muon_lr_mul={\"blocks.*.attn.qkv.weight\" = 2.0}"],
+     "train.muon_lr_mul: pattern 'blocks.*.attn.qkv.weight' matches no Muon parameter; they are blocks.0.attn"),
+    (["train.muon_lr_mul={\"blocks.*\" = 2.0}"], "they are none \\(train.optimizer is not muon\\)"),
+])
+def test_muon_lr_mul_pattern_that_matches_nothing_is_an_error(keys, message):
+    cfg = config(*keys)
+    with pytest.raises(ConfigError, match=message):
+        build_optimizers(GPT(cfg.model.replace(vocab_size=8, head="lm")), cfg.train)
 
 
 @pytest.mark.parametrize("kv_heads", [None, 1])

@@ -124,7 +124,7 @@ class GPTConfig:
     init_std: float = option(0.02, "standard deviation of the weight init", ge=0)
     init_overrides: dict[str, float] = option({}, "parameter-name pattern (fnmatch, e.g. 'blocks.*.mlp.proj."
                                               "weight') -> init std, drawn like init (normal for torch); 0: "
-                                              "zeros. Later patterns win")
+                                              "zeros. Later patterns win", ge=0)
 
     def __post_init__(self) -> None:
         check(self)
@@ -137,8 +137,6 @@ class GPTConfig:
                           "block='parallel' (hybrid placements norm attention and MLP differently)")
         if (self.gate_width or 0) > self.dim:
             raise invalid("GPTConfig.gate_width", self.gate_width, f"at most dim={self.dim}")
-        for pattern, std in self.init_overrides.items():
-            self.init_overrides[pattern] = check_value(f"GPTConfig.init_overrides.{pattern}", std, float, ge=0)
         self.check_layers()
         for spec in self.layer_specs():  # validates layer_attention, then what each layer's attention needs
             key = "GPTConfig.attention" if spec is self.attention else "GPTConfig.layer_attention"

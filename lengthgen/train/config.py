@@ -69,6 +69,9 @@ class TrainConfig:
     muon_momentum: float = option(0.95, "Muon momentum", ge=0)
     muon_weight_decay: float = option(0.0, "Muon weight decay", ge=0)
     muon_adjust_lr: MuonAdjust = option("original", "torch.optim.Muon's adjust_lr_fn")
+    muon_lr_mul: dict[str, float] = option({}, "Muon parameter-name pattern (fnmatch, e.g. 'blocks.*.mlp.proj."
+                                           "weight') -> learning-rate multiplier (modded-nanogpt's lr_mul); "
+                                           "later patterns win", gt=0)
     qk_clip: float | None = option(None, "QK-clip threshold tau (Kimi K2); none disables", gt=0)
     grad_clip: float = option(1.0, "max global grad norm; 0 disables", ge=0)
     grad_accum: int = option(1, "micro-batches per step", ge=1)

@@ -3,12 +3,14 @@
 Muon (`torch.optim.Muon`) orthogonalizes the update of 2-D weight matrices; it is meant for hidden layers
 only. `muon_param_names` picks the 2-D parameters inside the transformer blocks (attention and MLP
 projections, gates); embeddings, the head, norms, biases and scalars (e.g. learnable query-scaling
-multipliers) go to AdamW. AdamW decays 2-D weights only, or every parameter (``weight_decay_on="all"``, as
+multipliers) go to AdamW. ``train.muon_lr_mul`` scales the Muon learning rate of the matrices whose names match
+a pattern (modded-nanogpt's per-parameter ``lr_mul``). AdamW decays 2-D weights only, or every parameter (``weight_decay_on="all"``, as
 seed 001's optimizer does).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import warnings
 
@@ -18,6 +20,7 @@ import torch.nn as nn
 from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
+from lengthgen.config import ConfigError
 
 
 def muon_param_names(model: nn.Module) -> list[str]:
@@ -26,22 +29,39 @@ def muon_param_names(model: nn.Module) -> list[str]:
             if p.requires_grad and p.ndim == 2 and name.startswith("blocks.")]
 
 
+def muon_lr_multipliers(names: list[str], patterns: dict[str, float]) -> dict[str, float]:
+    """Each Muon parameter's learning-rate multiplier: 1, or the value of the last ``train.muon_lr_mul`` pattern
+    (fnmatch) that matches its name. A pattern that matches no Muon parameter is a `ConfigError`."""
+    multipliers = dict.fromkeys(names, 1.0)
+    for pattern, value in patterns.items():
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise ConfigError(f"train.muon_lr_mul: pattern {pattern!r} matches no Muon parameter; they are "
+                              f"{', '.join(names) or 'none (train.optimizer is not muon)'}", "train.muon_lr_mul")
+        multipliers.update(dict.fromkeys(matched, value))
+    return multipliers
+
+
 def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [Muon, AdamW] per ``train_cfg.optimizer``. Each group records its peak lr in ``initial_lr``."""
-    muon_names = set(muon_param_names(model)) if train_cfg.optimizer == "muon" else set()
-    muon_params, decay, no_decay = [], [], []
+    """[AdamW] or [Muon, AdamW] per ``train_cfg.optimizer``; Muon has one group per ``muon_lr_mul`` multiplier
+    (lr ``muon_lr * multiplier``). Each group records its peak lr in ``initial_lr``."""
+    muon_names = muon_param_names(model) if train_cfg.optimizer == "muon" else []
+    multipliers = muon_lr_multipliers(muon_names, train_cfg.muon_lr_mul)
+    muon_groups: dict[float, list[nn.Parameter]] = {}
+    decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if name in muon_names:
-            muon_params.append(p)
+        if name in multipliers:
+            muon_groups.setdefault(multipliers[name], []).append(p)
         elif p.ndim >= 2 or train_cfg.weight_decay_on == "all":
             decay.append(p)
         else:
             no_decay.append(p)
     optimizers: list[torch.optim.Optimizer] = []
-    if muon_params:
-        muon = torch.optim.Muon(muon_params, lr=train_cfg.muon_lr, weight_decay=train_cfg.muon_weight_decay,
+    if muon_groups:
+        groups = [{"params": params, "lr": train_cfg.muon_lr * mul} for mul, params in muon_groups.items()]
+        muon = torch.optim.Muon(groups, lr=train_cfg.muon_lr, weight_decay=train_cfg.muon_weight_decay,
                                 momentum=train_cfg.muon_momentum, nesterov=True,
                                 adjust_lr_fn=train_cfg.muon_adjust_lr)
         optimizers.append(muon)
