@@ -146,6 +146,17 @@ def test_report_summarizes_the_setup_and_defines_both_means():
     assert "![attention diagnostics by position](diagnostics.png)" in text
 
 
+@pytest.mark.parametrize("train, says", [
+    ({"optimizer": "adamw", "lr": 0.001}, "; adamw lr 0.001, "),
+    ({"optimizer": "muon", "lr": 0.008, "muon_lr": 0.023, "muon_lr_mul": {"blocks.*.mlp.proj.weight": 4.0}},
+     "; muon lr 0.023 (x4 on blocks.*.mlp.proj.weight) + adamw lr 0.008, "),
+])
+def test_report_names_each_optimizers_learning_rate(train, says):
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    results.config["train"].update(train)
+    assert says in markdown_report(results)
+
+
 def test_write_report_writes_every_embedded_plot(tmp_path):
     paths = write_report(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}), tmp_path)
     assert [p.name for p in paths] == ["report.md", "extrapolation.png", "diagnostics.png"]

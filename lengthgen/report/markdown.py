@@ -95,7 +95,7 @@ def setup(results: Comparison) -> list[str]:
              f"{train.get('steps')} steps at length {results.train_length}"
              + (f" (stages {train.get('stages')})" if train.get("stages") else "")
              + f", {tokens_per_step:,} tokens per step, {_by_variant(results, 'train_tokens', 'tokens in all')}; "
-             f"{train.get('optimizer')} lr {train.get('lr')}, {train.get('schedule')} schedule, "
+             f"{_optimizer(train)}, {train.get('schedule')} schedule, "
              f"{train.get('warmup_steps')} warmup steps",
              f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
              f"- **Evaluation**: lengths {', '.join(length_label(n, results.train_length) for n in lengths)}; "
@@ -126,6 +126,14 @@ def _by_variant(results: Comparison, attr: str, unit: str) -> str:
             having.setdefault(text, []).append(name)
     others = "; ".join(f"{', '.join(names)}: {text}" for text, names in having.items())
     return f"{common} {unit}" + (f" ({others})" if others else "")
+
+
+def _optimizer(train: dict) -> str:
+    """``adamw lr 0.001``, or ``muon lr 0.02 (x4 on blocks.*.mlp.proj.weight) + adamw lr 0.008``."""
+    if train.get("optimizer") != "muon":
+        return f"{train.get('optimizer')} lr {train.get('lr')}"
+    muls = ", ".join(f"x{m:g} on {pattern}" for pattern, m in (train.get("muon_lr_mul") or {}).items())
+    return f"muon lr {train.get('muon_lr')}" + (f" ({muls})" if muls else "") + f" + adamw lr {train.get('lr')}"
 
 
 def _seed_counts(results: Comparison) -> str:
