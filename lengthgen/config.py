@@ -305,16 +305,26 @@ def parse_assignment(assignment: str) -> tuple[str, Any]:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     """The dict of a TOML file; FileNotFoundError or a `ConfigError` naming the file."""
+    if tomllib is None:  # pragma: no cover
+        raise ConfigError("reading TOML needs Python >= 3.11 or the tomli package")
+    try:
+        return tomllib.loads(read_config_text(path))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: invalid TOML: {err}") from None
+
+
+def read_config_text(path: str | Path) -> str:
+    """The text of a config file; FileNotFoundError, or a `ConfigError` naming the file when it is a folder or
+    not UTF-8 text."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"config file not found: {path}")
-    if tomllib is None:  # pragma: no cover
-        raise ConfigError("reading TOML needs Python >= 3.11 or the tomli package")
-    with path.open("rb") as f:
-        try:
-            return tomllib.load(f)
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    if not path.is_file():
+        raise ConfigError(f"config file {path} is a folder, not a TOML or JSON file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
 def describe(config: Any, prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -104,7 +104,8 @@ def test_two_concurrent_writers_cannot_share_a_folder(tmp_path, capsys, stopped)
         assert holder.stdout.readline() == "locked\n"
         for args in (["train", *sets(), "--out", run, "--resume"], ["train", *sets(), "--out", run, "--overwrite"],
                      ["compare", "--variants", "baseline", "--out", run, "--resume", *sets()],
-                     ["retrofit", stopped[0], "--steps", "1", "--out", run, "--overwrite"],
+                     ["retrofit", stopped[0], "--set", "model.attention.out_norm=head_layer", "--steps", "1",
+                      "--out", run, "--overwrite"],
                      ["eval", stopped[0], "--out", run / "eval2.json"]):
             code, err = cli(capsys, *args)
             assert code == 2 and f"{run} is in use by another lengthgen process (pid {holder.pid} on " in err, err
@@ -549,3 +550,94 @@ def test_a_reader_that_leaves_early_is_not_a_traceback():
     shown = subprocess.run(f"{sys.executable} -m lengthgen config show counting | head -1", shell=True,
                            capture_output=True, text=True, timeout=120)
     assert shown.stdout.count("\n") == 1 and "Traceback" not in shown.stderr and "Error" not in shown.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# the second probe: overwrites that lost another experiment, flags that did nothing, tracebacks
+
+
+def test_overwrite_refuses_the_checkpoint_the_run_starts_from(tmp_path, capsys, stopped):
+    run = copy(stopped[0], tmp_path)
+    before = files(run)
+    code, err = cli(capsys, "train", *sets(f"train.init_from={json.dumps(str(run))}"), "--out", run, "--overwrite")
+    assert code == 2 and "(train.init_from), which this run starts from" in err and files(run) == before
+
+
+def test_overwrite_replaces_only_its_own_kind_of_folder(tmp_path, capsys, stopped, two_compares):
+    comparison, run = tmp_path / "a", copy(stopped[0], tmp_path)
+    shutil.copytree(two_compares[0], comparison)
+    before = files(comparison), files(run)
+    code, err = cli(capsys, "train", *sets(), "--out", comparison, "--overwrite")
+    assert code == 2 and "holds a comparison (runs), not a training run" in err
+    code, err = cli(capsys, "compare", "--variants", "baseline", *sets(), "--out", run, "--overwrite")
+    assert code == 2 and "holds a training run (checkpoints, config.json), not a comparison" in err
+    assert (files(comparison), files(run)) == before
+
+
+def test_report_out_refuses_another_experiments_folder(tmp_path, capsys, two_compares):
+    a, b, _ = two_compares
+    target = tmp_path / "a"
+    shutil.copytree(a, target)
+    before = files(target)
+    code, err = cli(capsys, "report", b, "--out", target)
+    assert code == 2 and "holds another experiment (runs)" in err and files(target) == before
+
+
+def test_eval_out_refuses_another_runs_eval_json(tmp_path, capsys, stopped):
+    run, other = copy(stopped[0], tmp_path), tmp_path / "other"
+    shutil.copytree(run, other)
+    (other / "eval.json").write_text("{}")
+    code, err = cli(capsys, "eval", run, "--lengths", "8", "--out", other / "eval.json")
+    assert code == 2 and "is another run's eval.json" in err and (other / "eval.json").read_text() == "{}"
+    assert cli(capsys, "eval", run, "--lengths", "8", "--out", run / "eval.json")[0] == 0   # its own: replaced
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hf", "somewhere"], "give a run folder or checkpoint, or --hf PATH"),
+    (["--corpus", "stdlib"], "--corpus and --tokenizer apply only with --hf"),
+    (["--tokenizer", "gpt2"], "--corpus and --tokenizer apply only with --hf"),
+])
+@pytest.mark.parametrize("command", ["eval", "needle"])
+def test_eval_and_needle_refuse_flags_they_would_ignore(capsys, stopped, command, args, message):
+    code, err = cli(capsys, command, stopped[0], *args)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe[model]", "is not UTF-8 text"), (None, "is a folder, not a TOML or JSON file")])
+def test_config_file_that_is_binary_or_a_folder(tmp_path, capsys, content, message):
+    path = tmp_path / "c.toml"
+    path.write_bytes(content) if content is not None else path.mkdir()
+    code, err = cli(capsys, "train", "--config", path, "--out", tmp_path / "o")
+    assert code == 2 and err.startswith(f"lengthgen train: error: config file {path} {message}")
+    (tmp_path / "c.json").write_text('{"model":')
+    code, err = cli(capsys, "config", "show", tmp_path / "c.json")
+    assert code == 2 and "c.json: invalid JSON" in err
+
+
+def test_out_that_is_a_file_or_under_one(tmp_path, capsys):
+    (tmp_path / "f").write_text("keep")
+    for out, says in ((tmp_path / "f", "file exists"), (tmp_path / "f" / "sub", "not a directory")):
+        code, err = cli(capsys, "train", *sets(), "--out", out)
+        assert code == 2 and err.endswith(f"{out}: {says}")
+    assert (tmp_path / "f").read_text() == "keep"
+
+
+@pytest.mark.parametrize("args", [["--heads", "0"], ["--reps", "0"], ["--time-budget", "-1"], ["--lengths", "0"],
+                                  ["--device", "tpu"], ["--variants", "foo"], ["--backends", "foo"],
+                                  ["--dtype", "int8"], ["--batch", "-1"]])
+def test_bench_arguments_are_checked(capsys, args):
+    code, err = cli(capsys, "bench", "attention", *args)
+    assert code == 2 and args[0] in err
+
+
+def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+    from lengthgen.train import trainer
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer.Trainer, "fit", interrupted)
+    code = main(["train", *sets(), "--out", str(tmp_path / "r"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and err == ["lengthgen train: interrupted (a run continues from its last checkpoint with "
+                                   "--resume)"]

@@ -107,12 +107,21 @@ def test_retrofit_command_errors(checkpoint, tmp_path, capsys):
     assert main(["retrofit", str(checkpoint), "--set", "model.dim=64", "--steps", "1",
                  "--out", str(tmp_path / "o2")]) == 2
     assert "cannot initialize from" in capsys.readouterr().err
+    assert main(["retrofit", str(checkpoint), "--set", "train.lr=1e-3", "--steps", "1",
+                 "--out", str(tmp_path / "o3")]) == 2
+    assert "leave the model as it is, so the retrofit would equal its control" in capsys.readouterr().err
+    assert main(["retrofit", str(checkpoint), "--set", "model.attention.out_norm=head_layer", "--set", "train.steps=9",
+                 "--steps", "1", "--out", str(tmp_path / "o4")]) == 2
+    assert "--set train.steps=9: the finetuning steps are --steps" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in ("o3", "o4"))
 
 
 def test_control_is_the_same_finetuning_without_the_change(checkpoint, tmp_path):
-    """Without a model change, `after` and `control` are the same run: same batches, optimizer and schedule."""
-    results = run_retrofit(checkpoint, tmp_path / "r", overrides=["train.lr=1e-3"], steps=2, eval_lengths=[16, 32],
-                           eval_tokens=64, diagnostics=False, progress=False, log=lambda _: None)
+    """With a model change that changes no output (the eps of an unused out-norm), `after` and `control` are the
+    same run: same batches, optimizer and schedule."""
+    results = run_retrofit(checkpoint, tmp_path / "r", overrides=["train.lr=1e-3", "model.attention.out_norm_eps=0.1"],
+                           steps=2, eval_lengths=[16, 32], eval_tokens=64, diagnostics=False, progress=False,
+                           log=lambda _: None)
     (control,), (after,) = results.variants["control"], results.variants["after"]
     assert control.config["train"]["lr"] == after.config["train"]["lr"] == 1e-3
     assert [r.at_length for r in control.lengths] == [r.at_length for r in after.lengths]

@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
-    checkpoints, missing optional packages) exit with status 2 and a one-line message, a diverged run (non-finite
-    loss) with status 1 and one line; run folder warnings are one line too."""
+    checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
+    status 2 and a one-line message, a diverged run (non-finite loss) with status 1 and one line, Ctrl-C with 130
+    and one line; run folder warnings are one line too."""
     from lengthgen.config import ConfigError
     from lengthgen.eval import ResultsError
     from lengthgen.optional import MissingPackageError
@@ -67,9 +68,16 @@ def main(argv: list[str] | None = None) -> int:
                 FileNotFoundError) as err:
             print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
             return 2
+        except (FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as err:  # bad --out paths
+            print(f"lengthgen {args.command}: error: {err.filename}: {err.strerror.lower()}", file=sys.stderr)
+            return 2
         except NonFiniteLossError as err:       # the run diverged: not bad input, but no traceback either
             print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:               # Ctrl-C: checkpoints on disk are intact (atomic writes)
+            print(f"lengthgen {args.command}: interrupted (a run continues from its last checkpoint with "
+                  "--resume)", file=sys.stderr)
+            return 130
         except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141

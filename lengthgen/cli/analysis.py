@@ -29,6 +29,10 @@ def report_command(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else paths[0].parent
     if len(paths) > 1 and any(out.resolve() == path.parent.resolve() for path in paths):
         raise CommandError(f"--out {out} holds one of the merged results.json; give a folder of its own")
+    runs = [name for name in ("runs", "pretrain", "finetune", "control", "checkpoints") if (out / name).exists()]
+    if runs and out.resolve() != paths[0].parent.resolve():
+        raise CommandError(f"--out {out} holds another experiment ({', '.join(runs)}), whose results.json and "
+                           "report this would replace; give a folder of its own")
     merged = Comparison.load(paths[0])
     for path in paths[1:]:
         merged.merge(Comparison.load(path), str(path))
@@ -47,9 +51,15 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive_int, default=8192, help="tokens per evaluated length")
     p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
-    p.add_argument("--corpus", default="stdlib", help="with --hf: text corpus (stdlib, a path, bin:GLOB)")
+    p.add_argument("--corpus", help="with --hf: text corpus (stdlib, a path, bin:GLOB; default stdlib)")
     p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
     p.add_argument("--out", "-o", help="write the results JSON here (in a lengthgen folder: under its lock)")
+
+
+def only_hf(args: argparse.Namespace) -> None:
+    """--corpus and --tokenizer choose the text of an --hf model; a run reads its own."""
+    if not args.hf and (args.corpus or args.tokenizer):
+        raise CommandError("--corpus and --tokenizer apply only with --hf; a run uses its own corpus and tokenizer")
 
 
 @command("eval", _eval_args)
@@ -57,13 +67,14 @@ def eval_command(args: argparse.Namespace) -> int:
     """Evaluate a trained run (or a local HF model) by position at lengths far beyond training."""
     from lengthgen.report import run_summary
 
-    if not (args.run or args.hf):
+    if not (args.run or args.hf) or (args.run and args.hf):
         raise CommandError("give a run folder or checkpoint, or --hf PATH")
-    with writing(Path(args.out)) if args.out else contextlib.nullcontext():
+    only_hf(args)
+    with writing(Path(args.out), args.run) if args.out else contextlib.nullcontext():
         if args.hf:
             from lengthgen.hf import evaluate_hf
 
-            result = evaluate_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 1024],
+            result = evaluate_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 1024],
                                  tokens=args.tokens, tokenizer=args.tokenizer)
             train_length = None
         else:
@@ -91,7 +102,7 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
                    "multi-query needles; mqar and text; passkey holds one)")
     p.add_argument("--bema", action="store_true", help="map the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
-    p.add_argument("--corpus", default="stdlib", help="with --hf: the filler's text corpus (stdlib, a path, bin:GLOB)")
+    p.add_argument("--corpus", help="with --hf: the filler's text corpus (stdlib, a path, bin:GLOB; default stdlib)")
     p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
     p.add_argument("--train-length", type=positive_int, help="with --hf: the model's training length, marked on "
                    "the map")
@@ -113,6 +124,7 @@ def needle_command(args: argparse.Namespace) -> int:
 
     if not (args.run or args.hf) or (args.run and args.hf):
         raise CommandError("give a run folder or checkpoint, or --hf PATH")
+    only_hf(args)
     if args.train_length and not args.hf:
         raise CommandError("--train-length marks an HF model's map; a run's map is marked with its own")
     if not args.out and (args.hf or not (Path(args.run) / "config.json").is_file()):
@@ -122,7 +134,7 @@ def needle_command(args: argparse.Namespace) -> int:
         if args.hf:
             from lengthgen.hf import needle_hf
 
-            result = needle_hf(args.hf, corpus=args.corpus, lengths=args.lengths or [256, 512, 1024, 2048],
+            result = needle_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 512, 1024, 2048],
                                depths=args.depths, needles=args.needles, samples=args.samples,
                                tokenizer=args.tokenizer, train_length=args.train_length, progress=progress)
         else:

@@ -103,13 +103,17 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 0,0.5,1") from None
 
 
-def writing(path: Path) -> contextlib.AbstractContextManager:
+def writing(path: Path, source: str | None = None) -> contextlib.AbstractContextManager:
     """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses to
-    replace a run's own files other than its evaluations."""
+    replace a run's own files other than its evaluations, and those of any folder but ``source`` (the evaluated
+    run folder or checkpoint)."""
     from lengthgen.train.run_folder import LOCK, WRITTEN, lock
 
     if not (path.parent / LOCK).exists():
         return contextlib.nullcontext()
     if path.name in WRITTEN - {"eval.json", "eval_bema.json"}:
         raise CommandError(f"--out {path} would replace a file of the run; choose another file name")
+    folder = path.parent.resolve()
+    if path.exists() and (source is None or folder not in (Path(source).resolve(), *Path(source).resolve().parents)):
+        raise CommandError(f"--out {path} is another run's {path.name}; choose another file name")
     return lock(path.parent)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from lengthgen.attention import AttentionSpec, attend
 from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import backends as attention_backends
+from lengthgen.config import ConfigError
 from lengthgen.eval.results import Provenance
 
 #: benchmarked variants: name -> (spec, packed documents?). Only attend() is timed (query scaling, distance
@@ -327,37 +328,75 @@ def write_json(rows: Sequence[dict], path: str | os.PathLike, device: torch.devi
 # CLI
 
 
+def _positive(text: str, at_least: int = 1) -> int:
+    """An integer >= ``at_least`` (a ``k`` suffix multiplies by 1024), else argparse's one-line error."""
+    try:
+        value = int(float(text[:-1]) * 1024) if text.lower().endswith("k") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < at_least:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give an integer >= {at_least}")
+    return value
+
+
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(float(x[:-1]) * 1024) if x.lower().endswith("k") else int(x)
-                 for x in text.split(",") if x.strip())
+    values = tuple(_positive(x.strip()) for x in text.split(",") if x.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} lists no integers")
+    return values
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+def _choices(valid: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
+    """A comma list whose every name is one of ``valid``."""
+    valid = tuple(valid)
+
+    def names(text: str) -> tuple[str, ...]:
+        chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+        unknown = [x for x in chosen if x not in valid]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)} is not valid; choose from "
+                                             f"{', '.join(valid)}")
+        return chosen
+    return names
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a number of seconds > 0")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``bench attention`` (defaults depend on the device: GPU sizes on CUDA, tiny ones on CPU)."""
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
     parser.add_argument("--lengths", type=_ints, default=None,
                         help=f"comma list, 1k suffixes allowed (default {GPU_LENGTHS} on cuda, {CPU_LENGTHS} on cpu)")
     parser.add_argument("--head-dims", type=_ints, default=(64, 128))
-    parser.add_argument("--variants", type=_names, default=None, help=f"comma list of {', '.join(VARIANTS)}")
-    parser.add_argument("--backends", type=_names, default=None,
+    parser.add_argument("--variants", type=_choices(VARIANTS), default=None,
+                        help=f"comma list of {', '.join(VARIANTS)}")
+    parser.add_argument("--backends", type=_choices(attention_backends.BACKENDS), default=None,
                         help=f"comma list (default {','.join(GPU_BACKENDS)} on cuda, {','.join(CPU_BACKENDS)} on cpu)")
-    parser.add_argument("--batch", type=int, default=None, help="default tokens // length on cuda, 1 on cpu")
-    parser.add_argument("--heads", type=int, default=None, help="default model_dim // head_dim on cuda, 4 on cpu")
-    parser.add_argument("--dtype", default=None, help="default bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--model-dim", type=int, default=2048)
-    parser.add_argument("--warmup", type=int, default=None, help="default 3 (1 on cpu)")
-    parser.add_argument("--reps", type=int, default=None, help="default 10 (3 on cpu)")
-    parser.add_argument("--time-budget", type=float, default=None, help="seconds; later cases are skipped")
+    parser.add_argument("--batch", type=_positive, default=None, help="default tokens // length on cuda, 1 on cpu")
+    parser.add_argument("--heads", type=_positive, default=None, help="default model_dim // head_dim on cuda, 4 on "
+                        "cpu")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="default bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--tokens", type=_positive, default=16384)
+    parser.add_argument("--model-dim", type=_positive, default=2048)
+    parser.add_argument("--warmup", type=lambda text: _positive(text, 0), default=None, help="default 3 (1 on cpu)")
+    parser.add_argument("--reps", type=_positive, default=None, help="default 10 (3 on cpu)")
+    parser.add_argument("--time-budget", type=_seconds, default=None, help="seconds; later cases are skipped")
     parser.add_argument("--out", default=None, help="JSON path (default runs/bench/attention_<device>.json)")
     return parser
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this torch sees no CUDA device; use --device cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = device.type == "cpu"
     out = args.out or f"runs/bench/attention_{device.type}.json"

@@ -225,7 +225,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     metric = check_metric(source, cc.metric)
     with lock(out), Runner(cc.workers, log) as runner:
         if not resume:
-            check_fresh(out, overwrite=overwrite)
+            check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
         jobs = [Job(runs.config(name, seed, pretrained.get((base, seed))), out / "runs" / f"{name}-seed{seed}",
                     f"[{name} seed {seed}]", name, tuple(eval_lengths), cc.eval_tokens, metric,

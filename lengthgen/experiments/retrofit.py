@@ -46,6 +46,9 @@ def finetune_config(base: RunConfig, checkpoint: str | Path, steps: int, overrid
     from the checkpoint's weights, then the user's ``overrides`` (which may change anything, e.g. the lr)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"--steps={steps!r} is not valid; it must be an integer >= 1")
+    for override in overrides:
+        if override.partition("=")[0].strip() == "train.steps":
+            raise ConfigError(f"--set {override}: the finetuning steps are --steps")
     train_length = max(base.lengths())
     defaults = [f"train.steps={steps}", f"data.length={train_length}", "train.stages=[]",
                 f"train.warmup_steps={min(base.train.warmup_steps, steps // 10)}", "train.eval_every=0",
@@ -69,6 +72,9 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     if out.resolve() in (ckpt.resolve(), *ckpt.resolve().parents):
         raise RunFolderError(f"{out} holds the checkpoint {ckpt} that is retrofitted; choose another --out")
     cfg = finetune_config(base_cfg, ckpt, steps, overrides)
+    if cfg.model == base_cfg.model:
+        raise ConfigError("the --set keys leave the model as it is, so the retrofit would equal its control; set "
+                          "a model key, e.g. --set model.attention.out_norm=head_layer")
     control_cfg = dataclasses.replace(cfg, model=base_cfg.model, name=f"{base_cfg.name or 'run'}-control")
     kind = device_type(cfg.train)
     # fail before any evaluation when the new config changes more than added attention parameters
@@ -86,7 +92,7 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
                         autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics)
 
     with lock(out):
-        check_fresh(out, overwrite=overwrite, resumable=False)
+        check_fresh(out, overwrite=overwrite, resumable=False, kind="retrofit")
         log(f"[before] evaluating {ckpt} at {', '.join(map(str, eval_lengths))}")
         state = ckpt_io.read_state(ckpt)
         history = state.get("history", [])

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from lengthgen.atomic import atomic_write_text
 from lengthgen.config import (ConfigError, build, check, documented, invalid, load_toml, option, parse_assignment,
-                              set_key, to_plain)
+                              read_config_text, set_key, to_plain)
 from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
 
@@ -183,10 +183,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is None:
         cfg = RunConfig()
     elif str(path).endswith(".json"):
-        p = Path(path)
-        if not p.exists():
-            raise FileNotFoundError(f"config file not found: {p}")
-        cfg = RunConfig.from_dict(json.loads(p.read_text()))
+        try:
+            cfg = RunConfig.from_dict(json.loads(read_config_text(path)))
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: invalid JSON: {err}") from None
     else:
         cfg = RunConfig.from_dict(load_toml(path))
     return cfg.override(*overrides)

@@ -4,8 +4,8 @@ Muon (`torch.optim.Muon`) orthogonalizes the update of 2-D weight matrices; it i
 only. `muon_param_names` picks the 2-D parameters inside the transformer blocks (attention and MLP
 projections, gates); embeddings, the head, norms, biases and scalars (e.g. learnable query-scaling
 multipliers) go to AdamW. ``train.muon_lr_mul`` scales the Muon learning rate of the matrices whose names match
-a pattern (modded-nanogpt's per-parameter ``lr_mul``). AdamW decays 2-D weights only, or every parameter (``weight_decay_on="all"``, as
-seed 001's optimizer does).
+a pattern (modded-nanogpt's per-parameter ``lr_mul``). AdamW decays 2-D weights only, or every parameter
+(``weight_decay_on="all"``, as seed 001's optimizer does).
 """
 
 from __future__ import annotations

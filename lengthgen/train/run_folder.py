@@ -114,9 +114,16 @@ def remove_temporaries(folder: Path) -> None:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool = True) -> None:
-    """A new run may start in ``folder`` only if it holds nothing; ``overwrite`` first deletes what lengthgen
-    wrote there (`RunFolderError` if it holds anything else, or anything at all without ``overwrite``)."""
+#: what marks a folder as each kind of lengthgen output (`check_fresh` overwrites only its own kind)
+KIND_MARKERS = {"training run": ("checkpoints", "config.json"), "comparison": ("runs", "pretrain"),
+                "retrofit": ("finetune", "control")}
+
+
+def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool = True,
+                kind: str = "training run", keep: str | Path | None = None) -> None:
+    """A new ``kind`` of output (a key of `KIND_MARKERS`) may start in ``folder`` only if it holds nothing;
+    ``overwrite`` first deletes what lengthgen wrote there. `RunFolderError` if it holds anything else, another
+    kind of output, or ``keep`` (a checkpoint the new run starts from), or anything at all without ``overwrite``."""
     folder = Path(folder)
     held = sorted(p.name for p in folder.iterdir() if p.name != LOCK) if folder.is_dir() else []
     if held and not overwrite:
@@ -127,6 +134,14 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
     if foreign:
         raise RunFolderError(f"{folder} holds files lengthgen did not write ({_names(foreign)}); --overwrite "
                              "deletes only lengthgen's files: move them or choose another folder")
+    for other, markers in KIND_MARKERS.items():
+        found = [name for name in markers if name in held]
+        if other != kind and found:
+            raise RunFolderError(f"{folder} holds a {other} ({', '.join(found)}), not a {kind}; --overwrite "
+                                 f"replaces only a {kind}: delete it yourself or choose another folder")
+    if held and keep is not None and folder.resolve() in (Path(keep).resolve(), *Path(keep).resolve().parents):
+        raise RunFolderError(f"{folder} holds {keep} (train.init_from), which this run starts from; --overwrite "
+                             "would delete it: choose another folder")
     for name in held:
         path = folder / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -100,9 +100,14 @@ class Trackers:
         self.tensorboard.add_text("config", _markdown(cfg.to_json()), start)
         self.wandb = None
         if cfg.train.wandb:
-            self.wandb = import_wandb(cfg.train.wandb).init(
-                project=cfg.train.wandb, name=Path(run_dir).name, dir=str(run_dir), id=info.get("wandb_id"),
-                resume="allow", config={**cfg.to_dict(), "run": info})
+            wandb = import_wandb(cfg.train.wandb)
+            try:
+                self.wandb = wandb.init(project=cfg.train.wandb, name=Path(run_dir).name, dir=str(run_dir),
+                                        id=info.get("wandb_id"), resume="allow", config={**cfg.to_dict(), "run": info})
+            except wandb.errors.UsageError as err:      # e.g. no API key: log in, or WANDB_MODE=offline
+                self.tensorboard.close()
+                raise ConfigError(f"train.wandb={cfg.train.wandb!r}: W&B refused to start ({err}); run wandb login, "
+                                  "or set WANDB_MODE=offline to log without an account", "train.wandb") from None
             if info.get("wandb_id") != self.wandb.id:   # kept for a resume
                 info["wandb_id"] = self.wandb.id
                 atomic_write_text(Path(run_dir) / "run.json", json.dumps(info, indent=1))

@@ -145,7 +145,7 @@ class Trainer:
         ``config.json`` agrees) and cuts ``metrics.jsonl`` back to its step. Returns the checkpoint or None."""
         self.folder = run_folder.lock(self.run_dir)
         if not resume:
-            run_folder.check_fresh(self.run_dir, overwrite=overwrite)
+            run_folder.check_fresh(self.run_dir, overwrite=overwrite, keep=self.config.train.init_from)
             return None
         try:
             ckpt, step = run_folder.load_newest(self.run_dir, lambda c: self._read_checkpoint(c, extend),
