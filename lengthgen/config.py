@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import functools
 import json
 import math
@@ -351,6 +352,19 @@ def documented(cls: type) -> type:
              for key, what, default, doc in describe(cls) if "." not in key]
     cls.__doc__ = (cls.__doc__ or cls.__name__).rstrip() + "\n\n    Fields:\n\n" + "\n".join(lines) + "\n"
     return cls
+
+
+def pattern_matches(key: str, patterns: dict[str, Any], names: list[str], what: str) -> list[tuple[list[str], Any]]:
+    """For each (fnmatch) pattern of the config table ``key``, in order: the ``names`` it matches and its value.
+    A pattern that matches none is a `ConfigError` listing the ``what``s there are."""
+    matches = []
+    for pattern, value in patterns.items():
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise ConfigError(f"{key}: pattern {pattern!r} matches no {what}; the {what}s are {', '.join(names)}",
+                              key)
+        matches.append((matched, value))
+    return matches
 
 
 def _toml_key(key: str) -> str:

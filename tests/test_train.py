@@ -258,8 +258,9 @@ def test_muon_lr_mul_scales_the_matched_matrices_and_follows_the_schedule():
 
 @pytest.mark.parametrize("keys, message", [
     (["train.optimizer=muon", "train.muon_lr_mul={\"blocks.*.attn.qkv.weight\" = 2.0}"],
-     "train.muon_lr_mul: pattern 'blocks.*.attn.qkv.weight' matches no Muon parameter; they are blocks.0.attn"),
-    (["train.muon_lr_mul={\"blocks.*\" = 2.0}"], "they are none \\(train.optimizer is not muon\\)"),
+     "train.muon_lr_mul: pattern 'blocks.*.attn.qkv.weight' matches no Muon parameter; the Muon parameters are "
+     "blocks.0.attn"),
+    (["train.muon_lr_mul={\"blocks.*\" = 2.0}"], "train.muon_lr_mul applies only with train.optimizer=muon"),
 ])
 def test_muon_lr_mul_pattern_that_matches_nothing_is_an_error(keys, message):
     cfg = config(*keys)

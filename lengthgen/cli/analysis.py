@@ -21,7 +21,7 @@ def report_command(args: argparse.Namespace) -> int:
     """Rebuild report.md and the plots from existing results.json files (several are merged into --out)."""
     from lengthgen.eval import Comparison
     from lengthgen.report import terminal_table, write_report
-    from lengthgen.train.run_folder import lock
+    from lengthgen.train.run_folder import KIND_MARKERS, lock
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
     if len(paths) > 1 and not args.out:
@@ -29,7 +29,7 @@ def report_command(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else paths[0].parent
     if len(paths) > 1 and any(out.resolve() == path.parent.resolve() for path in paths):
         raise CommandError(f"--out {out} holds one of the merged results.json; give a folder of its own")
-    runs = [name for name in ("runs", "pretrain", "finetune", "control", "checkpoints") if (out / name).exists()]
+    runs = [name for markers in KIND_MARKERS.values() for name in markers if (out / name).exists()]
     if runs and out.resolve() != paths[0].parent.resolve():
         raise CommandError(f"--out {out} holds another experiment ({', '.join(runs)}), whose results.json and "
                            "report this would replace; give a folder of its own")

@@ -113,7 +113,6 @@ def writing(path: Path, source: str | None = None) -> contextlib.AbstractContext
         return contextlib.nullcontext()
     if path.name in WRITTEN - {"eval.json", "eval_bema.json"}:
         raise CommandError(f"--out {path} would replace a file of the run; choose another file name")
-    folder = path.parent.resolve()
-    if path.exists() and (source is None or folder not in (Path(source).resolve(), *Path(source).resolve().parents)):
+    if path.exists() and (source is None or not Path(source).resolve().is_relative_to(path.parent.resolve())):
         raise CommandError(f"--out {path} is another run's {path.name}; choose another file name")
     return lock(path.parent)

@@ -69,7 +69,7 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     (variants ``before``, ``control``, ``after``)."""
     out = Path(out)
     ckpt, (base_cfg, before_model) = load_newest(checkpoint, load_run)
-    if out.resolve() in (ckpt.resolve(), *ckpt.resolve().parents):
+    if ckpt.resolve().is_relative_to(out.resolve()):
         raise RunFolderError(f"{out} holds the checkpoint {ckpt} that is retrofitted; choose another --out")
     cfg = finetune_config(base_cfg, ckpt, steps, overrides)
     if cfg.model == base_cfg.model:

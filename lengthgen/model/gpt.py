@@ -11,7 +11,6 @@ gives the lm head's logits a chunk of positions at a time (long evaluations neve
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 from lengthgen.attention import Attention, KVCache
 from lengthgen.attention.extras import QueryScaling
-from lengthgen.config import ConfigError, check_value
+from lengthgen.config import ConfigError, check_value, pattern_matches
 from lengthgen.model.blocks import BLOCKS, SkipGate
 from lengthgen.model.config import FINAL_NORM_PLACEMENTS, GPTConfig
 from lengthgen.model.norms import make_norm
@@ -111,11 +110,7 @@ class GPT(nn.Module):
             nn.init.zeros_(table.weight)
         params = dict(self.named_parameters())
         with torch.no_grad():
-            for pattern, std in cfg.init_overrides.items():
-                names = fnmatch.filter(params, pattern)
-                if not names:
-                    raise ConfigError(f"model.init_overrides: pattern {pattern!r} matches no parameter; the "
-                                      f"parameters are {', '.join(params)}", "model.init_overrides")
+            for names, std in pattern_matches("model.init_overrides", cfg.init_overrides, list(params), "parameter"):
                 for name in names:
                     draw_(params[name], std, cfg.init)
 

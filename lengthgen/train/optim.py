@@ -10,7 +10,6 @@ a pattern (modded-nanogpt's per-parameter ``lr_mul``). AdamW decays 2-D weights 
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import warnings
 
@@ -20,7 +19,7 @@ import torch.nn as nn
 from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, pattern_matches
 
 
 def muon_param_names(model: nn.Module) -> list[str]:
@@ -32,12 +31,10 @@ def muon_param_names(model: nn.Module) -> list[str]:
 def muon_lr_multipliers(names: list[str], patterns: dict[str, float]) -> dict[str, float]:
     """Each Muon parameter's learning-rate multiplier: 1, or the value of the last ``train.muon_lr_mul`` pattern
     (fnmatch) that matches its name. A pattern that matches no Muon parameter is a `ConfigError`."""
+    if patterns and not names:
+        raise ConfigError("train.muon_lr_mul applies only with train.optimizer=muon", "train.muon_lr_mul")
     multipliers = dict.fromkeys(names, 1.0)
-    for pattern, value in patterns.items():
-        matched = fnmatch.filter(names, pattern)
-        if not matched:
-            raise ConfigError(f"train.muon_lr_mul: pattern {pattern!r} matches no Muon parameter; they are "
-                              f"{', '.join(names) or 'none (train.optimizer is not muon)'}", "train.muon_lr_mul")
+    for matched, value in pattern_matches("train.muon_lr_mul", patterns, names, "Muon parameter"):
         multipliers.update(dict.fromkeys(matched, value))
     return multipliers
 

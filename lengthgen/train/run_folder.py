@@ -139,7 +139,7 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
         if other != kind and found:
             raise RunFolderError(f"{folder} holds a {other} ({', '.join(found)}), not a {kind}; --overwrite "
                                  f"replaces only a {kind}: delete it yourself or choose another folder")
-    if held and keep is not None and folder.resolve() in (Path(keep).resolve(), *Path(keep).resolve().parents):
+    if held and keep is not None and Path(keep).resolve().is_relative_to(folder.resolve()):
         raise RunFolderError(f"{folder} holds {keep} (train.init_from), which this run starts from; --overwrite "
                              "would delete it: choose another folder")
     for name in held:
