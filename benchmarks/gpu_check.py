@@ -49,8 +49,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import gpu_report  # noqa: E402
 
 #: (part, budget in seconds on one H100; None: whatever is left)
-PARTS = (("env", 30), ("tests", 120), ("compare", 90), ("train_compiled", 70), ("train", 25), ("eval_long", 35),
-         ("layer", 35), ("seed001", 45), ("attention", None))
+PARTS = (("env", 30), ("tests", 200), ("compare", 70), ("train_compiled", 50), ("train", 25), ("eval_long", 25),
+         ("layer", 55), ("seed001", 60), ("attention", None))
 GROUPS = ((4096, 128), (1024, 128), (16384, 128), (65536, 128), (4096, 64), (1024, 64), (16384, 64), (65536, 64))
 TINY_GROUPS = ((32, 16),)
 TINY_BENCH = ["--device", "cpu", "--dtype", "float32", "--warmup", "0", "--reps", "1", "--heads", "2", "--batch", "1",
@@ -108,7 +108,7 @@ def run_tests(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """``pytest -m gpu`` with counts read from its verbose output (also when it is stopped by the timeout)."""
     workers = args.pytest_workers if importlib.util.find_spec("xdist") and not args.tiny else 0
     paths = ["tests/test_bench.py"] if args.tiny else ["tests"]
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-p", "no:cacheprovider", "-o", "addopts=",
            *(["-n", str(workers)] if workers else []), *paths]
     run = _run(cmd, timeout, "tests")
     counts, failed = parse_pytest(run["output"])
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seed 001's kernel.py (not shipped; without it the seed001 part is skipped)")
     ap.add_argument("--commit", default=None, help="the lengthgen commit measured (when the checkout has no .git)")
     ap.add_argument("--log-dir", default=None, help="write each part's whole output to DIR/<part>.log")
-    ap.add_argument("--pytest-workers", type=int, default=8, help="pytest-xdist workers for the CUDA tests")
+    ap.add_argument("--pytest-workers", type=int, default=16, help="pytest-xdist workers for the CUDA tests")
     ap.add_argument("--run-part", help=argparse.SUPPRESS)
     ap.add_argument("--part-out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)

@@ -6,7 +6,7 @@ Each kernel is timed alone (``triton.testing.do_bench``, median) for every (BLOC
 num_stages) in `CANDIDATES`, the other two kernels at their current configuration (`triton_psoftmax._configs`);
 a candidate that fails to launch (shared memory) is listed with its error, and one whose result differs from the
 current configuration's by more than bf16 rounding is marked. `_configs` is then set from the fastest per
-(kind, head_dim) by hand, with the sweep's JSON committed beside it.
+(kind, head_dim) by hand, with the sweep's JSON committed under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> int:
             for kind in ("fwd", "dq", "dkdv"):
                 for bm, bn, warps, stages in CANDIDATES:
                     cand = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-                    tp._configs = lambda k_, d_, kind=kind, cand=cand: cand if k_ == kind else default(k_, d_)
+                    tp._configs = lambda k_, *a, kind=kind, cand=cand: cand if k_ == kind else default(k_, *a)
                     if kind == "fwd":
                         def run():
                             return tp.forward(q, k, v, spec, starts, slopes, False)[0]

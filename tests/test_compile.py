@@ -33,7 +33,8 @@ def test_compiled_training_matches_eager(tmp_path, monkeypatch):
     assert not compiled
     torch._dynamo.reset()
     trainer = Trainer(cfg.override("train.compile=true"), tmp_path / "compiled", progress=False)
-    assert compiled == [trainer.model] and isinstance(trainer.forward_model, torch._dynamo.eval_frame.OptimizedModule)
+    assert compiled == [trainer.model, trainer.model.loss]        # the model and, apart, its loss
+    assert isinstance(trainer.forward_model, torch._dynamo.eval_frame.OptimizedModule)
     result = trainer.fit()
     assert len(result.history) == 3
     torch.testing.assert_close(torch.tensor(result.history), torch.tensor(eager.history), rtol=1e-5, atol=1e-6)
@@ -49,6 +50,9 @@ def test_cuda_compiled_bf16_training_matches_eager(tmp_path, backend):
 
     cfg = RunConfig().override(*BASE, "model.attention=l2", f"model.attention_backend={backend}",
                                "train.device=cuda", "train.dtype=bfloat16")
+    precision = torch.get_float32_matmul_precision()
     eager = Trainer(cfg, tmp_path / "eager", progress=False).fit()
     compiled = Trainer(cfg.override("train.compile=true"), tmp_path / "compiled", progress=False).fit()
     torch.testing.assert_close(torch.tensor(compiled.history), torch.tensor(eager.history), rtol=2e-2, atol=2e-2)
+    # training uses TF32 on CUDA and gives the caller's setting back (later float32 work in the process is exact)
+    assert torch.get_float32_matmul_precision() == precision

@@ -92,6 +92,7 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
     model = GPT(cfg.model).to(device)
     optimizers = build_optimizers(model, cfg.train)
     forward = torch.compile(model, backend=compile_backend) if compile else model
+    loss_fn = torch.compile(model.loss, backend=compile_backend) if compile else model.loss     # as the Trainer
     batch = synthetic_batch(cfg.model.vocab_size, batch_size, length, cfg.model.attention.doc_masking, device)
 
     def step() -> None:
@@ -99,7 +100,7 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
             opt.zero_grad(set_to_none=True)
         with _autocast(cfg, device):
             output = forward(batch.tokens, batch.doc_ids)
-        model.loss(output, batch)[0].backward()
+        loss_fn(output, batch)[0].backward()
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         for opt in optimizers:
@@ -150,11 +151,16 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
                    warmup: int = 3, reps: int = 10) -> dict[str, Any]:
     """Forward + backward milliseconds of an `Attention` layer (projections, attention, output) with the
     ``baseline`` spec and with AVNorm out-norm (``head_layer``) plus an elementwise ``2sigmoid`` gate (seeds
-    000 and 004), and the second's extra time as a fraction of the first's."""
+    000 and 004), and the second's extra time as a fraction of the first's (``overhead``). The parts alone are
+    timed too (``overheads``): the out-norm, the elementwise gate (its W_g is a dim x dim projection, a fifth
+    projection beside Q, K, V, O) and a per-head gate (W_g: heads x dim)."""
     device = torch.device(device)
     base = AttentionSpec.preset("baseline")
     specs = {"baseline": base, "out_norm+gate": base.replace(out_norm="head_layer", gate="elementwise",
-                                                             gate_act="2sigmoid")}
+                                                             gate_act="2sigmoid"),
+             "out_norm": base.replace(out_norm="head_layer"),
+             "gate": base.replace(gate="elementwise", gate_act="2sigmoid"),
+             "head_gate": base.replace(gate="head", gate_act="2sigmoid")}
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     grad = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype)
@@ -164,7 +170,8 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
         fn = torch.compile(layer, backend=compile_backend) if compile else layer
         ms[name] = measure(lambda: torch.autograd.grad(fn(x), (x, *layer.parameters()), grad), device, warmup, reps)
     return dict(dim=dim, heads=heads, head_dim=head_dim, batch=batch, length=length, dtype=str(dtype).split(".")[-1],
-                compile=compile, ms=ms, overhead=ms["out_norm+gate"] / ms["baseline"] - 1.0)
+                compile=compile, ms=ms, overhead=ms["out_norm+gate"] / ms["baseline"] - 1.0,
+                overheads={name: t / ms["baseline"] - 1.0 for name, t in ms.items() if name != "baseline"})
 
 
 __all__ = ["PEAK_BF16_TFLOPS", "flops_per_token", "layer_overhead", "long_eval", "matmul_parameters",

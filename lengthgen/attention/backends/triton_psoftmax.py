@@ -344,15 +344,20 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------------
 # launch configuration
 
-def _configs(kind: str, head_dim: int) -> dict:
-    """Block sizes and launch options. Interpreter: 16 x 16. CUDA: FlashAttention-2-like tiles (Hopper/Ampere
-    shared memory fits them at D=128 in 16-bit with 2-3 stages)."""
+def _configs(kind: str, head_dim: int, element_size: int = 2) -> dict:
+    """Block sizes and launch options. Interpreter: 16 x 16. CUDA, 16-bit inputs: the fastest of
+    `benchmarks/triton_configs.py`'s sweep on an H100 at L = 4096, p = 2 (benchmarks/results/*-triton-configs.json);
+    float32 inputs keep FlashAttention-2-like 64-128 tiles with 2 stages, which fit their shared memory at D=128."""
     if INTERPRETED:
         return dict(BLOCK_M=INTERPRET_BLOCK, BLOCK_N=INTERPRET_BLOCK)
     big = head_dim > 64
-    if kind == "fwd":
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2 if big else 3)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2)        # dq and dkdv
+    if element_size > 2:
+        if kind == "fwd":
+            return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2 if big else 3)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8 if big else 4, num_stages=2)        # dq and dkdv
+    if kind == "dkdv" and big:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def _padded_dim(d: int) -> int:
@@ -396,7 +401,7 @@ def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Te
     out = torch.empty((b, h, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
     row_max = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     log_sp, lse_1 = torch.empty_like(row_max), torch.empty_like(row_max)
-    cfg = _configs("fwd", max(q.shape[-1], v.shape[-1]))
+    cfg = _configs("fwd", max(q.shape[-1], v.shape[-1]), q.element_size())
     grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](q, k, v, out, row_max, log_sp, lse_1, starts, slopes, *q.stride()[:3], *k.stride()[:3],
                       *v.stride()[:3], *out.stride()[:3], starts.stride(0) if has_docs else 0,
@@ -416,10 +421,10 @@ def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, 
     sc = _scalars(spec, q, k, v, has_docs)
     s_starts = starts.stride(0) if has_docs else 0
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts)
-    cfg = _configs("dq", max(d, v.shape[-1]))
+    cfg = _configs("dq", max(d, v.shape[-1]), q.element_size())
     _bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
         q, k, v, d_out, dq, row_max, log_sp, delta, starts, slopes, *strides, **sc, **cfg)
-    cfg = _configs("dkdv", max(d, v.shape[-1]))
+    cfg = _configs("dkdv", max(d, v.shape[-1]), q.element_size())
     _bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * hkv)](
         q, k, v, d_out, dk, dv, row_max, log_sp, delta, starts, ends, slopes, *strides, HKV=hkv, **sc, **cfg)
     return dq, dk, dv
