@@ -3,7 +3,7 @@ and one generated markdown file.
 
     python3 benchmarks/gpu_check.py                 # CUDA: benchmarks/results/<device>-<date>-<HHMM>.json and .md
     python3 benchmarks/gpu_check.py --tiny          # CPU dry run at tiny sizes (tests/test_gpu_check.py runs it)
-    python3 benchmarks/gpu_check.py --parts attention,seed001 --budget 520     # some parts, the whole budget
+    python3 benchmarks/gpu_check.py --parts attention,seed001 --budget 540     # some parts, the whole budget
 
 Parts, in this order, each in its own subprocess with a time budget (`PARTS`; a part gets at most what is left
 of ``--budget``, and one that would not fit is skipped and says so; a dry run and parts chosen with ``--parts``
@@ -49,8 +49,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import gpu_report  # noqa: E402
 
 #: (part, budget in seconds on one H100; None: whatever is left)
-PARTS = (("env", 30), ("tests", 200), ("compare", 70), ("train_compiled", 50), ("train", 25), ("eval_long", 25),
-         ("layer", 55), ("seed001", 60), ("attention", None))
+PARTS = (("env", 30), ("tests", 240), ("compare", 65), ("train_compiled", 55), ("train", 25), ("eval_long", 25),
+         ("layer", 60), ("seed001", 45), ("attention", None))
 GROUPS = ((4096, 128), (1024, 128), (16384, 128), (65536, 128), (4096, 64), (1024, 64), (16384, 64), (65536, 64))
 TINY_GROUPS = ((32, 16),)
 TINY_BENCH = ["--device", "cpu", "--dtype", "float32", "--warmup", "0", "--reps", "1", "--heads", "2", "--batch", "1",
@@ -225,7 +225,7 @@ def check(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU dry run at tiny sizes (no GPU figures)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 520; tiny 900)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 540; tiny 900)")
     ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(p for p, _ in PARTS)} (default all; "
                     "env always runs; chosen parts share the budget without per-part limits)")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results (tiny: runs/gpu-check)")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seed 001's kernel.py (not shipped; without it the seed001 part is skipped)")
     ap.add_argument("--commit", default=None, help="the lengthgen commit measured (when the checkout has no .git)")
     ap.add_argument("--log-dir", default=None, help="write each part's whole output to DIR/<part>.log")
-    ap.add_argument("--pytest-workers", type=int, default=16, help="pytest-xdist workers for the CUDA tests")
+    ap.add_argument("--pytest-workers", type=int, default=8, help="pytest-xdist workers for the CUDA tests")
     ap.add_argument("--run-part", help=argparse.SUPPRESS)
     ap.add_argument("--part-out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         out = gpu_parts.PARTS[name](tiny=args.tiny, compile=compiled, out_dir=args.work, seed_kernel=args.seed_kernel)
         Path(args.part_out).write_text(json.dumps(out, indent=1))
         return 0
-    args.budget = args.budget or (900.0 if args.tiny else 520.0)
+    args.budget = args.budget or (900.0 if args.tiny else 540.0)
     global LOG_DIR
     LOG_DIR = Path(args.log_dir) if args.log_dir else None
     check(args)

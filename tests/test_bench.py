@@ -109,3 +109,14 @@ def test_time_budget_skips_the_cases_not_started():
                                  time_budget_s=0.0, verbose=False)
     assert [(r["backend"], r["status"]) for r in rows] == [("sdpa_flash", "ok"), ("dense", "skipped: time budget"),
                                                            ("dense", "skipped: time budget")]
+
+
+def test_measure_interleaved_alternates_the_calls():
+    """Warm-up calls of each, then one call of each per round, so that a slow moment hits every case."""
+    from lengthgen.experiments.bench import measure_interleaved
+
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
+    ms = measure_interleaved(fns, torch.device("cpu"), warmup=1, reps=3)
+    assert order == ["a", "b", "c"] + ["a", "b", "c"] * 3
+    assert set(ms) == {"a", "b", "c"} and all(t >= 0 for t in ms.values())

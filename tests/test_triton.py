@@ -283,15 +283,15 @@ def test_cuda_matches_dense(name, head_dim, dtype):
 
 @needs_cuda
 @pytest.mark.gpu
-def test_cuda_auto_picks_triton_and_trains(monkeypatch):
+def test_cuda_auto_picks_triton_and_trains():
     from lengthgen.attention import AttentionSpec, attend, backends
 
     spec = AttentionSpec(softmax_p=2.0, doc_masking=True)
     q = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    monkeypatch.setattr(backends, "TRITON_BEFORE_FLEX", False)
-    assert backends.choose(spec, q, 512, True) == "flex"
-    monkeypatch.setattr(backends, "TRITON_BEFORE_FLEX", True)
     assert backends.choose(spec, q, 512, True) == "triton"
+    assert backends.choose(AttentionSpec(distance="scale_invariant"), q, 512, True) == "triton"
+    assert backends.choose(AttentionSpec(distance="alibi", doc_masking=True), q, 512, True) == "flex"
+    assert backends.choose(AttentionSpec(), q, 512, True) == "sdpa"
     docs = make_docs(2, 512, max_len=100).cuda()
     out = attend(q, q, q, spec, doc_ids=docs)
     out.float().square().sum().backward()

@@ -96,6 +96,23 @@ def measure(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int)
     return statistics.median(timer(fn) for _ in range(max(1, reps)))
 
 
+def measure_interleaved(fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int, reps: int
+                        ) -> dict[str, float]:
+    """Median milliseconds of each of ``fns``, timed in ``reps`` interleaved rounds (one call of each per round,
+    after ``warmup`` calls of each), so that a busy moment of the device slows all of them alike."""
+    timer = _timer(device)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(1, reps)):
+        for name, fn in fns.items():
+            times[name].append(timer(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def packed_doc_ids(batch: int, length: int, device, seed: int = 0) -> torch.Tensor:
     """(B, L) document ids of packed rows: documents of random length in [L/16, L/4] (at least 1)."""
     gen = torch.Generator().manual_seed(seed)

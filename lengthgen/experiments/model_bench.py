@@ -25,7 +25,7 @@ import torch
 from lengthgen.attention import Attention, AttentionSpec
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval.evaluate import measure_gpt
-from lengthgen.experiments.bench import measure, packed_doc_ids
+from lengthgen.experiments.bench import measure_interleaved, packed_doc_ids
 from lengthgen.model import GPT
 from lengthgen.train.config import RunConfig
 from lengthgen.train.optim import build_optimizers
@@ -153,7 +153,9 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
     ``baseline`` spec and with AVNorm out-norm (``head_layer``) plus an elementwise ``2sigmoid`` gate (seeds
     000 and 004), and the second's extra time as a fraction of the first's (``overhead``). The parts alone are
     timed too (``overheads``): the out-norm, the elementwise gate (its W_g is a dim x dim projection, a fifth
-    projection beside Q, K, V, O) and a per-head gate (W_g: heads x dim)."""
+    projection beside Q, K, V, O) and a per-head gate (W_g: heads x dim). The layers are timed in interleaved
+    rounds (`bench.measure_interleaved`): timed one after another, a busy moment once made the baseline twice as
+    slow as the layer with more work."""
     device = torch.device(device)
     base = AttentionSpec.preset("baseline")
     specs = {"baseline": base, "out_norm+gate": base.replace(out_norm="head_layer", gate="elementwise",
@@ -164,11 +166,12 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     grad = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype)
-    ms = {}
+    calls = {}
     for name, spec in specs.items():
         layer = Attention(dim, heads, spec, head_dim=head_dim).to(device=device, dtype=dtype)
         fn = torch.compile(layer, backend=compile_backend) if compile else layer
-        ms[name] = measure(lambda: torch.autograd.grad(fn(x), (x, *layer.parameters()), grad), device, warmup, reps)
+        calls[name] = lambda fn=fn, layer=layer: torch.autograd.grad(fn(x), (x, *layer.parameters()), grad)
+    ms = measure_interleaved(calls, device, warmup, reps)
     return dict(dim=dim, heads=heads, head_dim=head_dim, batch=batch, length=length, dtype=str(dtype).split(".")[-1],
                 compile=compile, ms=ms, overhead=ms["out_norm+gate"] / ms["baseline"] - 1.0,
                 overheads={name: t / ms["baseline"] - 1.0 for name, t in ms.items() if name != "baseline"})

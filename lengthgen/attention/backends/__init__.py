@@ -41,9 +41,19 @@ TILED_DENSE_MAX_LOGITS, TILED_DENSE_MAX_PAIRS = 1 << 19, 1 << 14
 #: engine would pay its per-block cost for a row or two
 DECODE_ROWS, DECODE_MAX_LOGITS = 16, 1 << 24
 
-#: `auto` on CUDA tries the fused Triton kernel before FlexAttention when True. Off until a GPU run
-#: (``make gpu-check``) has shown its CUDA tests passing and it faster than FlexAttention on the benchmark.
-TRITON_BEFORE_FLEX = False
+
+
+def triton_before_flex(spec: AttentionSpec) -> bool:
+    """`auto` on CUDA: the fused Triton kernel before FlexAttention for ``p != 1`` and scale-invariant attention.
+
+    Measured on an H100 (benchmarks/results/nvidia-h100-80gb-hbm3-2026-11-22-1715.md, L = 4096, head_dim 128,
+    bf16, forward + backward, time over SDPA flash): p = 2 1.25x (Triton) against 1.82x (Flex), p = 2 with
+    documents 0.83x against 1.06x, scale-invariant 1.71x against 2.22x; Flex was the faster for p = 1 with ALiBi
+    (1.14x against 1.30x) and log-bias (1.41x against 1.59x). For p != 1 the Triton kernel is also the more
+    precise in bf16: Flex's ``out_1 * exp(LSE_1 - LSE_p / p)`` takes its gradient through two passes whose terms
+    cancel on rows that see few keys (4.3% of the largest gradient entry at p = 0.5 on an H100, against at most
+    1.6% for the same math in plain bf16; tests/test_flex.py)."""
+    return spec.softmax_p != 1 or spec.distance == "scale_invariant"
 
 
 def module(name: str) -> ModuleType:
@@ -63,14 +73,14 @@ def unsupported(name: str, spec: AttentionSpec, q: torch.Tensor, training: bool,
 def choose(spec: AttentionSpec, q: torch.Tensor, lk: int, training: bool, masked: bool = False) -> str:
     """`auto`: the fastest backend that supports ``spec`` (and an explicit mask if ``masked``) on ``q``'s device.
 
-    On CUDA: SDPA (flash) when the spec is plain softmax, else FlexAttention, else the Triton kernel, else
-    `tiled` (Triton before FlexAttention with `TRITON_BEFORE_FLEX`; ``backend="triton"`` selects it).
+    On CUDA: SDPA (flash) when the spec is plain softmax, else FlexAttention or the fused Triton kernel (Triton
+    first for p != 1 and scale-invariant attention, `triton_before_flex`), else `tiled`.
 
     On CPU (measured: see `SDPA_MASK_MAX_PAIRS` and the other thresholds): `sdpa` for softmax without distance
     terms when causal only or short; else `cpu_flash` (softmax with masks or a distance term that only adds:
     ALiBi, log-bias) or `tiled` (p != 1, scale-invariant), unless the logits are few enough for `dense`."""
     if q.is_cuda:
-        order = ("sdpa", "triton", "flex", "tiled") if TRITON_BEFORE_FLEX else ("sdpa", "flex", "triton", "tiled")
+        order = ("sdpa", "triton", "flex", "tiled") if triton_before_flex(spec) else ("sdpa", "flex", "triton", "tiled")
         return next(n for n in order if unsupported(n, spec, q, training, masked) is None)
     pairs = q.shape[-2] * lk
     logits = q.shape[0] * q.shape[1] * pairs
