@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -237,7 +238,7 @@ def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[in
             ref = {}
             for mode in ("fwd+bwd", "fwd"):
                 try:
-                    ref[mode] = _time_case(lambda: _reference(q, k, v), (q, k, v), grad, mode == "fwd+bwd",
+                    ref[mode] = _time_case(functools.partial(_reference, q, k, v), (q, k, v), grad, mode == "fwd+bwd",
                                            device, warmup, reps)
                 except Exception as err:  # noqa: BLE001 - a row, not a crash
                     ref[mode] = {"status": "oom" if _is_oom(err) else f"error: {type(err).__name__}: {err}"}
