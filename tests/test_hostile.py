@@ -574,6 +574,17 @@ def test_overwrite_replaces_only_its_own_kind_of_folder(tmp_path, capsys, stoppe
     assert (files(comparison), files(run)) == before
 
 
+def test_resume_continues_only_its_own_kind_of_folder(tmp_path, capsys, stopped, two_compares):
+    comparison, run = tmp_path / "a", copy(stopped[0], tmp_path)
+    shutil.copytree(two_compares[0], comparison)
+    before = files(comparison), files(run)
+    code, err = cli(capsys, "train", *sets(), "--out", comparison, "--resume")
+    assert code == 2 and "holds a comparison (runs), not a training run; --resume continues only" in err
+    code, err = cli(capsys, "compare", "--variants", "baseline", *sets(), "--out", run, "--resume")
+    assert code == 2 and "holds a training run (checkpoints, config.json), not a comparison" in err
+    assert (files(comparison), files(run)) == before
+
+
 def test_report_out_refuses_another_experiments_folder(tmp_path, capsys, two_compares):
     a, b, _ = two_compares
     target = tmp_path / "a"
@@ -641,3 +652,10 @@ def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 130 and err == ["lengthgen train: interrupted (a run continues from its last checkpoint with "
                                    "--resume)"]
+
+
+def test_a_backend_that_cannot_train_here_is_refused_before_the_folder_exists(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = cli(capsys, "train", *sets("model.attention_backend=flex"), "--out", out)
+    assert code == 2 and "model.attention_backend='flex' cannot train layer 0's attention on cpu" in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()

@@ -35,7 +35,7 @@ from lengthgen.experiments.needle import needle_filler
 from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.report import write_report
 from lengthgen.train.config import RunConfig, load_config
-from lengthgen.train.run_folder import check_fresh, lock
+from lengthgen.train.run_folder import check_fresh, check_kind, lock
 from lengthgen.train.setup import check_length, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
@@ -224,7 +224,9 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric = check_metric(source, cc.metric)
     with lock(out), Runner(cc.workers, log) as runner:
-        if not resume:
+        if resume:
+            check_kind(out, "comparison")
+        else:
             check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
         jobs = [Job(runs.config(name, seed, pretrained.get((base, seed))), out / "runs" / f"{name}-seed{seed}",

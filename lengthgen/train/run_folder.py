@@ -134,17 +134,24 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
     if foreign:
         raise RunFolderError(f"{folder} holds files lengthgen did not write ({_names(foreign)}); --overwrite "
                              "deletes only lengthgen's files: move them or choose another folder")
-    for other, markers in KIND_MARKERS.items():
-        found = [name for name in markers if name in held]
-        if other != kind and found:
-            raise RunFolderError(f"{folder} holds a {other} ({', '.join(found)}), not a {kind}; --overwrite "
-                                 f"replaces only a {kind}: delete it yourself or choose another folder")
+    check_kind(folder, kind, "--overwrite replaces only")
     if held and keep is not None and Path(keep).resolve().is_relative_to(folder.resolve()):
         raise RunFolderError(f"{folder} holds {keep} (train.init_from), which this run starts from; --overwrite "
                              "would delete it: choose another folder")
     for name in held:
         path = folder / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def check_kind(folder: str | Path, kind: str, action: str = "--resume continues only") -> None:
+    """`RunFolderError` if ``folder`` holds another kind of output than ``kind`` (by `KIND_MARKERS`)."""
+    folder = Path(folder)
+    held = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    for other, markers in KIND_MARKERS.items():
+        found = [name for name in markers if name in held]
+        if other != kind and found:
+            raise RunFolderError(f"{folder} holds a {other} ({', '.join(found)}), not a {kind}; {action} a "
+                                 f"{kind}: delete it yourself or choose another folder")
 
 
 def _names(names: list[str]) -> str:

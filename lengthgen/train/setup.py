@@ -96,6 +96,23 @@ def check_world(cfg: RunConfig, world: int) -> None:
                               "train.batch_size / train.tokens_per_step or train.grad_accum")
 
 
+def check_backend(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> None:
+    """`ConfigError` when ``model.attention_backend`` (not ``auto``) cannot train a layer's attention on
+    ``device``: found before the run folder is touched, not at the first step."""
+    from lengthgen.attention import backends
+
+    dtype = autocast_dtype(cfg.train, device.type) or torch.float32
+    for attn in model.attentions:
+        if attn.backend == "auto":
+            continue
+        q = torch.empty(1, attn.heads, max(cfg.lengths()), attn.head_dim, device=device, dtype=dtype)
+        reason = backends.unsupported(attn.backend, attn.spec, q, True)
+        if reason is not None:
+            raise ConfigError(f"model.attention_backend={attn.backend!r} cannot train layer {attn.layer_index}'s "
+                              f"attention on {device.type}: {reason}; use 'auto' (the fastest that can) or "
+                              "another backend", "model.attention_backend")
+
+
 #: keys a resumed run may change: they leave its training trajectory as it is (evaluation, checkpoints, logging,
 #: speed); every other difference between a checkpoint's config and the resumed run's is refused
 MAY_CHANGE_ON_RESUME = frozenset({

@@ -45,7 +45,8 @@ from lengthgen.train.data import split_batch
 from lengthgen.train.log import RunLog
 from lengthgen.train.optim import build_optimizers, capture_logits, clip_captured_logits, set_lr
 from lengthgen.train.schedule import lr_multiplier
-from lengthgen.train.setup import autocast_dtype, check_resume, check_world, device_type, resolve
+from lengthgen.train.setup import (autocast_dtype, check_backend, check_resume, check_world, device_type,
+                                   resolve)
 from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
 from lengthgen.train.weights import load_initial_weights
 
@@ -95,6 +96,7 @@ class Trainer:
 
         torch.manual_seed(tc.seed)
         self.model = GPT(cfg.model).to(self.device)
+        check_backend(self.model, cfg, self.device)
         self.initialized_from: dict[str, Any] | None = None
         self.step, self.tokens = 0, 0
         self.history: list[float] = []
@@ -149,6 +151,7 @@ class Trainer:
         if not resume:
             run_folder.check_fresh(self.run_dir, overwrite=overwrite, keep=self.config.train.init_from)
             return None
+        run_folder.check_kind(self.run_dir, "training run")
         try:
             ckpt, step = run_folder.load_newest(self.run_dir, lambda c: self._read_checkpoint(c, extend),
                                                 set_aside=True)
