@@ -659,3 +659,10 @@ def test_a_backend_that_cannot_train_here_is_refused_before_the_folder_exists(tm
     code, err = cli(capsys, "train", *sets("model.attention_backend=flex"), "--out", out)
     assert code == 2 and "model.attention_backend='flex' cannot train layer 0's attention on cpu" in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_compare_refuses_a_backend_that_cannot_train_before_its_folder_exists(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, err = cli(capsys, "compare", "--variants", "baseline", *sets("model.attention_backend=flex"), "--out", out)
+    assert code == 2 and "model.attention_backend='flex' cannot train layer 0's attention on cpu" in err
+    assert not out.exists()

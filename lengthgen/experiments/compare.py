@@ -27,16 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
 from lengthgen.config import ConfigError, build, check, invalid, option
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
 from lengthgen.experiments.jobs import Job, Runner
 from lengthgen.experiments.needle import needle_filler
 from lengthgen.experiments.retrofit import finetune_config
+from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.run_folder import check_fresh, check_kind, lock
-from lengthgen.train.setup import check_length, resolve
+from lengthgen.train.setup import check_backend, check_length, device_type, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 
@@ -197,6 +200,9 @@ def plan(cfg: RunConfig, variants: list[str] | None = None, bases: list[str] | N
         if cc.workers > 1 and not run_cfg.train.threads:
             raise ConfigError(f"compare.workers={cc.workers} runs several runs at once: set train.threads (each "
                               "run's CPU threads, e.g. 1), so they share the cores", "compare.workers")
+        with torch.device("meta"):              # the layers' specs, without weights (any vocabulary)
+            model = GPT(dataclasses.replace(run_cfg.model, vocab_size=run_cfg.model.vocab_size or 2))
+        check_backend(model, run_cfg, torch.device(device_type(run_cfg.train)))
     return result
 
 
