@@ -57,12 +57,11 @@ TINY_BENCH = ["--device", "cpu", "--dtype", "float32", "--warmup", "0", "--reps"
               "--backends", "tiled,sdpa"]
 TEST_STATES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 MIN_PART_S = 10          # a part is not started with less than this left
-LOG_DIR: Path | None = None  # --log-dir: every subprocess's whole output, one file per part (and attention group)
 
 
-def _run(cmd: list[str], timeout: float, log: str) -> dict[str, Any]:
+def _run(cmd: list[str], timeout: float, args: argparse.Namespace, log: str) -> dict[str, Any]:
     """Run ``cmd`` in its own process group (killed whole on timeout); rc, output, seconds, timed_out. The whole
-    output also goes to ``LOG_DIR/<log>.log`` when ``--log-dir`` is given."""
+    output also goes to ``<--log-dir>/<log>.log`` when ``--log-dir`` is given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     start = time.perf_counter()
@@ -73,9 +72,9 @@ def _run(cmd: list[str], timeout: float, log: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, timed_out = proc.communicate()[0], True
-    if LOG_DIR is not None:
-        LOG_DIR.mkdir(parents=True, exist_ok=True)
-        (LOG_DIR / f"{log}.log").write_text(f"$ {' '.join(cmd)}\n{output or ''}")
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.log_dir) / f"{log}.log").write_text(f"$ {' '.join(cmd)}\n{output or ''}")
     return dict(rc=proc.returncode, output=output or "", seconds=time.perf_counter() - start, timed_out=timed_out)
 
 
@@ -94,7 +93,7 @@ def run_part(name: str, args: argparse.Namespace, timeout: float, work: Path) ->
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-part", name, "--part-out", str(out),
            "--work", str(work)] + (["--tiny"] if args.tiny else [])
     cmd += ["--seed-kernel", args.seed_kernel] if args.seed_kernel else []
-    run = _run(cmd, timeout, name)
+    run = _run(cmd, timeout, args, name)
     entry: dict[str, Any] = dict(status=_status(run), seconds=run["seconds"])
     if entry["status"] == "ok":
         entry["result"] = json.loads(out.read_text())
@@ -110,7 +109,7 @@ def run_tests(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     paths = ["tests/test_bench.py"] if args.tiny else ["tests"]
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-p", "no:cacheprovider", "-o", "addopts=",
            *(["-n", str(workers)] if workers else []), *paths]
-    run = _run(cmd, timeout, "tests")
+    run = _run(cmd, timeout, args, "tests")
     counts, failed = parse_pytest(run["output"])
     status = _status(run, f" ({sum(counts.values())} tests reported)")
     if status.startswith("failed") and (counts.get("failed") or counts.get("error")):
@@ -153,7 +152,7 @@ def run_attention(args: argparse.Namespace, deadline: float, work: Path) -> dict
         out = work / f"attention-{length}-{head_dim}.json"
         cmd = [sys.executable, "benchmarks/attention_gpu.py", "--lengths", str(length), "--head-dims",
                str(head_dim), "--time-budget", str(max(1.0, left - 30)), "--out", str(out)]
-        run = _run(cmd + (TINY_BENCH if args.tiny else []), left, f"attention-{length}-{head_dim}")
+        run = _run(cmd + (TINY_BENCH if args.tiny else []), left, args, f"attention-{length}-{head_dim}")
         group = dict(length=length, head_dim=head_dim, status=_status(run), seconds=run["seconds"])
         if group["status"] == "ok":
             found = json.loads(out.read_text())["rows"]
@@ -246,8 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.part_out).write_text(json.dumps(out, indent=1))
         return 0
     args.budget = args.budget or (900.0 if args.tiny else 540.0)
-    global LOG_DIR
-    LOG_DIR = Path(args.log_dir) if args.log_dir else None
     check(args)
     return 0
 

@@ -179,7 +179,7 @@ def _layer_md(r: dict, _: dict) -> list[str]:
             f"`Attention` forward + backward, dim {r['dim']}, {r['heads']} heads of {r['head_dim']}, batch "
             f"{r['batch']} x L {r['length']}, {r['dtype']}, compiled: baseline {_fmt(r['ms']['baseline'])} ms, "
             f"with head_layer out-norm and an elementwise 2sigmoid gate {_fmt(r['ms']['out_norm+gate'])} ms "
-            f"(+{100 * r['overhead']:.1f}%).", ""] + _layer_parts(r)
+            f"({100 * r['overhead']:+.1f}%).", ""] + _layer_parts(r)
 
 
 def _layer_parts(r: dict) -> list[str]:
@@ -191,7 +191,7 @@ def _layer_parts(r: dict) -> list[str]:
     if not parts:
         return []
     return ["| layer | ms | extra |", "|---|---|---|"] + [
-        f"| {label} | {_fmt(ms)} | +{100 * extra:.1f}% |" for label, ms, extra in parts] + [""]
+        f"| {label} | {_fmt(ms)} | {100 * extra:+.1f}% |" for label, ms, extra in parts] + [""]
 
 
 def _train_md(_: dict, result: dict) -> list[str]:

@@ -563,25 +563,17 @@ def test_overwrite_refuses_the_checkpoint_the_run_starts_from(tmp_path, capsys, 
     assert code == 2 and "(train.init_from), which this run starts from" in err and files(run) == before
 
 
-def test_overwrite_replaces_only_its_own_kind_of_folder(tmp_path, capsys, stopped, two_compares):
+@pytest.mark.parametrize("flag,action", [("--overwrite", "--overwrite replaces only"),
+                                         ("--resume", "--resume continues only")])
+def test_overwrite_and_resume_take_only_their_own_kind_of_folder(tmp_path, capsys, stopped, two_compares, flag,
+                                                                 action):
     comparison, run = tmp_path / "a", copy(stopped[0], tmp_path)
     shutil.copytree(two_compares[0], comparison)
     before = files(comparison), files(run)
-    code, err = cli(capsys, "train", *sets(), "--out", comparison, "--overwrite")
-    assert code == 2 and "holds a comparison (runs), not a training run" in err
-    code, err = cli(capsys, "compare", "--variants", "baseline", *sets(), "--out", run, "--overwrite")
-    assert code == 2 and "holds a training run (checkpoints, config.json), not a comparison" in err
-    assert (files(comparison), files(run)) == before
-
-
-def test_resume_continues_only_its_own_kind_of_folder(tmp_path, capsys, stopped, two_compares):
-    comparison, run = tmp_path / "a", copy(stopped[0], tmp_path)
-    shutil.copytree(two_compares[0], comparison)
-    before = files(comparison), files(run)
-    code, err = cli(capsys, "train", *sets(), "--out", comparison, "--resume")
-    assert code == 2 and "holds a comparison (runs), not a training run; --resume continues only" in err
-    code, err = cli(capsys, "compare", "--variants", "baseline", *sets(), "--out", run, "--resume")
-    assert code == 2 and "holds a training run (checkpoints, config.json), not a comparison" in err
+    code, err = cli(capsys, "train", *sets(), "--out", comparison, flag)
+    assert code == 2 and f"holds a comparison (runs), not a training run; {action}" in err
+    code, err = cli(capsys, "compare", "--variants", "baseline", *sets(), "--out", run, flag)
+    assert code == 2 and f"holds a training run (checkpoints, config.json), not a comparison; {action}" in err
     assert (files(comparison), files(run)) == before
 
 

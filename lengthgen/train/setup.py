@@ -105,7 +105,8 @@ def check_backend(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
     for attn in model.attentions:
         if attn.backend == "auto":
             continue
-        q = torch.empty(1, attn.heads, max(cfg.lengths()), attn.head_dim, device=device, dtype=dtype)
+        # a one-row query: what backends check (device, dtype, head_dim) does not depend on the length
+        q = torch.empty(1, attn.heads, 1, attn.head_dim, device=device, dtype=dtype)
         reason = backends.unsupported(attn.backend, attn.spec, q, True)
         if reason is not None:
             raise ConfigError(f"model.attention_backend={attn.backend!r} cannot train layer {attn.layer_index}'s "

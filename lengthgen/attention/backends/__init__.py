@@ -42,7 +42,6 @@ TILED_DENSE_MAX_LOGITS, TILED_DENSE_MAX_PAIRS = 1 << 19, 1 << 14
 DECODE_ROWS, DECODE_MAX_LOGITS = 16, 1 << 24
 
 
-
 def triton_before_flex(spec: AttentionSpec) -> bool:
     """`auto` on CUDA: the fused Triton kernel before FlexAttention for ``p != 1`` and scale-invariant attention.
 
