@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lengthgen.attention import Attention, AttentionSpec, attend
 from lengthgen.attention import functional as fn
@@ -171,6 +172,43 @@ def test_query_gains_equal_their_formulas(scaling):
     want = attend(scaled_q, k, v, spec.replace(query_scaling="none"), backend="dense")
     torch.testing.assert_close(attend(q, k, v, spec, multipliers=mult, backend="dense"), want, **F64)
     torch.testing.assert_close(attend(q, k, v, spec, multipliers=mult, backend="tiled"), want, **F64)
+
+
+class _AtenOps(TorchDispatchMode):
+    """Records the aten ops dispatched inside the block (each is a kernel launch on a GPU)."""
+
+    def __enter__(self):
+        self.ops = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])
+def test_query_scaling_is_one_cached_factor(scaling):
+    """Without documents or an explicit mask the gain is a cached per-position constant: after the first call,
+    query scaling adds at most 4 small ops to the baseline's (upcast, multiply) and creates no tensor from Python
+    values (a host-to-device copy on CUDA). It equals the uncached gain, and a first call under inference
+    mode (an evaluation) does not poison later training."""
+    spec = AttentionSpec(query_scaling=scaling, scaling_a=0.3, window=9)
+    q = randn(2, 2, 12, 4, seed=17)
+    with torch.inference_mode():
+        fn.scale_queries(q, spec, 12)
+    with _AtenOps() as base_ops:
+        fn.scale_queries(q, AttentionSpec(), 12)
+    for mult in (None, torch.tensor([0.5, 2.0], dtype=torch.float64, requires_grad=True)):
+        with _AtenOps() as ops:
+            scaled = fn.scale_queries(q.requires_grad_(), spec, 12, multiplier=mult)
+        assert len(ops.ops) <= len(base_ops.ops) + 4 and "lift_fresh" not in ops.ops, ops.ops
+        one_doc = torch.zeros(2, 12, dtype=torch.long)        # the uncached path: per-row counts of one document
+        uncached = fn.scale_queries(q, spec.replace(doc_masking=True), 12, one_doc, multiplier=mult)
+        torch.testing.assert_close(scaled, uncached, rtol=1e-15, atol=0)
+        scaled.sum().backward()                           # the cached constant can be saved for backward
+    n = torch.arange(1, 13, dtype=torch.float64).clamp(max=9)[None]
+    gains = fn.query_gain(n, spec) + fn.query_gain(n, spec, mult.detach())       # both calls' d(sum q')/dq / base
+    torch.testing.assert_close(q.grad, (gains * 0.5).expand(2, 2, 12, 4), rtol=1e-12, atol=0)
 
 
 def test_alibi_slopes():

@@ -18,6 +18,7 @@ decoding with a cache).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,24 +31,50 @@ from lengthgen.attention.spec import AttentionSpec
 # query-length scaling g_i
 
 
+def gain_feature(n: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """The n-dependent factor f(n) of the gain ``g = a + m f(n)``:
+
+    * ``log_n``: ``f = log n`` (``a = 0``; Scalable-Softmax, Nakanishi 2025, arXiv 2501.19399).
+    * ``sqrt_log_n``: ``f = sqrt(2 log(b n + c))`` (seed 004: the extreme-value scale of the maximum of n
+      Gaussian logits, with the seed's tuned a=0, b=0.1, c=1.9).
+    """
+    if spec.query_scaling == "log_n":
+        return torch.log(n)
+    return torch.sqrt(2 * torch.log(spec.scaling_b * n + spec.scaling_c))
+
+
 def query_gain(n: torch.Tensor, spec: AttentionSpec, multiplier: torch.Tensor | float | None = None
                ) -> torch.Tensor | None:
-    """g_i as a function of n_i, or None when it is 1.
+    """g_i = a + m f(n_i) (`gain_feature`), or None when it is 1.
 
-    * ``log_n``: ``g = s log n`` (Scalable-Softmax, Nakanishi 2025, arXiv 2501.19399).
-    * ``sqrt_log_n``: ``g = a + r sqrt(2 log(b n + c))`` (seed 004: the extreme-value scale of the maximum
-      of n Gaussian logits, with the seed's tuned a=0, b=0.1, c=1.9).
-
-    ``n``: (B, Lq); ``multiplier`` (s or r): a float, a scalar tensor or a (H,) tensor. Returns (B, H|1, Lq, 1).
-    """
+    ``n``: (B, Lq); ``multiplier`` m (s or r): a float, a scalar tensor or a (H,) tensor, default
+    ``spec.scaling_init``. Returns (B, H|1, Lq, 1)."""
     if spec.query_scaling == "none":
         return None
+    return _combine(gain_feature(n[:, None, :, None], spec), spec, multiplier, 1.0)
+
+
+def _combine(f: torch.Tensor, spec: AttentionSpec, multiplier: torch.Tensor | float | None, base: float
+             ) -> torch.Tensor:
+    """``(a + m f) * base`` with a float m as Python arithmetic (no host-to-device copy) and a tensor m as
+    (1, H|1, 1, 1)."""
     m = spec.scaling_init if multiplier is None else multiplier
-    m = torch.as_tensor(m, dtype=n.dtype, device=n.device).reshape(1, -1, 1, 1)
-    n = n[:, None, :, None]
-    if spec.query_scaling == "log_n":
-        return m * torch.log(n)
-    return spec.scaling_a + m * torch.sqrt(2 * torch.log(spec.scaling_b * n + spec.scaling_c))
+    if isinstance(m, torch.Tensor):
+        m = m.reshape(1, -1, 1, 1)
+    a = spec.scaling_a if spec.query_scaling == "sqrt_log_n" else 0.0
+    g = f * (m * base)
+    return g + a * base if a else g
+
+
+@functools.lru_cache(maxsize=256)
+def _position_feature(spec: AttentionSpec, lq: int, lk: int, device: torch.device, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """`gain_feature` of the closed-form counts (no documents, no explicit mask): a (1, 1, Lq, 1) constant,
+    cached so that an eager step does not rebuild it from a dozen tiny kernels. Made outside inference mode:
+    autograd saves it for the queries' gradient."""
+    with torch.inference_mode(False):
+        n = mods.visible_counts(spec, lq, lk, device=device).to(dtype)
+        return gain_feature(n[:, None, :, None], spec)
 
 
 def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
@@ -59,9 +86,13 @@ def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.
     q = q.to(compute_dtype(q.dtype))
     if spec.query_scaling == "none":
         return q * base
-    n = mods.visible_counts(spec, q.shape[-2], lk, doc_ids, mask, device=q.device)
-    n = n.clamp(min=1).to(q.dtype)                   # a row that sees nothing (explicit mask) outputs 0 anyway
-    return q * (query_gain(n, spec, multiplier) * base)
+    lq = q.shape[-2]
+    if mask is None and mods.document_starts(spec, doc_ids) is None and not torch.compiler.is_compiling():
+        f = _position_feature(spec, lq, lk, q.device, q.dtype)
+    else:
+        n = mods.visible_counts(spec, lq, lk, doc_ids, mask, device=q.device)
+        f = gain_feature(n.clamp(min=1).to(q.dtype)[:, None, :, None], spec)  # a row that sees nothing outputs 0
+    return q * _combine(f, spec, multiplier, base)
 
 
 # ---------------------------------------------------------------------------------------------------
