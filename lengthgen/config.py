@@ -7,7 +7,7 @@ dicts, nested configs built from dicts), then checks only the rules that involve
 `check_value` is the same checker for arguments that are not dataclass fields (task arguments, corpus
 options, theory parameters).
 
-Errors are `ConfigError` naming the key: ``TrainConfig.lr=nan is not valid; it must be a finite number >=
+Errors are `ConfigError` naming the key: ``TrainConfig.lr=nan is not valid; it must be a finite float32 number >=
 0``. A config nested in another reports the outer key (``train.lr=...``, see `ConfigError.under`).
 
 `build` makes a config from a TOML/JSON dict (unknown keys are errors), `set_key` sets one dotted key of
@@ -98,14 +98,16 @@ def hints(cls: type) -> dict[str, Any]:
 
 
 def _bounds_text(bounds: dict[str, float]) -> str:
+    def num(x: float) -> str:
+        return str(x) if isinstance(x, int) else f"{x:g}"
     low = ("[", bounds["ge"]) if "ge" in bounds else ("(", bounds["gt"]) if "gt" in bounds else None
     high = ("]", bounds["le"]) if "le" in bounds else (")", bounds["lt"]) if "lt" in bounds else None
     if low and high:
-        return f" in {low[0]}{low[1]:g}, {high[1]:g}{high[0]}"
+        return f" in {low[0]}{num(low[1])}, {num(high[1])}{high[0]}"
     if low:
-        return f" {'>=' if low[0] == '[' else '>'} {low[1]:g}"
+        return f" {'>=' if low[0] == '[' else '>'} {num(low[1])}"
     if high:
-        return f" {'<=' if high[0] == ']' else '<'} {high[1]:g}"
+        return f" {'<=' if high[0] == ']' else '<'} {num(high[1])}"
     return ""
 
 
@@ -114,9 +116,13 @@ def _in_bounds(x: float, bounds: dict[str, float]) -> bool:
             and x <= bounds.get("le", math.inf) and x < bounds.get("lt", math.inf))
 
 
+#: Floats must fit float32 (the model's and the optimizers' arithmetic): ``lr=1e39`` overflowed in AdamW.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _finite(x: numbers.Real) -> bool:
     try:
-        return math.isfinite(x)
+        return math.isfinite(x) and abs(x) <= FLOAT32_MAX
     except OverflowError:  # an int beyond float range
         return False
 
@@ -145,7 +151,7 @@ def expected(hint: Any, bounds: dict[str, float] | None = None) -> str:
     if hint is int:
         return "an integer" + _bounds_text(bounds)
     if hint is float:
-        return "a finite number" + _bounds_text(bounds)
+        return "a finite float32 number" + _bounds_text(bounds)
     if hint is str:
         return "a string"
     if origin is list:
@@ -164,7 +170,7 @@ def expected(hint: Any, bounds: dict[str, float] | None = None) -> str:
 def check_value(key: str, value: Any, hint: Any, **bounds: float) -> Any:
     """``value`` checked against type ``hint`` and ``bounds`` (``ge``, ``gt``, ``le``, ``lt``), converted
     (an int to a float, a list to a tuple, a dict to a dataclass); a `ConfigError` naming ``key`` if it does
-    not fit. Numbers must be finite."""
+    not fit. Floats must be finite and fit float32."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return value

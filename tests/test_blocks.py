@@ -289,7 +289,7 @@ def test_regress_and_classify_heads_run_in_float32_under_autocast():
     (dict(init="xavier"), "init='xavier'.*normal, uniform, torch"),
     (dict(logit_cap_form="softcap"), "tanh, sigmoid"),
     (dict(init_overrides={"head.weight": "big"}), r"init_overrides.head.weight='big' is not valid; it must be a "
-                                                  "finite number >= 0"),
+                                                  "finite float32 number >= 0"),
 ])
 def test_bad_model_options_name_the_key(changes, match):
     with pytest.raises(ConfigError, match=match):

@@ -76,14 +76,17 @@ def test_overrides():
     ("train.optimizer=sgd", "train.optimizer='sgd' is not valid; it must be one of adamw, muon"),
     ("train.steps=abc", "train.steps='abc' is not valid; it must be an integer >= 1"),
     ("train.steps=1.5", "train.steps=1.5 is not valid; it must be an integer >= 1"),
-    ("train.lr=fast", "train.lr='fast' is not valid; it must be a finite number >= 0"),
-    ("train.lr=nan", "train.lr=nan is not valid; it must be a finite number >= 0"),
-    ("train.lr=-inf", "train.lr=-inf is not valid; it must be a finite number >= 0"),
-    ("train.qk_clip=0", "train.qk_clip=0 is not valid; it must be a finite number > 0, or none"),
+    ("train.lr=fast", "train.lr='fast' is not valid; it must be a finite float32 number >= 0"),
+    ("train.lr=nan", "train.lr=nan is not valid; it must be a finite float32 number >= 0"),
+    ("train.lr=-inf", "train.lr=-inf is not valid; it must be a finite float32 number >= 0"),
+    ("train.lr=1e39", "train.lr=1e+39 is not valid; it must be a finite float32 number >= 0"),   # AdamW overflowed
+    ("train.seed=18446744073709551617", "train.seed=18446744073709551617 is not valid; it must be an integer in "
+                                        "[0, 9223372036854775807]"),                           # torch.manual_seed
+    ("train.qk_clip=0", "train.qk_clip=0 is not valid; it must be a finite float32 number > 0, or none"),
     ("train.compile=yes", "train.compile='yes' is not valid; it must be true or false"),
     ("train.compile=1", "train.compile=1 is not valid; it must be true or false"),
-    ("train.betas=[0.9, 1.0]", "train.betas[1]=1.0 is not valid; it must be a finite number in [0, 1)"),
-    ("train.betas=[0.9]", "train.betas=[0.9] is not valid; it must be a list of 2 items, each a finite number"),
+    ("train.betas=[0.9, 1.0]", "train.betas[1]=1.0 is not valid; it must be a finite float32 number in [0, 1)"),
+    ("train.betas=[0.9]", "train.betas=[0.9] is not valid; it must be a list of 2 items, each a finite float32 number"),
     ("train.eval_lengths=[16, 0]", "train.eval_lengths[1]=0 is not valid; it must be an integer >= 1"),
     ("train.stages=[[5, 32], [1, 64]]", "train.stages=[(5, 32), (1, 64)] is not valid; it must be a list of "
                                         "[step, length] pairs with increasing steps"),
@@ -106,7 +109,8 @@ def test_toml_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^model\.width is not a valid key; valid keys: vocab_size"):
         load_config(path)
     path.write_text("[train.bema]\nkappa = \"x\"\n")
-    with pytest.raises(ConfigError, match=r"^train\.bema\.kappa='x' is not valid; it must be a finite number >= 0$"):
+    with pytest.raises(ConfigError,
+                       match=r"^train\.bema\.kappa='x' is not valid; it must be a finite float32 number >= 0$"):
         load_config(path)
     path.write_text("[model]\nattention = {preset = \"l2\", out_norm = \"nope\"}\n")
     with pytest.raises(ConfigError, match=r"^model\.attention\.out_norm='nope' is not valid; it must be one of"):
@@ -119,7 +123,8 @@ def test_toml_errors(tmp_path):
 
 
 def test_python_construction_names_the_class():
-    with pytest.raises(ConfigError, match=r"^TrainConfig\.lr=nan is not valid; it must be a finite number >= 0$"):
+    with pytest.raises(ConfigError,
+                       match=r"^TrainConfig\.lr=nan is not valid; it must be a finite float32 number >= 0$"):
         TrainConfig(lr=math.nan)
     with pytest.raises(ConfigError, match=r"^TrainConfig\.bema\.rho=-1 is not valid"):
         TrainConfig(bema={"rho": -1})
@@ -186,11 +191,11 @@ def test_check_value_accepts_and_converts(value, hint, bounds, out):
     (True, int, {}, "k=True is not valid; it must be an integer"),
     (1, bool, {}, "k=1 is not valid; it must be true or false"),
     (1.0, int, {"ge": 0}, "k=1.0 is not valid; it must be an integer >= 0"),
-    (math.inf, float, {}, "k=inf is not valid; it must be a finite number"),
-    (math.nan, float, {"le": 1}, "k=nan is not valid; it must be a finite number <= 1"),
-    (10**400, float, {}, f"k={10**400!r} is not valid; it must be a finite number"),
-    (0, float, {"gt": 0, "le": 1}, "k=0 is not valid; it must be a finite number in (0, 1]"),
-    (1, float, {"ge": 0, "lt": 1}, "k=1 is not valid; it must be a finite number in [0, 1)"),
+    (math.inf, float, {}, "k=inf is not valid; it must be a finite float32 number"),
+    (math.nan, float, {"le": 1}, "k=nan is not valid; it must be a finite float32 number <= 1"),
+    (10**400, float, {}, f"k={10**400!r} is not valid; it must be a finite float32 number"),
+    (0, float, {"gt": 0, "le": 1}, "k=0 is not valid; it must be a finite float32 number in (0, 1]"),
+    (1, float, {"ge": 0, "lt": 1}, "k=1 is not valid; it must be a finite float32 number in [0, 1)"),
     (5, int, {"lt": 5}, "k=5 is not valid; it must be an integer < 5"),
     (1, Literal["1", "2"], {}, "k=1 is not valid; it must be one of 1, 2"),
     (True, Literal[1, 2], {}, "k=True is not valid; it must be one of 1, 2"),
@@ -199,7 +204,7 @@ def test_check_value_accepts_and_converts(value, hint, bounds, out):
     ((1, 2, 3), tuple[int, int], {}, "k=(1, 2, 3) is not valid; it must be a list of 2 items, each an integer"),
     ({1: 2}, dict[str, Any], {}, "k={1: 2} is not valid; it must be a table"),
     ("s", list[int], {}, "k='s' is not valid; it must be a list, each item an integer"),
-    ({"kappa": "x"}, BemaConfig, {}, "k.kappa='x' is not valid; it must be a finite number >= 0"),
+    ({"kappa": "x"}, BemaConfig, {}, "k.kappa='x' is not valid; it must be a finite float32 number >= 0"),
     ({"x": 1}, BemaConfig, {},
      "k.x is not a valid key; valid keys: enabled, kappa, eta, rho, gamma, tau, update_every"),
 ])
@@ -235,7 +240,7 @@ def test_check_converts_frozen_and_plain_dataclasses():
             check(self)
 
     assert type(Small().rate) is float and Small(rate=2).rate == 2.0
-    with pytest.raises(ConfigError, match=r"^Small\.rate=0 is not valid; it must be a finite number > 0$"):
+    with pytest.raises(ConfigError, match=r"^Small\.rate=0 is not valid; it must be a finite float32 number > 0$"):
         Small(rate=0)
 
 
@@ -252,8 +257,8 @@ def test_every_field_is_documented_and_described():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no one-line meaning"
     rows = {key: (what, default, doc) for key, what, default, doc in describe(RunConfig)}
-    assert rows["train.lr"] == ("a finite number >= 0", 1e-3, "peak AdamW learning rate")
-    assert rows["train.bema.kappa"][0] == "a finite number >= 0"
+    assert rows["train.lr"] == ("a finite float32 number >= 0", 1e-3, "peak AdamW learning rate")
+    assert rows["train.bema.kappa"][0] == "a finite float32 number >= 0"
     assert rows["model.attention.out_norm"][0] == "one of none, head_layer, head_rms, global_layer, global_rms"
     assert rows["model.head"][0] == "one of lm, regress, classify, or none"
     assert rows["data.task"][1] == "counting" and rows["train.stages"][1] == []

@@ -162,7 +162,7 @@ def test_next_token_top_k_draws_only_the_k_largest():
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(max_new_tokens=-1), ConfigError, r"^max_new_tokens=-1 is not valid; it must be an integer >= 0$"),
-    (dict(temperature=-0.5), ConfigError, r"^temperature=-0.5 is not valid; it must be a finite number >= 0$"),
+    (dict(temperature=-0.5), ConfigError, r"^temperature=-0.5 is not valid; it must be a finite float32 number >= 0$"),
     (dict(top_k=0), ConfigError, r"^top_k=0 is not valid; it must be an integer >= 1, or none$"),
     (dict(prompt=torch.zeros(3, dtype=torch.long)), ValueError, r"prompt must be \(batch, length >= 1\)"),
     (dict(prompt=torch.zeros(1, 3)), ValueError, r"token ids \(torch.long\), got torch.float32"),

@@ -67,7 +67,8 @@ class CompareConfig:
                                    "base/variant")
     pretrain_steps: int = option(0, "> 0: pretrain each base this many steps, then finetune every variant from "
                                  "it for train.steps steps with a fresh optimizer (seed 000)", ge=0)
-    seeds: list[int] = option([0], "train.seed of each run of a variant (--seeds N: 0, 1, ..., N-1)", ge=0)
+    seeds: list[int] = option([0], "train.seed of each run of a variant (--seeds N: 0, 1, ..., N-1)", ge=0,
+                              le=2**63 - 1)
     eval_lengths: list[int] = option([], "evaluation lengths (default: the training length x 1, 2, 4, 8, 16)",
                                      ge=1)
     eval_tokens: int = option(8192, "tokens per evaluated length", ge=1)

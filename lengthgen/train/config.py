@@ -82,7 +82,7 @@ class TrainConfig:
     restart_at_stages: bool = option(False, "at every stage after the first, re-create the optimizers (fresh "
                                      "state) and warm the learning rate up again over warmup_steps (seed 001)")
     bema: BemaConfig = option(BemaConfig(), "BEMA of the weights")
-    seed: int = option(0, "seed of the weights and the data", ge=0)
+    seed: int = option(0, "seed of the weights and the data", ge=0, le=2**63 - 1)
     eval_every: int = option(0, "evaluate every this many steps; 0: at the end only", ge=0)
     eval_lengths: list[int] = option([], "evaluation lengths (default [data.length])", ge=1)
     eval_batches: int = option(2, "batches per evaluation length", ge=0)
