@@ -43,6 +43,10 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
         tomllib = None  # type: ignore[assignment]
 
 
+class ConfigWarning(UserWarning):
+    """A valid config that likely does not do what was meant (a training stage after the last step)."""
+
+
 class ConfigError(ValueError):
     """An invalid configuration key or value. The message starts with ``key`` (``""``: it names none)."""
 
@@ -394,8 +398,10 @@ def toml_value(value: Any) -> str:
 
 
 def format_config(config: Any, width: int = 34) -> str:
-    """A config instance as text, TOML-like: the top-level keys, then a ``[section]`` per nested config with
-    its meaning; each key ``= value`` followed by ``# meaning [valid values]``."""
+    """A config instance as TOML: the top-level keys, then a ``[section]`` per nested config with its meaning;
+    each key ``= value`` followed by ``# meaning [valid values]``. TOML has no null: a key whose value is None
+    is commented out (``# head_dim = none``); left out, it reads back as None, which is every optional key's
+    default."""
     rows = describe(config)
     sections = {"": ""} | {key: doc for key, what, _, doc in rows
                            if what == "a table" and any(k.startswith(key + ".") for k, *_ in rows)}
@@ -403,7 +409,7 @@ def format_config(config: Any, width: int = 34) -> str:
     for key, what, value, doc in rows:
         section, _, name = key.rpartition(".")
         if key not in sections:
-            text = f"{name} = {toml_value(to_plain(value))}"
+            text = f"{'# ' if value is None else ''}{name} = {toml_value(to_plain(value))}"
             lines[section].append(f"{text:<{width}} # {doc} [{what}]" if len(text) < width else
                                   f"{text}  # {doc} [{what}]")
     out = lines[""]

@@ -28,7 +28,7 @@ def shown(capsys, *args: str) -> dict[str, tuple[str, str]]:
     for line in capsys.readouterr().out.splitlines():
         if m := re.fullmatch(r"\[([\w.]+)\]  # .+", line):
             section = m[1] + "."
-        elif m := re.fullmatch(r"(\w+) = (.+?) +# (.+)", line):
+        elif m := re.fullmatch(r"(?:# )?(\w+) = (.+?) +# (.+)", line):    # None: commented out
             keys[section + m[1]] = (m[2], m[3])
     return keys
 
@@ -69,6 +69,24 @@ def test_config_show_values_read_back_as_overrides(capsys, monkeypatch):
     cfg = load_config("configs/seed000_avnorm.toml")
     assert keys["train.muon_lr_mul"][0] == '{"blocks.*.mlp.proj.weight" = 4.0}'
     assert cfg.override(*(f"{key}={value}" for key, (value, _) in keys.items())) == cfg
+
+
+@pytest.mark.parametrize("what", [None, "compare", "configs/seed000_avnorm.toml", "configs/seed001_counting.toml",
+                                  "configs/seed003_dyck.toml"])
+def test_config_show_output_loads_back_as_a_file(tmp_path, capsys, monkeypatch, what):
+    """``config show > my.toml`` is a config file: keys set to none are commented out (TOML has no null), which
+    reads back as none, every optional key's default."""
+    monkeypatch.chdir(ROOT)
+    assert main(["config", "show", *([what] if what else [])]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^# \w+ = none +# ", text, re.M) and not re.search(r"^\w+ = none", text, re.M)
+    (tmp_path / "shown.toml").write_text(text)
+    if what == "compare":
+        from lengthgen.experiments.compare import base_config
+        want = base_config(None, [])
+    else:
+        want = load_config(what) if what else RunConfig()
+    assert load_config(tmp_path / "shown.toml") == want
 
 
 def test_config_show_reads_run_folders_compare_and_attention(tmp_path, capsys, monkeypatch):

@@ -659,3 +659,18 @@ def test_compare_refuses_a_backend_that_cannot_train_before_its_folder_exists(tm
     code, err = cli(capsys, "compare", "--variants", "baseline", *sets("model.attention_backend=flex"), "--out", out)
     assert code == 2 and "model.attention_backend='flex' cannot train layer 0's attention on cpu" in err
     assert not out.exists()
+
+
+def test_unreachable_stages_and_warmup_are_one_line_warnings(tmp_path, capsys):
+    """A stage that starts at or after the last step, and a warmup longer than the run, are valid (a smoke run
+    of a staged config) but never reached: train and compare say so in one line each, then run."""
+    late = ("train.stages=[[0, 8], [4, 16]]", "train.warmup_steps=8")
+    assert main(["train", *sets(*late), "--out", str(tmp_path / "run")]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line]
+    assert warned == ["lengthgen train: warning: train.stages [[4, 16]] start at or after train.steps=4 (steps "
+                      "count from 0): never used",
+                      "lengthgen train: warning: train.warmup_steps=8 > train.steps=4: the learning rate only "
+                      "reaches 0.5 x train.lr"]
+    assert main(["train", *sets("train.stages=[[0, 8], [3, 16]]", "train.warmup_steps=4"), "--out",
+                 str(tmp_path / "reached")]) == 0
+    assert ": warning: " not in capsys.readouterr().err

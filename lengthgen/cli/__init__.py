@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
     checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
     status 2 and a one-line message, a diverged run (non-finite loss) with status 1 and one line, Ctrl-C with 130
-    and one line; run folder warnings are one line too."""
-    from lengthgen.config import ConfigError
+    and one line; run folder and config warnings are one line too."""
+    from lengthgen.config import ConfigError, ConfigWarning
     from lengthgen.eval import ResultsError
     from lengthgen.optional import MissingPackageError
     from lengthgen.train import NonFiniteLossError
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         show = warnings.showwarning
 
         def one_line(message, category, *rest):
-            if not issubclass(category, RunFolderWarning):
+            if not issubclass(category, (RunFolderWarning, ConfigWarning)):
                 return show(message, category, *rest)
             print(f"lengthgen {args.command}: warning: {message}", file=sys.stderr)
 

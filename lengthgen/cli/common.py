@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +85,14 @@ def logging_overrides(args: argparse.Namespace) -> list[str]:
     """The ``--set`` overrides that ``--log-every`` and ``--wandb`` stand for."""
     return ([f"train.log_every={args.log_every}"] if args.log_every is not None else []) + \
         ([f"train.wandb={json.dumps(args.wandb)}"] if args.wandb else [])
+
+
+def warn_unused(cfg) -> None:
+    """A one-line warning (`ConfigWarning`) for each part of the run config the run never reaches."""
+    from lengthgen.config import ConfigWarning
+
+    for note in cfg.train.unused():
+        warnings.warn(note, ConfigWarning, stacklevel=2)
 
 
 def int_list(text: str) -> list[int]:

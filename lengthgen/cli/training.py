@@ -13,6 +13,7 @@ from lengthgen.cli.common import (
     int_list,
     logging_overrides,
     positive_int,
+    warn_unused,
 )
 
 
@@ -44,6 +45,7 @@ def train_command(args: argparse.Namespace) -> int:
     if args.extend and not args.resume:
         raise CommandError("--extend changes train.steps of a resumed run: add --resume")
     cfg = load_config(args.config, args.overrides + logging_overrides(args))
+    warn_unused(cfg)
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
     try:
@@ -115,6 +117,7 @@ def compare_command(args: argparse.Namespace) -> int:
     cfg = base_config(args.config, overrides + [f"{k}={v}" for k, v in flags.items() if v is not None])
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
         cfg = cfg.override(f"compare.metric={default_metric(cfg)}")
+    warn_unused(cfg)
     variants, bases = ([v.strip() for v in text.split(",")] if text else None for text in (args.variants, args.bases))
     try:
         check_metric(make_source(cfg.data), cfg.compare.get("metric"))

@@ -109,6 +109,19 @@ class TrainConfig:
             raise invalid("TrainConfig.stages", self.stages, "a list of [step, length] pairs with increasing "
                           "steps >= 0 and lengths >= 1, e.g. [[0, 32], [500, 64]]")
 
+    def unused(self) -> list[str]:
+        """What this valid config asks for but a run of it never reaches: stages that start at or after the last
+        step, a warmup longer than the run (one message each; ``train`` and ``compare`` warn with them)."""
+        notes = []
+        late = [list(stage) for stage in self.stages if stage[0] >= self.steps]
+        if late:
+            notes.append(f"train.stages {late} start at or after train.steps={self.steps} (steps count from 0): "
+                         "never used")
+        if self.warmup_steps > self.steps:
+            notes.append(f"train.warmup_steps={self.warmup_steps} > train.steps={self.steps}: the learning rate "
+                         f"only reaches {self.steps / self.warmup_steps:.2g} x train.lr")
+        return notes
+
 
 @documented
 @dataclass
