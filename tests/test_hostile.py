@@ -404,7 +404,8 @@ def test_optional_packages_give_an_install_hint(tmp_path, capsys, monkeypatch, m
     monkeypatch.setitem(sys.modules, f"{module}.parquet", None)
     (tmp_path / "a.parquet").write_bytes(b"")
     text = text.replace("CORPUS", str(tmp_path / "a.parquet"))
-    code, err = cli(capsys, "train", *sets('data.kind="text"', f"data.text={text}"), "--out", tmp_path / "run")
+    code, err = cli(capsys, "train", *sets('data.kind="text"', "data.task_kwargs={}", f"data.text={text}"), "--out",
+                    tmp_path / "run")
     assert code == 2 and hint in err
 
 
@@ -674,3 +675,42 @@ def test_unreachable_stages_and_warmup_are_one_line_warnings(tmp_path, capsys):
     assert main(["train", *sets("train.stages=[[0, 8], [3, 16]]", "train.warmup_steps=4"), "--out",
                  str(tmp_path / "reached")]) == 0
     assert ": warning: " not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ('data.text={corpus = "stdlib"}', "data.text is set, but data.kind='task' does not read it: set data.kind=text "
+                                      "or data.text={}"),
+    ("data.kind=text", "data.task_kwargs is set, but data.kind='text' does not read it: set data.kind=task or "
+                       "data.task_kwargs={}"),
+])
+def test_data_arguments_of_the_other_kind_are_a_config_error(tmp_path, capsys, override, message):
+    """They were ignored: a text corpus named under a task run trained on the task without a word."""
+    code, err = cli(capsys, "train", *sets(override), "--out", tmp_path / "run")
+    assert code == 2 and err == f"lengthgen train: error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 512000000 bytes. Error code 12 (Cannot allocate memory)")   # torch 2.13's own words
+
+
+@pytest.mark.parametrize("error, what", [
+    (RuntimeError(CPU_OOM), "tried to allocate 488 MiB"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 "
+                            "GiB of which 3.2 GiB is free."), "CUDA out of memory. Tried to allocate 20.00 GiB"),
+])
+def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, error, what):
+    """A huge eval length ran out of memory with a traceback; now one line (exit 1: not bad input as such, the
+    machine's limit) saying what was tried and what to shrink. Other RuntimeErrors still raise."""
+    train(config(), tmp_path / "run", progress=False)
+    capsys.readouterr()
+
+    def forward(self, *args, **kwargs):
+        raise error
+    monkeypatch.setattr(GPT, "forward", forward)
+    code, err = cli(capsys, "eval", tmp_path / "run", "--lengths", "64")
+    assert code == 1 and err == (f"lengthgen eval: error: out of memory ({what}); use shorter lengths, fewer tokens "
+                                 "or a smaller batch")
+    monkeypatch.setattr(GPT, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["eval", str(tmp_path / "run"), "--lengths", "64"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
 import sys
 import warnings
 
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
     checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
     status 2 and a one-line message, a diverged run (non-finite loss) with status 1 and one line, Ctrl-C with 130
-    and one line; run folder and config warnings are one line too."""
+    and one line, running out of memory with status 1 and one line; run folder and config warnings are one line
+    too."""
     from lengthgen.config import ConfigError, ConfigWarning
     from lengthgen.eval import ResultsError
     from lengthgen.optional import MissingPackageError
@@ -78,9 +80,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lengthgen {args.command}: interrupted (a run continues from its last checkpoint with "
                   "--resume)", file=sys.stderr)
             return 130
+        except (MemoryError, RuntimeError) as err:
+            what = out_of_memory(err)
+            if what is None:
+                raise
+            resume = " (the run continues from its last checkpoint with --resume)" \
+                if args.command in ("train", "compare", "retrofit") else ""
+            print(f"lengthgen {args.command}: error: out of memory ({what}); use shorter lengths, fewer tokens or "
+                  f"a smaller batch{resume}", file=sys.stderr)
+            return 1
         except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
+
+
+def out_of_memory(err: BaseException) -> str | None:
+    """What an allocation failure tried (torch's CUDA ``OutOfMemoryError``, the CPU allocator's RuntimeError, a
+    Python MemoryError) in a few words, or None when ``err`` is something else."""
+    text = str(err)
+    if type(err).__name__ == "OutOfMemoryError" or isinstance(err, MemoryError):
+        return text.split(". GPU")[0].strip() or "MemoryError"
+    found = re.search(r"(?:can't allocate memory|not enough memory): you tried to allocate (\d+) bytes", text)
+    return f"tried to allocate {int(found[1]) / 2**20:.0f} MiB" if found else None
 
 
 __all__ = ["COMMANDS", "CommandError", "build_parser", "main"]

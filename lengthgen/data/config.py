@@ -65,8 +65,12 @@ SOURCES: dict[str, Callable[[DataConfig], Any]] = {"task": _task_source, "text":
 
 def make_source(data: DataConfig) -> Any:
     """The data source of a `DataConfig`; a `ConfigError` naming the key (``data.task_kwargs.vocab_size``) for
-    a bad argument or a file it names that is not there."""
-    key = "data.task_kwargs" if data.kind == "task" else "data.text"
+    a bad argument, a file it names that is not there, or arguments of the other kind (``data.text`` of a
+    task), which would be ignored."""
+    key, other = ("data.task_kwargs", "text") if data.kind == "task" else ("data.text", "task_kwargs")
+    if getattr(data, other):
+        raise ConfigError(f"data.{other} is set, but data.kind={data.kind!r} does not read it: set data.kind="
+                          f"{'text' if other == 'text' else 'task'} or data.{other}={{}}", f"data.{other}")
     try:
         return SOURCES[data.kind](data)
     except ConfigError as err:
