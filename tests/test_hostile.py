@@ -297,6 +297,22 @@ def test_report_of_several_folders_writes_to_its_own_out(tmp_path, capsys, two_c
         merged.merge(Comparison.load(b / "results.json"), "b")
 
 
+def test_compare_resume_never_drops_runs_from_the_report(tmp_path, capsys):
+    """--resume with fewer variants (or seeds) than the folder holds rewrote results.json and the report without
+    the others. Now refused with nothing touched; naming them all reuses the finished runs and adds the new."""
+    out = tmp_path / "c"
+    args = ["compare", "--eval-lengths", "8,16", "--eval-tokens", "16", "--out", out, "--no-progress",
+            *sets("train.steps=2")]
+    assert cli(capsys, *args, "--variants", "baseline,l2")[0] == 0
+    before = files(out)
+    code, err = cli(capsys, *args, "--variants", "l2", "--resume")
+    assert code == 2 and "holds runs this --resume does not plan (baseline-seed0)" in err
+    assert files(out) == before
+    assert cli(capsys, *args, "--variants", "baseline,l2,avnorm", "--resume")[0] == 0
+    assert set(Comparison.load(out / "results.json").variants) == {"baseline", "l2", "avnorm"}
+    assert [s for s, _ in losses(out / "runs" / "baseline-seed0")] == [1, 2]          # reused, not retrained
+
+
 def test_compare_rerun_after_moving_a_finished_variant_away_never_appends(tmp_path, capsys):
     out = tmp_path / "c"
     args = ["compare", "--variants", "baseline,l2", "--eval-lengths", "8,16", "--eval-tokens", "16", "--out", out,

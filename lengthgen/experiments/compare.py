@@ -38,7 +38,7 @@ from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train.config import RunConfig, load_config
-from lengthgen.train.run_folder import check_fresh, check_kind, lock
+from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, lock
 from lengthgen.train.setup import check_backend, check_length, device_type, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
@@ -233,6 +233,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     with lock(out), Runner(cc.workers, log) as runner:
         if resume:
             check_kind(out, "comparison")
+            _check_kept(out / "runs", {f"{name}-seed{seed}" for name in runs.runs for seed in cc.seeds})
         else:
             check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
@@ -254,6 +255,18 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         comparison.save(out / "results.json")
         write_report(comparison, out)
     return comparison
+
+
+def _check_kept(folder: Path, planned: set[str]) -> None:
+    """`RunFolderError` if ``folder`` (a comparison's ``runs/``) holds runs that the resumed plan leaves out: its
+    report and results.json would be rewritten without them."""
+    held = {str(p.parent.relative_to(folder)) for p in folder.glob("**/run.json")} if folder.is_dir() else set()
+    dropped = sorted(held - planned)
+    if dropped:
+        raise RunFolderError(f"{folder.parent} holds runs this --resume does not plan ({', '.join(dropped)}): its "
+                             "report would be rewritten without them; name their variants and seeds too (finished "
+                             "runs are reused), or run the others into another --out (lengthgen report A B --out M "
+                             "merges the two)")
 
 
 def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, runner: Runner) -> dict[tuple, Path]:
