@@ -730,3 +730,52 @@ def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, error, what):
     monkeypatch.setattr(GPT, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["eval", str(tmp_path / "run"), "--lengths", "64"])
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through Linux's /proc")
+def test_compare_workers_end_with_a_killed_parent(tmp_path):
+    """kill -9 of `lengthgen compare --workers 2` left both workers training on as orphans; they now exit."""
+    out = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-m", "lengthgen", "compare", "--variants", "baseline,l2", "--workers",
+                             "2", "--out", str(out), "--no-progress", *sets("train.steps=100000")],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline and \
+                len(list(out.glob("runs/*/metrics.jsonl"))) < 2:
+            time.sleep(0.05)
+        workers = _children(proc.pid)               # the two workers (and multiprocessing's resource tracker)
+        assert proc.poll() is None and len(list(out.glob("runs/*/metrics.jsonl"))) == 2, "the runs did not start"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in workers if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert workers and not left, f"orphaned workers {left} of {workers}"

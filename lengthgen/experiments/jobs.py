@@ -12,6 +12,8 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -55,7 +57,7 @@ class Runner:
     def __init__(self, workers: int, log: Log) -> None:
         self.log, self.sources = log, {}
         self.pool = None if workers == 1 else ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"))
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent)
 
     def run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
         """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
@@ -80,6 +82,18 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _exit_with_parent() -> None:
+    """A worker's initializer: a daemon thread ends the worker as soon as the comparison's process is gone, even
+    after ``kill -9`` (orphans kept training under their run folders' locks). Checkpoints are atomic: ``--resume``
+    continues the runs."""
+    parent = multiprocessing.parent_process()
+
+    def watch() -> None:
+        parent.join()                   # waits on the parent's sentinel, which closes when it dies
+        os._exit(1)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str]]:
