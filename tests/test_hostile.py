@@ -678,9 +678,10 @@ def test_compare_refuses_a_backend_that_cannot_train_before_its_folder_exists(tm
     assert not out.exists()
 
 
-def test_unreachable_stages_and_warmup_are_one_line_warnings(tmp_path, capsys):
-    """A stage that starts at or after the last step, and a warmup longer than the run, are valid (a smoke run
-    of a staged config) but never reached: train and compare say so in one line each, then run."""
+def test_unreachable_stages_warmup_and_task_doc_masking_are_one_line_warnings(tmp_path, capsys):
+    """A stage that starts at or after the last step, a warmup longer than the run, and document masking on a
+    task (one document per sequence) are valid (a smoke run of a staged config) but have no effect: train and
+    compare say so in one line each, then run."""
     late = ("train.stages=[[0, 8], [4, 16]]", "train.warmup_steps=8")
     assert main(["train", *sets(*late), "--out", str(tmp_path / "run")]) == 0
     warned = [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line]
@@ -691,6 +692,9 @@ def test_unreachable_stages_and_warmup_are_one_line_warnings(tmp_path, capsys):
     assert main(["train", *sets("train.stages=[[0, 8], [3, 16]]", "train.warmup_steps=4"), "--out",
                  str(tmp_path / "reached")]) == 0
     assert ": warning: " not in capsys.readouterr().err
+    assert main(["train", *sets("model.attention.doc_masking=true"), "--out", str(tmp_path / "task")]) == 0
+    assert "lengthgen train: warning: attention doc_masking has no effect on data.kind='task' (counting): a task's " \
+        "sequences are one document each\n" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("override, message", [

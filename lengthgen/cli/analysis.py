@@ -93,7 +93,7 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
     from lengthgen.eval import DEPTHS
 
     p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
-    p.add_argument("--lengths", type=int_list, help="comma-separated context lengths, up to 64x the training length "
+    p.add_argument("--lengths", type=int_list, help="comma-separated context lengths, any the data can generate "
                    "(default 1,2,4,8,16 x training; with --hf 256,512,1024,2048)")
     p.add_argument("--depths", type=float_list, default=list(DEPTHS), help="comma-separated needle depths in [0, 1], "
                    "the fraction of the filler before the needle (default 0,0.1,...,1)")

@@ -91,7 +91,7 @@ def warn_unused(cfg) -> None:
     """A one-line warning (`ConfigWarning`) for each part of the run config the run never reaches."""
     from lengthgen.config import ConfigWarning
 
-    for note in cfg.train.unused():
+    for note in cfg.unused():
         warnings.warn(note, ConfigWarning, stacklevel=2)
 
 

@@ -143,6 +143,14 @@ class RunConfig:
             raise invalid("RunConfig.train.tokens_per_step", tokens, f"at least the longest training length "
                           f"({max(self.lengths())}: data.length and train.stages), so every step has a sequence")
 
+    def unused(self) -> list[str]:
+        """`TrainConfig.unused`, and document masking on a task (its sequences are one document each)."""
+        notes = self.train.unused()
+        if self.data.kind == "task" and any(spec.doc_masking for spec in self.model.layer_specs()):
+            notes.append(f"attention doc_masking has no effect on data.kind='task' ({self.data.task}): a task's "
+                         "sequences are one document each")
+        return notes
+
     # -- derived -------------------------------------------------------------------------------------
     def length_at(self, step: int) -> int:
         """The context length at ``step`` (the last stage started at or before it, else data.length)."""
