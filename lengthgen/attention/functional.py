@@ -87,7 +87,7 @@ def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.
     if spec.query_scaling == "none":
         return q * base
     lq = q.shape[-2]
-    if mask is None and mods.document_starts(spec, doc_ids) is None and not torch.compiler.is_compiling():
+    if mask is None and not (spec.doc_masking and doc_ids is not None) and not torch.compiler.is_compiling():
         f = _position_feature(spec, lq, lk, q.device, q.dtype)
     else:
         n = mods.visible_counts(spec, lq, lk, doc_ids, mask, device=q.device)
