@@ -230,17 +230,18 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric = check_metric(source, cc.metric)
+    folders = {(name, seed): f"{name}-seed{seed}" for name in runs.runs for seed in cc.seeds}   # under out/runs
     with lock(out), Runner(cc.workers, log) as runner:
         if resume:
             check_kind(out, "comparison")
-            _check_kept(out / "runs", {f"{name}-seed{seed}" for name in runs.runs for seed in cc.seeds})
+            _check_kept(out / "runs", set(folders.values()))
         else:
             check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
-        jobs = [Job(runs.config(name, seed, pretrained.get((base, seed))), out / "runs" / f"{name}-seed{seed}",
+        jobs = [Job(runs.config(name, seed, pretrained.get((runs.runs[name][0], seed))), out / "runs" / folder,
                     f"[{name} seed {seed}]", name, tuple(eval_lengths), cc.eval_tokens, metric,
                     tuple(cc.needle_depths), cc.needle_samples, resume, progress)
-                for name, (base, _) in runs.runs.items() for seed in cc.seeds]
+                for (name, seed), folder in folders.items()]
         results: dict[str, list[RunEval]] = {}
         for key, evaluation in (pair for pairs in runner.run(jobs) for pair in pairs):
             results.setdefault(key, []).append(evaluation)
