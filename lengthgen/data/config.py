@@ -70,7 +70,7 @@ def make_source(data: DataConfig) -> Any:
     key, other = ("data.task_kwargs", "text") if data.kind == "task" else ("data.text", "task_kwargs")
     if getattr(data, other):
         raise ConfigError(f"data.{other} is set, but data.kind={data.kind!r} does not read it: set data.kind="
-                          f"{'text' if other == 'text' else 'task'} or data.{other}={{}}", f"data.{other}")
+                          f"{other.removesuffix('_kwargs')} or data.{other}={{}}", f"data.{other}")
     try:
         return SOURCES[data.kind](data)
     except ConfigError as err:
