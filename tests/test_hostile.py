@@ -456,7 +456,11 @@ def test_interrupted_compare_continues_with_resume(tmp_path, monkeypatch):
     for variant in ("baseline", "l2"):
         got, want = results.variants[variant][0], reference.variants[variant][0]
         assert got.final_train_loss == want.final_train_loss and got.lengths == want.lengths, variant
-    assert results.variants["baseline"][0].train_seconds is None          # not trained by this call
+    # training time is the run's own, kept in its checkpoints and summed over sessions: not lost by reuse or resume
+    from lengthgen.train.checkpoint import complete_checkpoints, read_state
+    for variant in ("baseline", "l2"):
+        state = read_state(complete_checkpoints(tmp_path / "c" / "runs" / f"{variant}-seed0")[0])
+        assert results.variants[variant][0].train_seconds == state["train_seconds"] > 0, variant
     assert Comparison.load(tmp_path / "c" / "results.json") == results
 
 

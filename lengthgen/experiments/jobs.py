@@ -103,7 +103,8 @@ def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str]]:
 
 def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
     """Train ``job``'s run (``resume``: reuse or continue the one in its folder) and, when it has a ``name``,
-    evaluate it (`evaluate_run`) with its training seconds and tokens recorded. ``sources``: `evaluate_run`'s."""
+    evaluate it (`evaluate_run`) with its training seconds (summed over the sessions that trained it) and tokens
+    recorded. ``sources``: `evaluate_run`'s."""
     steps = job.config.train.steps
     log(f"{job.label} training {steps} steps at length {max(job.config.lengths())}"
         + (" (resuming)" if job.resume else ""))
@@ -120,7 +121,7 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
     start = time.perf_counter()
     out = []
     for key, evaluation in evaluate_run(trained, job, sources):
-        out.append((key, dataclasses.replace(evaluation, train_seconds=seconds if started == 0 else None,
+        out.append((key, dataclasses.replace(evaluation, train_seconds=trained.trainer.train_seconds,
                                              train_tokens=trained.trainer.tokens)))
         log(f"[{key} seed {job.config.train.seed}] {job.metric} at length " + ", ".join(
             f"{r.length}: {r.at_length.get(job.metric, math.nan):.4g}" for r in evaluation.lengths)

@@ -21,7 +21,6 @@ and checkpointed at the end.
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -125,13 +124,13 @@ def _finetune(name: str, cfg: RunConfig, run_dir: Path, evaluate_model: Callable
     """Train ``cfg`` (a finetuning config) into ``run_dir`` and evaluate the result; returns the evaluation and
     the parameters the checkpoint did not have."""
     log(f"[{name}] finetuning {cfg.train.steps} steps at length {max(cfg.lengths())}")
-    start = time.perf_counter()
     trained = train(cfg, run_dir, progress=progress)
-    train_s = round(time.perf_counter() - start, 2)
     added = (trained.trainer.initialized_from or {}).get("added", [])
     log(f"[{name}] new parameters ({len(added)}): {', '.join(added) if added else 'none'}; evaluating")
+    trainer = trained.trainer
     return dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(), seed=cfg.train.seed,
-                               run_dir=str(trained.run_dir), train_seconds=train_s, train_tokens=trained.trainer.tokens,
+                               run_dir=str(trained.run_dir), train_seconds=trainer.train_seconds,
+                               train_tokens=trainer.tokens,
                                final_train_loss=trained.history[-1] if trained.history else None), added
 
 

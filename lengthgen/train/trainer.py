@@ -99,6 +99,8 @@ class Trainer:
         check_backend(self.model, cfg, self.device)
         self.initialized_from: dict[str, Any] | None = None
         self.step, self.tokens = 0, 0
+        self.train_seconds: float | None = 0.0          # in the training loop, summed over sessions (None: unknown)
+        self._session: tuple[float, float | None] | None = None    # (perf_counter at this fit's start, seconds before)
         self.history: list[float] = []
         self.metrics: dict[str, Any] = {}
         self.last_checkpoint: Path | None = None
@@ -192,6 +194,7 @@ class Trainer:
         self.step = state["step"]
         self.history = list(state["history"])
         self.tokens = state.get("tokens", 0)
+        self.train_seconds = state.get("train_seconds")        # absent in checkpoints written before it was kept
         self.metrics = state.get("metrics", {})
         self.last_checkpoint, self._saved_step = ckpt, self.step
         ckpt_io.set_rng_state(state["rng"])
@@ -200,6 +203,7 @@ class Trainer:
         """Write a checkpoint (every rank calls it: FSDP2 gathers the full state on rank 0, which writes it;
         the others wait until it is on disk and return None)."""
         model, optimizer_states = self.model, None
+        self.train_seconds = self.seconds_trained()
         if distributed.is_sharded(self.model):
             model, optimizer_states = distributed.gather_full(self.model, self.optimizers,
                                                               lambda: GPT(self.config.model))
@@ -219,6 +223,7 @@ class Trainer:
                          "seed": self.config.train.seed, "next_step": self.step},
             "history": self.history,
             "tokens": self.tokens,
+            "train_seconds": self.train_seconds,
             "metrics": self.metrics,
         }
         bema_tensors = None
@@ -227,6 +232,14 @@ class Trainer:
             bema_tensors = self.bema.tensors() or None
         return ckpt_io.save_checkpoint(self.run_dir, self.step, model, optimizer_states, state, bema_tensors,
                                        keep=self.config.train.keep_checkpoints)
+
+    def seconds_trained(self) -> float | None:
+        """Seconds in the training loop (steps, periodic evaluations, checkpoints) over every session of this run up
+        to now; None when the checkpoint it resumed from predates the record. Saved in each checkpoint."""
+        if self._session is None or self._session[1] is None:
+            return self.train_seconds
+        start, before = self._session
+        return round(before + time.perf_counter() - start, 2)
 
     # -- BEMA ----------------------------------------------------------------------------------------
     def bema_state_dict(self) -> dict[str, torch.Tensor]:
@@ -385,6 +398,7 @@ class Trainer:
             log.record(self.extended)
             self.extended = None
         start_time, start_tokens = time.perf_counter(), self.tokens
+        self._session = (start_time, self.train_seconds)
         saved_threads, saved_precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
         if tc.threads:
             torch.set_num_threads(tc.threads)
@@ -408,6 +422,7 @@ class Trainer:
             if self.step >= tc.steps and (ran or not (self.run_dir / "eval.json").exists()):
                 self._final_eval()
         finally:
+            self._session = None        # train_seconds stays as of the last checkpoint, which ends the loop
             torch.set_num_threads(saved_threads)
             torch.set_float32_matmul_precision(saved_precision)
             log.close()
