@@ -103,6 +103,19 @@ def test_bench_cuda_small(tmp_path):
     assert all(r["mode"] == "fwd+bwd" and r["peak_mem_mib"] > 0 and r["ratio_vs_sdpa_flash"] > 0 for r in ok)
 
 
+def test_out_of_memory_is_a_row(monkeypatch):
+    """An allocation failure (here the CPU allocator's own words) is an ``oom`` row; other errors say what they were."""
+    errors = {"l2": RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 512000000 bytes."),
+              "alibi": RuntimeError("shape mismatch")}
+
+    def attend(q, k, v, spec, **kwargs):
+        raise errors[{2.0: "l2"}.get(spec.softmax_p, "alibi")]
+    monkeypatch.setattr(bench, "attend", attend)
+    rows = bench.bench_attention(lengths=(16,), head_dims=(16,), variants=("l2", "alibi"), backends=("dense",),
+                                 batch=1, heads=2, dtype="float32", device="cpu", warmup=0, reps=1, verbose=False)
+    assert [r["status"] for r in rows] == ["ok", "oom", "error: RuntimeError: shape mismatch"]
+
+
 def test_time_budget_skips_the_cases_not_started():
     rows = bench.bench_attention(lengths=(16,), head_dims=(16,), variants=("baseline", "l2"), backends=("dense",),
                                  batch=1, heads=2, dtype="float32", device="cpu", warmup=0, reps=1,

@@ -722,6 +722,9 @@ CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: c
     (RuntimeError(CPU_OOM), "tried to allocate 488 MiB"),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 "
                             "GiB of which 3.2 GiB is free."), "CUDA out of memory. Tried to allocate 20.00 GiB"),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API "
+                  "call, so the stacktrace below might be incorrect."), "CUDA error: out of memory"),
+    (MemoryError(), "MemoryError"),
 ])
 def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, error, what):
     """A huge eval length ran out of memory with a traceback; now one line (exit 1: not bad input as such, the

@@ -1,6 +1,6 @@
 """Imports point down the layers: cli -> experiments -> hf -> report -> train -> eval -> model -> data ->
-attention -> base modules (config, atomic). Every import of every module is read with `ast`, top-level and
-inside functions alike."""
+attention -> base modules (config, atomic, memory, optional, version). Every import of every module is read with
+`ast`, top-level and inside functions alike."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lengthgen"
 LAYERS = ("cli", "experiments", "hf", "report", "train", "eval", "model", "data", "attention", "base")
 #: modules whose layer is not their package's, by dotted name
 BY_NAME = {"lengthgen.__main__": "cli"}
-BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.optional", "lengthgen.version")
+BASE = ("lengthgen", "lengthgen.config", "lengthgen.atomic", "lengthgen.memory", "lengthgen.optional",
+        "lengthgen.version")
 
 
 def layer(module: str) -> str:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import re
 import sys
 import warnings
 
 from lengthgen.cli import training  # noqa: F401, I001 - registers train, compare, retrofit (listed first)
 from lengthgen.cli import analysis  # noqa: F401 - registers the other commands
 from lengthgen.cli.common import COMMANDS, CONFIG_HELP, SEEDS_HELP, CommandError, Parser
+from lengthgen.memory import out_of_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,16 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
-
-
-def out_of_memory(err: BaseException) -> str | None:
-    """What an allocation failure tried (torch's CUDA ``OutOfMemoryError``, the CPU allocator's RuntimeError, a
-    Python MemoryError) in a few words, or None when ``err`` is something else."""
-    text = str(err)
-    if type(err).__name__ == "OutOfMemoryError" or isinstance(err, MemoryError):
-        return text.split(". GPU")[0].strip() or "MemoryError"
-    found = re.search(r"(?:can't allocate memory|not enough memory): you tried to allocate (\d+) bytes", text)
-    return f"tried to allocate {int(found[1]) / 2**20:.0f} MiB" if found else None
 
 
 __all__ = ["COMMANDS", "CommandError", "build_parser", "main"]

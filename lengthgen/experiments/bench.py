@@ -34,6 +34,7 @@ from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import backends as attention_backends
 from lengthgen.config import ConfigError
 from lengthgen.eval.results import Provenance
+from lengthgen.memory import out_of_memory
 
 #: benchmarked variants: name -> (spec, packed documents?). Only attend() is timed (query scaling, distance
 #: terms, masks, p-softmax); QK-norm, RoPE and projections belong to the layer and are not part of it.
@@ -126,10 +127,6 @@ def packed_doc_ids(batch: int, length: int, device, seed: int = 0) -> torch.Tens
             doc += 1
         rows.append(ids[:length])
     return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 def _free(device: torch.device) -> None:
@@ -241,7 +238,7 @@ def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[in
                     ref[mode] = _time_case(functools.partial(_reference, q, k, v), (q, k, v), grad, mode == "fwd+bwd",
                                            device, warmup, reps)
                 except Exception as err:  # noqa: BLE001 - a row, not a crash
-                    ref[mode] = {"status": "oom" if _is_oom(err) else f"error: {type(err).__name__}: {err}"}
+                    ref[mode] = {"status": "oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"}
                     _free(device)
             ref_row = dict(base, backend=REFERENCE, variant="baseline", mode="fwd+bwd",
                            status=ref["fwd+bwd"].get("status", "ok"), **{k_: v_ for k_, v_ in ref["fwd+bwd"].items()
@@ -283,7 +280,7 @@ def _bench_one(row, name, spec, doc_ids, q, k, v, grad, ref, device, warmup, rep
         row.update(_time_case(forward, (q, k, v), grad, train, device, warmup, reps), status="ok")
     except Exception as err:  # noqa: BLE001 - a row, not a crash
         _free(device)
-        return dict(row, status="oom" if _is_oom(err) else f"error: {type(err).__name__}: {err}")
+        return dict(row, status="oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}")
     reference = ref[row["mode"]]
     row["ref_ms"] = reference.get("total_ms")
     if row["ref_ms"]:
