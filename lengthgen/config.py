@@ -329,7 +329,9 @@ def read_config_text(path: str | Path) -> str:
     not UTF-8 text."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"config file not found: {path}")
+        near = Path("configs") / f"{path.name}.toml"       # `--config counting` for the shipped configs/counting.toml
+        hint = f" (did you mean {near}?)" if not path.suffix and near.is_file() else ""
+        raise FileNotFoundError(f"config file not found: {path}{hint}")
     if not path.is_file():
         raise ConfigError(f"config file {path} is a folder, not a TOML or JSON file")
     try:

@@ -790,3 +790,14 @@ def test_compare_workers_end_with_a_killed_parent(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert workers and not left, f"orphaned workers {left} of {workers}"
+
+
+def test_a_shipped_config_named_without_its_path(tmp_path, capsys, monkeypatch):
+    """``--config counting`` said only "not found"; from a clone it now points at configs/counting.toml."""
+    monkeypatch.chdir(ROOT)
+    code, err = cli(capsys, "train", "--config", "counting", "--out", tmp_path / "run")
+    assert (code, err) == (2, "lengthgen train: error: config file not found: counting (did you mean "
+                              "configs/counting.toml?)")
+    code, err = cli(capsys, "train", "--config", "no_such_config", "--out", tmp_path / "run")
+    assert (code, err) == (2, "lengthgen train: error: config file not found: no_such_config")
+    assert not (tmp_path / "run").exists()
