@@ -87,7 +87,7 @@ def _load_checkpoint(ckpt: Path, bema: bool, device: str | torch.device) -> tupl
     cfg = ckpt_io.saved_config(state["config"], ckpt / "state.json")
     if bema and not cfg.train.bema.enabled:
         raise ConfigError(f"{ckpt} has no BEMA weights: its run was trained with train.bema.enabled = false; "
-                          "evaluate it without BEMA")
+                          "leave out --bema")
     model = GPT(cfg.model)
     ckpt_io.load_weights(model, ckpt, device)
     model.to(device)
