@@ -144,7 +144,7 @@ def parse_pytest(output: str) -> tuple[dict[str, int], list[str]]:
 def run_attention(args: argparse.Namespace, deadline: float, work: Path) -> dict[str, Any]:
     """The attention benchmark, one subprocess per (L, head_dim) group until the budget is spent."""
     groups, rows, start = [], [], time.perf_counter()
-    for length, head_dim in (TINY_GROUPS if args.tiny else GROUPS):
+    for length, head_dim in args.groups or (TINY_GROUPS if args.tiny else GROUPS):
         left = deadline - time.perf_counter()
         if left < MIN_PART_S:
             groups.append(dict(length=length, head_dim=head_dim, status=f"skipped: no time left ({left:.0f} s)"))
@@ -221,6 +221,17 @@ def check(args: argparse.Namespace) -> Path:
     return stem.with_suffix(".json")
 
 
+def _groups(text: str) -> list[tuple[int, int]]:
+    """``--groups``: comma-separated ``length:head_dim`` pairs of positive integers."""
+    try:
+        groups = [tuple(int(n) for n in item.split(":")) for item in text.split(",") if item]
+    except ValueError:
+        groups = []
+    if not groups or any(len(g) != 2 or min(g) < 1 for g in groups):
+        raise argparse.ArgumentTypeError(f"expected length:head_dim pairs such as 16384:128,65536:64, got {text!r}")
+    return groups
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU dry run at tiny sizes (no GPU figures)")
@@ -233,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit", default=None, help="the lengthgen commit measured (when the checkout has no .git)")
     ap.add_argument("--log-dir", default=None, help="write each part's whole output to DIR/<part>.log")
     ap.add_argument("--pytest-workers", type=int, default=8, help="pytest-xdist workers for the CUDA tests")
+    ap.add_argument("--groups", type=_groups, default=None,
+                    help="the attention part's (length:head_dim) groups, in order, e.g. 16384:128,65536:64 (default "
+                         + ",".join(f"{length}:{d}" for length, d in GROUPS) + ")")
     ap.add_argument("--run-part", help=argparse.SUPPRESS)
     ap.add_argument("--part-out", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)

@@ -141,3 +141,21 @@ def test_targets_take_the_worst_shape():
     memory = got["peak memory per token, longest L / shortest L (linear in L: constant)"]
     assert memory["measured"] == pytest.approx(4.0) and memory["met"] is False and "flex l2" in memory["detail"]
     assert [t["measured"] for t in got.values() if "evaluation" in t["target"]] == [None]
+
+
+def test_groups_pick_the_attention_shapes(monkeypatch, tmp_path):
+    """``--groups`` runs the attention part on the given (length, head_dim) groups in order: a later GPU call can
+    measure the groups an earlier one had no time for."""
+    args = gpu_check.argparse.Namespace(tiny=False, log_dir=None, groups=gpu_check._groups("16384:128,1024:64"))
+    ran = []
+
+    def run(cmd, timeout, args, log):
+        ran.append((cmd[cmd.index("--lengths") + 1], cmd[cmd.index("--head-dims") + 1]))
+        return dict(rc=1, output="boom", seconds=0.0, timed_out=False)
+    monkeypatch.setattr(gpu_check, "_run", run)
+    entry = gpu_check.run_attention(args, float("inf"), tmp_path)
+    assert ran == [("16384", "128"), ("1024", "64")]
+    assert [(g["length"], g["head_dim"]) for g in entry["result"]["groups"]] == [(16384, 128), (1024, 64)]
+    for bad in ("16384", "16384:0", "a:b", ""):
+        with pytest.raises(gpu_check.argparse.ArgumentTypeError, match="length:head_dim pairs"):
+            gpu_check._groups(bad)
