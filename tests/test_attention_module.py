@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import typing
 
@@ -344,7 +345,7 @@ def test_value_head_dim_may_differ():
 
 
 # ---------------------------------------------------------------------------------------------------
-# backends.choose on CPU
+# backends.choose
 
 
 def _q(length):
@@ -397,6 +398,36 @@ def test_choose_crossovers():
     assert backends.choose(p2, _q(1), 100_000, False) == "dense"
     assert backends.choose(p2, _q(backends.DECODE_ROWS), 100_000, False) == "tiled"
     assert backends.choose(p2, _q(1), backends.DECODE_MAX_LOGITS, False) == "tiled"
+
+
+def _cuda_q(length, head_dim=128, batch=2):
+    """A bfloat16 CUDA query without a GPU (a fake tensor: `choose` reads only its device, dtype and shape)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(batch, 4, length, head_dim, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed (make test has it)")
+def test_choose_on_cuda():
+    """SDPA's flash kernel for plain causal softmax; windows and documents on the engines that skip the blocks they
+    hide (SDPA took them as a dense (Lq, Lk) mask: quadratic memory, every block computed, e.g. the document-masked
+    124M benchmark model); an explicit mask on SDPA; decoding on SDPA or dense."""
+    def pick(spec, length=2048, lk=None, masked=False, **kw):
+        return backends.choose(spec, _cuda_q(length, **kw), lk or length, True, masked)
+    for spec in (AttentionSpec(), PRESETS["ssmax"], PRESETS["sqrt_log_n"]):
+        assert pick(spec) == "sdpa", spec
+    for spec in (AttentionSpec(doc_masking=True), AttentionSpec(window=256), AttentionSpec(doc_masking=True, window=8),
+                 PRESETS["alibi"], PRESETS["log_bias"]):
+        assert pick(spec) == "flex", spec
+    for spec in (PRESETS["l2"], AttentionSpec(softmax_p=2.0, doc_masking=True), PRESETS["scale_invariant"]):
+        assert pick(spec) == "triton", spec
+    assert pick(PRESETS["l2"], head_dim=512) == "flex"                                  # over the kernel's head_dim
+    assert pick(AttentionSpec(doc_masking=True), masked=True) == "sdpa"                   # explicit masks
+    assert pick(PRESETS["l2"], masked=True) == "tiled"
+    assert pick(AttentionSpec(doc_masking=True), length=1, lk=4096) == "sdpa"             # decoding
+    assert pick(PRESETS["alibi"], length=1, lk=4096) == "dense"
+    assert pick(PRESETS["alibi"], length=1, lk=backends.DECODE_MAX_LOGITS) == "flex"
 
 
 # ---------------------------------------------------------------------------------------------------

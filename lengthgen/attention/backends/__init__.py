@@ -72,18 +72,26 @@ def unsupported(name: str, spec: AttentionSpec, q: torch.Tensor, training: bool,
 def choose(spec: AttentionSpec, q: torch.Tensor, lk: int, training: bool, masked: bool = False) -> str:
     """`auto`: the fastest backend that supports ``spec`` (and an explicit mask if ``masked``) on ``q``'s device.
 
-    On CUDA: SDPA (flash) when the spec is plain softmax, else FlexAttention or the fused Triton kernel (Triton
-    first for p != 1 and scale-invariant attention, `triton_before_flex`), else `tiled`.
+    On CUDA: SDPA (flash) for causal softmax without distance terms, windows or documents; else FlexAttention or
+    the fused Triton kernel (Triton first for p != 1 and scale-invariant attention, `triton_before_flex`), which
+    skip the key blocks that windows and documents hide (SDPA would take them as an (Lq, Lk) mask: quadratic
+    memory and no block skipped); then SDPA with a mask (an explicit mask, which neither of them takes), then
+    `tiled`. Decoding (fewer than `DECODE_ROWS` query rows against a cache): SDPA, else `dense`, while the logits
+    are few (FlexAttention would compile anew for every cache length).
 
     On CPU (measured: see `SDPA_MASK_MAX_PAIRS` and the other thresholds): `sdpa` for softmax without distance
     terms when causal only or short; else `cpu_flash` (softmax with masks or a distance term that only adds:
     ALiBi, log-bias) or `tiled` (p != 1, scale-invariant), unless the logits are few enough for `dense`."""
-    if q.is_cuda:
-        order = ("sdpa", "triton", "flex", "tiled") if triton_before_flex(spec) else ("sdpa", "flex", "triton", "tiled")
-        return next(n for n in order if unsupported(n, spec, q, training, masked) is None)
     pairs = q.shape[-2] * lk
     logits = q.shape[0] * q.shape[1] * pairs
     plain_causal = spec.window is None and not spec.doc_masking and not masked
+    if q.is_cuda:
+        fused = ("triton", "flex") if triton_before_flex(spec) else ("flex", "triton")
+        if q.shape[-2] < DECODE_ROWS and logits <= DECODE_MAX_LOGITS:
+            order = ("sdpa", "dense")
+        else:
+            order = ("sdpa", *fused, "tiled") if plain_causal else (*fused, "sdpa", "tiled")
+        return next(n for n in order if unsupported(n, spec, q, training, masked) is None)
     if unsupported("sdpa", spec, q, training, masked) is None and (plain_causal or pairs <= SDPA_MASK_MAX_PAIRS):
         return "sdpa"
     if q.shape[-2] < DECODE_ROWS and logits <= DECODE_MAX_LOGITS:
