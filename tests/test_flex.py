@@ -83,6 +83,24 @@ def test_value_head_dim_may_differ_cpu():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", [AttentionSpec(doc_masking=True), AttentionSpec(softmax_p=2.0, doc_masking=True,
+                                                                                 distance="alibi"),
+                                  AttentionSpec(window=33, distance="log_bias")], ids=["docs", "p2_alibi", "window"])
+def test_traced_into_a_compiled_caller(spec):
+    """In a compiled model (on CUDA, `backends.TRACED`) the backend is traced whole: the block mask is built in the
+    graph (not in the cache) and flex_attention is compiled with the caller. One graph, no break; on CPU (forward,
+    ``aot_eager``) it equals the eager backend."""
+    q, k, v = make_inputs(2, 4, 2, 200, 200, 16, seed=5)
+    docs = make_docs(2, 200, seed=6)
+    torch._dynamo.reset()
+    flex.BLOCK_MASKS.clear()
+    compiled = torch.compile(lambda *a: flex.attention(*a, spec, docs), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        got = compiled(q, k, v)
+        assert flex.BLOCK_MASKS.misses == 0
+        torch.testing.assert_close(got, flex.attention(q, k, v, spec, docs), rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------
 # unsupported / auto
 

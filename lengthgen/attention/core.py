@@ -55,4 +55,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     reason = backends.unsupported(name, spec, q, training, masked)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run this spec here: {reason}")
-    return backends.module(name).attention(qs, k, v, spec, doc_ids, mask=mask)
+    return backends.attention(name, q.device)(qs, k, v, spec, doc_ids, mask=mask)

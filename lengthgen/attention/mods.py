@@ -189,9 +189,10 @@ def score_mod_for(spec: AttentionSpec, heads: int, lq: int, lk: int, device=None
     """The spec's distance term in row convention (see the module doc), or None when it has none.
 
     ``dtype``: of the ALiBi slopes (the backend's compute dtype). Cached: the same arguments return the
-    same function object, which ``torch.compile`` guards on."""
-    return _score_mod(spec.distance, float(spec.tau), float(spec.log_bias_lambda), heads, lk - lq,
-                      torch.device(device if device is not None else "cpu"), dtype)
+    same function object, which ``torch.compile`` guards on (inside a compiled caller, traced without the cache)."""
+    build = _score_mod.__wrapped__ if torch.compiler.is_compiling() else _score_mod
+    return build(spec.distance, float(spec.tau), float(spec.log_bias_lambda), heads, lk - lq,
+                 torch.device(device if device is not None else "cpu"), dtype)
 
 
 def mask_mod_for(spec: AttentionSpec, lq: int, lk: int, starts: torch.Tensor | None = None,

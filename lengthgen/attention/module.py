@@ -16,10 +16,6 @@ from lengthgen.attention.core import attend
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
 
-# Backend selection is Python control flow: under torch.compile the attention call is one graph break and
-# the fast backends (FlexAttention, Triton) compile themselves.
-_attend_eager = torch.compiler.disable(attend)
-
 #: The parameters (names inside `Attention`) that a spec adds to the q/k/v/o projections: a checkpoint
 #: trained without them can be loaded, these keeping their init (e.g. a 2sigmoid gate: the identity).
 SPEC_PARAMETERS = ("q_norm_weight", "k_norm_weight", "scaling.multiplier", "out_norm.weight", "out_norm.bias",
@@ -101,13 +97,12 @@ class Attention(nn.Module):
             q, k = fn.apply_rope(q, pos, self.rope_freqs), fn.apply_rope(k, pos, self.rope_freqs)
         if past is not None:
             k, v, doc_ids = past.extend(k, v, doc_ids, spec.window)
-        y = _attend_eager(q, k, v, spec, doc_ids=doc_ids, multipliers=self.scaling.multiplier,
-                          backend=self.backend)
+        y = attend(q, k, v, spec, doc_ids=doc_ids, multipliers=self.scaling.multiplier, backend=self.backend)
         return self.output(y, x, capture=(q, k, v, doc_ids) if self.capture is not None else None)
 
     def output(self, y: torch.Tensor, x: torch.Tensor, capture: tuple | None = None) -> torch.Tensor:
         """out-norm -> gate -> merge heads -> o_proj for attention output y (B, H, L, D) and layer input x.
-        Pure tensor code: `torch.compile` fuses it (the attention call itself stays eager)."""
+        Pure tensor code: `torch.compile` fuses it."""
         y_norm = self.out_norm(y)
         if capture is not None:
             q, k, v, doc_ids = capture

@@ -307,10 +307,10 @@ class Trainer:
                 bema.save(self.run_dir / "eval_bema.json")
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _forward_backward(self, batch) -> float:
+    def _forward_backward(self, batch) -> torch.Tensor:
         """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP / FSDP2
         synchronize once, in the last one's backward; QK-clip captures the last one's logits). Returns the loss,
-        averaged over ranks."""
+        averaged over ranks, on the device (read after the optimizer step: reading it waits for the GPU)."""
         tc = self.config.train
         self.model.train()
         for opt in self.optimizers:
@@ -327,7 +327,7 @@ class Trainer:
                 loss, _ = self.loss_fn(output, micro)
                 (loss * weight).backward()
             total += loss.detach() * weight
-        return float(distributed.all_reduce_mean(total))
+        return distributed.all_reduce_mean(total)
 
     def _train_step(self, step: int) -> dict[str, Any]:
         """One optimizer update; returns its log entry (without the step and throughput)."""
@@ -344,18 +344,24 @@ class Trainer:
                                    cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio, restart=restart)
         set_lr(self.optimizers, multiplier)
         loss = self._forward_backward(batch)
+        entry: dict[str, Any] = {}
+        grad_norm = None
+        if tc.grad_clip > 0:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        for opt in self.optimizers:
+            opt.step()
+        # read after the step, whose kernels are queued by then (reading waits for the GPU); a non-finite loss or
+        # gradient has spoiled only the weights in memory, never a checkpoint
+        loss = float(loss)
         where = f"; the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
             "; no checkpoint was written yet"
         if not math.isfinite(loss):
             raise NonFiniteLossError(f"training loss is {loss} at step {step}; stopping{where}")
-        entry: dict[str, Any] = {}
-        if tc.grad_clip > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            entry["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, tc.grad_clip))
+        if grad_norm is not None:
+            entry["grad_norm"] = float(grad_norm)
             if not math.isfinite(entry["grad_norm"]):
                 raise NonFiniteLossError(f"gradient norm is {entry['grad_norm']} at step {step}; stopping{where}")
-        for opt in self.optimizers:
-            opt.step()
         if tc.qk_clip is not None:
             entry["max_logit"] = clip_captured_logits(self.model.attentions, tc.qk_clip, distributed.all_reduce_max)
         self.step = step + 1

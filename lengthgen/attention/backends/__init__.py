@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Callable
 
 import torch
 
+from lengthgen.attention.backends import cpu_flash, dense, flex, sdpa, tiled
 from lengthgen.attention.spec import AttentionSpec
 
 MODULES = {"dense": "dense", "tiled": "tiled", "sdpa": "sdpa", "cpu_flash": "cpu_flash", "flex": "flex",
            "triton": "triton_psoftmax"}
 BACKENDS = ("auto", *MODULES)
+#: backend -> the devices where ``torch.compile`` of a model traces it into the model's graph (no graph break: the
+#: query scaling and casts around it fuse with the projections); elsewhere a backend runs eager inside the compiled
+#: model (`attention`): Python loops over key blocks (tiled, cpu_flash), Triton launches, data-dependent checks
+#: (dense), FlexAttention on CPU (its compiled CPU path has no LSE and no backward)
+TRACED = {"sdpa": ("cpu", "cuda"), "flex": ("cuda",)}
+#: imported up front (a lookup that traces) but the Triton kernel's, which imports triton when first asked for
+_LOADED: dict[str, ModuleType] = {"dense": dense, "tiled": tiled, "sdpa": sdpa, "cpu_flash": cpu_flash, "flex": flex}
+#: backend -> its ``attention`` under ``torch.compiler.disable`` (made here, as making one in a trace is a break too)
+_EAGER: dict[str, Callable] = {name: torch.compiler.disable(m.attention) for name, m in _LOADED.items()}
 
 # CPU crossovers of `choose`, measured with benchmarks/attention_crossover.py (1 thread, float32, forward +
 # backward, L = 16..2048, batch x heads = 4 at head_dim 64 and the demo model's 2048 tokens per step, batch x
@@ -58,7 +69,19 @@ def triton_before_flex(spec: AttentionSpec) -> bool:
 def module(name: str) -> ModuleType:
     if name not in MODULES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return importlib.import_module(f"lengthgen.attention.backends.{MODULES[name]}")
+    if name not in _LOADED:
+        _LOADED[name] = importlib.import_module(f"lengthgen.attention.backends.{MODULES[name]}")
+    return _LOADED[name]
+
+
+def attention(name: str, device: torch.device) -> Callable:
+    """Backend ``name``'s ``attention`` for inputs on ``device``: run eager under ``torch.compile`` (one graph break)
+    unless `TRACED` there."""
+    if device.type in TRACED.get(name, ()):
+        return module(name).attention
+    if name not in _EAGER:
+        _EAGER[name] = torch.compiler.disable(module(name).attention)
+    return _EAGER[name]
 
 
 def unsupported(name: str, spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:

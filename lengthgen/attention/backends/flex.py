@@ -12,7 +12,8 @@
   (the kernels work in base 2 and ``flex_attention`` converts back), and gradients flow through both LSEs.
 
 Inputs: `functional.kernel_inputs` (float32 for half-precision inputs on CPU, the input dtype on CUDA).
-On CUDA ``torch.compile(flex_attention)`` runs the fused Triton kernels (forward and backward). On CPU the
+On CUDA ``torch.compile(flex_attention)`` runs the fused Triton kernels (forward and backward); in a compiled
+model the backend is traced into the model's graph (`backends.TRACED`), block mask included. On CPU the
 compiled path supports neither the LSE nor backward in torch 2.13, so the eager path (an unfused reference
 that materializes scores) runs, inference only: `unsupported` refuses CPU training so `auto` never picks it.
 """
@@ -77,7 +78,10 @@ def _eager(*args, **kwargs):
 
 
 def _flex(device: torch.device):
-    """``torch.compile(flex_attention)`` on CUDA; the eager (unfused, inference-only) path on CPU."""
+    """``torch.compile(flex_attention)`` on CUDA; the eager (unfused, inference-only) path on CPU; inside a
+    ``torch.compile`` of the caller (a compiled model), ``flex_attention`` itself, compiled with the caller."""
+    if torch.compiler.is_compiling():
+        return flex_attention
     return _compiled() if device.type == "cuda" else _eager
 
 
@@ -211,14 +215,18 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
         # FlexAttention refuses CPU inputs that require grad even under no_grad
         qs, k, v = qs.detach(), k.detach(), v.detach()
     flex = _flex(device)
-    kw = dict(block_mask=BLOCK_MASKS.get(lq, lk, spec, doc_ids, device), scale=1.0, enable_gqa=hkv != h,
-              return_aux=AuxRequest(lse=True))
+    if torch.compiler.is_compiling():   # built in the caller's graph (the cache's lookups are host-side)
+        block_mask = build_block_mask(spec, lq, lk, mods.document_starts(spec, doc_ids), device)
+    else:
+        block_mask = BLOCK_MASKS.get(lq, lk, spec, doc_ids, device)
+    kw = dict(block_mask=block_mask, scale=1.0, enable_gqa=hkv != h, return_aux=AuxRequest(lse=True))
     score_mod = mods.score_mod_for(spec, h, lq, lk, device)
     out, aux = flex(qs, k, v, score_mod=score_mod, **kw)
     lse_1 = lse_p = aux.lse
     if p != 1:
         v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
-        lse_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)[1].lse
+        times = _times.__wrapped__ if torch.compiler.is_compiling() else _times     # the cache is for eager calls
+        lse_p = flex(qs, k, v_lse, score_mod=times(score_mod, p), **kw)[1].lse
         factor = torch.exp(lse_1.float() - lse_p.float() / p).unsqueeze(-1)
         out = out.float() * factor
     out = out.to(dtype)
