@@ -801,3 +801,14 @@ def test_a_shipped_config_named_without_its_path(tmp_path, capsys, monkeypatch):
     code, err = cli(capsys, "train", "--config", "no_such_config", "--out", tmp_path / "run")
     assert (code, err) == (2, "lengthgen train: error: config file not found: no_such_config")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["variants", "bases"])
+def test_a_variant_may_not_set_the_seed(tmp_path, capsys, key):
+    """A variant (or base) setting train.seed replaced every compare seed: its n runs, named seed0..seedN, were n
+    copies of one run with zero spread, which the winner rule took as a clean separation."""
+    code, err = cli(capsys, "compare", *sets(f'compare.{key}={{b = {{model.attention = "l2", train.seed = 7}}}}'),
+                    "--out", tmp_path / "c")
+    assert (code, err) == (2, f"lengthgen compare: error: compare.{key}.b sets train.seed, which compare.seeds sets "
+                              "for every run (each seed is one run); leave it out")
+    assert not (tmp_path / "c").exists()

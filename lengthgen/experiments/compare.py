@@ -89,6 +89,10 @@ class CompareConfig:
                 if not isinstance(changes, dict) or "/" in name:
                     raise invalid(f"CompareConfig.{key}.{name}", changes, "a table of config changes, under a "
                                   "name without '/'")
+                train = changes.get("train")
+                if isinstance(train, dict) and "seed" in train:   # it would replace every seed: n copies of one run
+                    raise ConfigError(f"compare.{key}.{name} sets train.seed, which compare.seeds sets for every run "
+                                      "(each seed is one run); leave it out", f"compare.{key}.{name}")
 
 
 def compare_config(cfg: RunConfig) -> CompareConfig:
