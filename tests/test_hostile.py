@@ -812,3 +812,23 @@ def test_a_variant_may_not_set_the_seed(tmp_path, capsys, key):
     assert (code, err) == (2, f"lengthgen compare: error: compare.{key}.b sets train.seed, which compare.seeds sets "
                               "for every run (each seed is one run); leave it out")
     assert not (tmp_path / "c").exists()
+
+
+def test_out_never_lands_in_another_run_or_in_a_checkpoint(tmp_path, capsys):
+    """Found by a probe: ``needle A --out B`` replaced run B's own retrieval map; ``eval --out`` could replace a
+    checkpoint's model.safetensors (resuming then found it damaged); ``--out DIR`` failed only after the work,
+    naming a temporary file."""
+    for name in ("a", "b"):
+        train(config("train.steps=1"), tmp_path / name, progress=False)
+    before = files(tmp_path / "b")
+    code, err = cli(capsys, "needle", tmp_path / "a", "--out", tmp_path / "b")
+    assert (code, err) == (2, f"lengthgen needle: error: --out {tmp_path / 'b'} is another run's folder (its own map "
+                              "would be replaced); choose another folder")
+    weights = next((tmp_path / "b" / "checkpoints").glob("step_*")) / "model.safetensors"
+    for command in (["eval", tmp_path / "a", "--lengths", "16"], ["bench", "attention", "--device", "cpu"]):
+        code, err = cli(capsys, *command, "--out", weights)
+        assert code == 2 and err.endswith(f"--out {weights} is inside the folder {tmp_path / 'b'} that lengthgen "
+                                          "wrote (checkpoints, logs); choose a file outside it, or directly in it")
+        code, err = cli(capsys, *command, "--out", tmp_path)
+        assert code == 2 and err.endswith(f"--out {tmp_path} is a folder; give a file path")
+    assert files(tmp_path / "b") == before

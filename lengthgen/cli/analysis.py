@@ -130,6 +130,9 @@ def needle_command(args: argparse.Namespace) -> int:
     if not args.out and (args.hf or not (Path(args.run) / "config.json").is_file()):
         raise CommandError("give --out, the folder for the map (only a run folder is its own default)")
     out, progress = Path(args.out or args.run), not args.no_progress
+    if (out / "config.json").is_file() and not (args.run and Path(args.run).resolve().is_relative_to(out.resolve())):
+        raise CommandError(f"--out {out} is another run's folder (its own map would be replaced); choose another "
+                           "folder")
     with lock(out):
         if args.hf:
             from lengthgen.hf import needle_hf
@@ -210,7 +213,8 @@ def bench_command(args: argparse.Namespace) -> int:
     """Benchmark attention backends x variants against SDPA (ratios measured in the same run)."""
     from lengthgen.experiments import bench
 
-    bench.main(args)
+    with writing(Path(args.out)) if args.out else contextlib.nullcontext():
+        bench.main(args)
     return 0
 
 

@@ -113,12 +113,18 @@ def float_list(text: str) -> list[float]:
 
 
 def writing(path: Path, source: str | None = None) -> contextlib.AbstractContextManager:
-    """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses to
-    replace a run's own files other than its evaluations, and those of any folder but ``source`` (the evaluated
-    run folder or checkpoint)."""
+    """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses a
+    folder, a path inside a lengthgen folder's subfolders (checkpoints, logs), a run's own files other than its
+    evaluations, and those of any folder but ``source`` (the evaluated run folder or checkpoint)."""
     from lengthgen.train.run_folder import LOCK, WRITTEN, lock
 
+    if path.is_dir():
+        raise CommandError(f"--out {path} is a folder; give a file path")
     if not (path.parent / LOCK).exists():
+        inside = next((f for f in path.resolve().parents if (f / LOCK).exists()), None)
+        if inside is not None:          # e.g. a checkpoint's model.safetensors: resuming would find it damaged
+            raise CommandError(f"--out {path} is inside the folder {inside} that lengthgen wrote (checkpoints, "
+                               "logs); choose a file outside it, or directly in it")
         return contextlib.nullcontext()
     if path.name in WRITTEN - {"eval.json", "eval_bema.json"}:
         raise CommandError(f"--out {path} would replace a file of the run; choose another file name")

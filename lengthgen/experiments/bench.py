@@ -400,8 +400,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "cpu")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="default bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--tokens", type=_positive, default=16384)
-    parser.add_argument("--model-dim", type=_positive, default=2048)
+    parser.add_argument("--tokens", type=_positive, default=16384, help="cuda: tokens per case (batch = tokens // "
+                        "length unless --batch)")
+    parser.add_argument("--model-dim", type=_positive, default=2048, help="cuda: heads = model_dim // head_dim unless "
+                        "--heads")
     parser.add_argument("--warmup", type=lambda text: _positive(text, 0), default=None, help="default 3 (1 on cpu)")
     parser.add_argument("--reps", type=_positive, default=None, help="default 10 (3 on cpu)")
     parser.add_argument("--time-budget", type=_seconds, default=None, help="seconds; later cases are skipped")
