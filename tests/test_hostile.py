@@ -832,3 +832,16 @@ def test_out_never_lands_in_another_run_or_in_a_checkpoint(tmp_path, capsys):
         code, err = cli(capsys, *command, "--out", tmp_path)
         assert code == 2 and err.endswith(f"--out {tmp_path} is a folder; give a file path")
     assert files(tmp_path / "b") == before
+
+
+def test_compare_overwrite_keeps_train_runs_under_runs(tmp_path, capsys):
+    """``lengthgen train`` writes runs/<config name> by default; ``compare --out . --overwrite`` in that folder took
+    runs/ for a comparison's and deleted the training run (found by a probe). Only NAME-seedN run folders are a
+    comparison's."""
+    train(config("train.steps=1"), tmp_path / "runs" / "counting", progress=False)
+    before = files(tmp_path / "runs")
+    code, err = cli(capsys, "compare", *sets("train.steps=1", "compare.eval_lengths=[8]", "compare.eval_tokens=16",
+                                             "compare.seeds=[0]"), "--variants", "baseline", "--out", tmp_path,
+                    "--overwrite")
+    assert code == 2 and "runs/counting" in err and "lengthgen did not write" in err, err
+    assert files(tmp_path / "runs") == before

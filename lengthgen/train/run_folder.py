@@ -26,6 +26,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -119,6 +120,23 @@ KIND_MARKERS = {"training run": ("checkpoints", "config.json"), "comparison": ("
                 "retrofit": ("finetune", "control")}
 
 
+_SEED_RUN = re.compile(r".+-seed\d+")
+
+
+def _not_comparison_runs(folder: Path) -> list[str]:
+    """What a comparison's ``runs/`` or ``pretrain/`` in ``folder`` holds besides its run folders (``NAME-seedN``,
+    or ``BASE/NAME-seedN``): e.g. ``lengthgen train``'s own default ``runs/<config name>``, which ``--overwrite`` of
+    a comparison in the folder above would have deleted."""
+    found = []
+    for name in ("runs", "pretrain"):
+        for child in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
+            ours = _SEED_RUN.fullmatch(child.name) or (
+                child.is_dir() and any(_SEED_RUN.fullmatch(g.name) for g in child.iterdir()))
+            if not ours:
+                found.append(f"{name}/{child.name}")
+    return found
+
+
 def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool = True,
                 kind: str = "training run", keep: str | Path | None = None) -> None:
     """A new ``kind`` of output (a key of `KIND_MARKERS`) may start in ``folder`` only if it holds nothing;
@@ -130,7 +148,7 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
         resume = "--resume to continue it, " if resumable else ""
         raise RunFolderError(f"{folder} already holds {_names(held)}; pass {resume}--overwrite to delete it and "
                              "start over, or choose another folder")
-    foreign = [name for name in held if name not in WRITTEN]
+    foreign = [name for name in held if name not in WRITTEN] + _not_comparison_runs(folder)
     if foreign:
         raise RunFolderError(f"{folder} holds files lengthgen did not write ({_names(foreign)}); --overwrite "
                              "deletes only lengthgen's files: move them or choose another folder")
