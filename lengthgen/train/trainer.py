@@ -239,7 +239,7 @@ class Trainer:
         if self._session is None or self._session[1] is None:
             return self.train_seconds
         start, before = self._session
-        return round(before + time.perf_counter() - start, 2)
+        return before + time.perf_counter() - start
 
     # -- BEMA ----------------------------------------------------------------------------------------
     def bema_state_dict(self) -> dict[str, torch.Tensor]:
