@@ -166,7 +166,21 @@ def visible_counts(spec: AttentionSpec, lq: int, lk: int, doc_ids: torch.Tensor 
 # builders and evaluation
 
 
-@functools.lru_cache(maxsize=64)
+def eager_cache(maxsize: int):
+    """``functools.lru_cache`` for eager calls, so that they pass the same mod object to a compiled FlexAttention
+    (which guards on it); inside a ``torch.compile`` trace the function itself runs (Dynamo ignores the cache, with a
+    warning, and the graph keeps what it returned)."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+        return call
+    return wrap
+
+
+@eager_cache(maxsize=64)
 def _score_mod(distance: str, tau: float, lam: float, heads: int, offset: int, device, dtype):
     if distance == "scale_invariant":
         mod = scale_invariant(tau)
@@ -189,10 +203,9 @@ def score_mod_for(spec: AttentionSpec, heads: int, lq: int, lk: int, device=None
     """The spec's distance term in row convention (see the module doc), or None when it has none.
 
     ``dtype``: of the ALiBi slopes (the backend's compute dtype). Cached: the same arguments return the
-    same function object, which ``torch.compile`` guards on (inside a compiled caller, traced without the cache)."""
-    build = _score_mod.__wrapped__ if torch.compiler.is_compiling() else _score_mod
-    return build(spec.distance, float(spec.tau), float(spec.log_bias_lambda), heads, lk - lq,
-                 torch.device(device if device is not None else "cpu"), dtype)
+    same function object, which ``torch.compile`` guards on (`eager_cache`)."""
+    return _score_mod(spec.distance, float(spec.tau), float(spec.log_bias_lambda), heads, lk - lq,
+                      torch.device(device if device is not None else "cpu"), dtype)
 
 
 def mask_mod_for(spec: AttentionSpec, lq: int, lk: int, starts: torch.Tensor | None = None,
@@ -251,5 +264,5 @@ def dense_mask(mask_mod: MaskMod, batch: int, lq: int, lk: int, device=None) -> 
 
 
 __all__ = ["additive", "affine_terms", "alibi", "alibi_slopes", "and_masks", "causal", "dense_mask", "document",
-           "document_bounds", "document_starts", "explicit", "first_visible", "grids", "log_bias", "mask_mod_for",
-           "scale_invariant", "score_mod_for", "sliding_window", "visible_counts"]
+           "document_bounds", "document_starts", "eager_cache", "explicit", "first_visible", "grids", "log_bias",
+           "mask_mod_for", "scale_invariant", "score_mod_for", "sliding_window", "visible_counts"]

@@ -89,7 +89,7 @@ def _flex(device: torch.device):
 # the LSE_p pass: p times the logits
 
 
-@functools.lru_cache(maxsize=64)
+@mods.eager_cache(maxsize=64)
 def _times(score_mod, p: float):
     """``p * score_mod(score)`` (``p * score`` without a score mod). Cached: one function object per
     (mod, p), which torch.compile guards on."""
@@ -225,8 +225,7 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     lse_1 = lse_p = aux.lse
     if p != 1:
         v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
-        times = _times.__wrapped__ if torch.compiler.is_compiling() else _times     # the cache is for eager calls
-        lse_p = flex(qs, k, v_lse, score_mod=times(score_mod, p), **kw)[1].lse
+        lse_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)[1].lse
         factor = torch.exp(lse_1.float() - lse_p.float() / p).unsqueeze(-1)
         out = out.float() * factor
     out = out.to(dtype)
