@@ -125,9 +125,9 @@ def _finetune(name: str, cfg: RunConfig, run_dir: Path, evaluate_model: Callable
     the parameters the checkpoint did not have."""
     log(f"[{name}] finetuning {cfg.train.steps} steps at length {max(cfg.lengths())}")
     trained = train(cfg, run_dir, progress=progress)
-    added = (trained.trainer.initialized_from or {}).get("added", [])
-    log(f"[{name}] new parameters ({len(added)}): {', '.join(added) if added else 'none'}; evaluating")
     trainer = trained.trainer
+    added = (trainer.initialized_from or {}).get("added", [])
+    log(f"[{name}] new parameters ({len(added)}): {', '.join(added) if added else 'none'}; evaluating")
     return dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(), seed=cfg.train.seed,
                                run_dir=str(trained.run_dir), train_seconds=trainer.train_seconds,
                                train_tokens=trainer.tokens,
