@@ -160,6 +160,14 @@ def test_next_token_top_k_draws_only_the_k_largest():
     assert next_token(logits[:1]).tolist() == [[1]]
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324])
+def test_a_tiny_temperature_draws_the_argmax(temperature):
+    """logits / 1e-45 overflow to inf (a softmax of nan) unless shifted by their maximum first."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9, -1.0]]).expand(50, -1)
+    drawn = next_token(logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert drawn.flatten().tolist() == [1] * 50
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(max_new_tokens=-1), ConfigError, r"^max_new_tokens=-1 is not valid; it must be an integer >= 0$"),
     (dict(temperature=-0.5), ConfigError, r"^temperature=-0.5 is not valid; it must be a finite float32 number >= 0$"),

@@ -76,7 +76,9 @@ def test_a_task_run_is_refused_in_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, match", [(["--temperature", "-1"], "--temperature: -1 is not valid"),
                                          (["--temperature", "nan"], "--temperature: nan is not valid"),
-                                         (["--top-k", "0"], "--top-k: 0 is not valid")])
+                                         (["--top-k", "0"], "--top-k: 0 is not valid"),
+                                         (["--seed", str(10**20)], f"--seed: {10**20} is not valid"),
+                                         (["--seed", "-1"], "--seed: -1 is not valid; give a seed from 0")])
 def test_bad_sampling_arguments_are_one_line_errors(tmp_path, capsys, args, match):
     with pytest.raises(SystemExit) as exit_:
         main(["sample", str(tmp_path / "run"), "--prompt", "a", *args])

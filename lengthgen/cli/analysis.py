@@ -7,7 +7,8 @@ import contextlib
 import inspect
 from pathlib import Path
 
-from lengthgen.cli.common import CommandError, command, float_list, int_list, non_negative_float, positive_int, writing
+from lengthgen.cli.common import (CommandError, command, float_list, int_list, non_negative_float, positive_int, seed_int,
+                                  writing)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -178,7 +179,7 @@ def _sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="softmax temperature (default "
                    "0.8); 0: greedy, the most likely token at each step")
     p.add_argument("--top-k", type=positive_int, help="draw from the K most likely tokens only (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the draws (default 0)")
     p.add_argument("--bema", action="store_true", help="sample from the BEMA weights")
 
 

@@ -31,6 +31,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """A seed as ``train.seed`` takes it: an integer from 0 to 2**63 - 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a seed from 0 to 2**63 - 1") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give a seed from 0 to 2**63 - 1")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     try:
         value = float(text)

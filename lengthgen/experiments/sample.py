@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, check_value
 from lengthgen.data.text import make_tokenizer
 from lengthgen.train import load_run
 from lengthgen.train.setup import autocast_dtype, device_type
@@ -23,6 +23,7 @@ def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temp
     or id the tokenizer lacks (a padded vocabulary's rows).
     A task run is a `ConfigError`: its ids are the task's symbols, not text.
     """
+    seed = check_value("seed", seed, int, ge=0, le=2**63 - 1)
     cfg, model = load_run(path, bema=bema)
     if cfg.data.kind != "text":
         raise ConfigError(f"{path} is a {cfg.data.task!r} task run, whose tokens are the task's symbols: sample "

@@ -249,10 +249,13 @@ class GPT(nn.Module):
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, 1) next tokens from (B, V) logits: the argmax at ``temperature`` 0, else a draw (with ``generator``)
-    from softmax(logits / temperature) over the ``top_k`` largest logits (all without top_k; nanoGPT's sampling)."""
+    from softmax(logits / temperature) over the ``top_k`` largest logits (all without top_k; nanoGPT's sampling).
+    The logits are shifted by their maximum and divided in float64, so a tiny temperature still gives a
+    distribution (the argmax's) rather than inf / inf."""
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.double()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
