@@ -407,6 +407,37 @@ def test_report_of_a_truncated_empty_or_keyless_results_file(tmp_path, capsys, c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(variants={}), "(no variants)"),
+    (lambda d: d["variants"].update(baseline=[]), "(variant 'baseline' has no runs)"),
+    (lambda d: d.update(eval_lengths=[8, 16, 32]), "(variants.baseline[0] was not evaluated at length 32)"),
+    (lambda d: d.update(train_length=0), "(train_length 0 and eval_lengths [8, 16]: need positive lengths)"),
+    (lambda d: d.update(train_length="8"), "(train_length: expected int, got '8')"),
+    (lambda d: d.update(train_length=True), "(train_length: expected int, got True)"),
+    (lambda d: d["variants"]["baseline"][0]["lengths"][1]["at_length"].update(loss="abc"),
+     "(variants.baseline[0].lengths[1].at_length.loss: expected a number, got 'abc')"),
+    (lambda d: d["variants"]["baseline"][0]["lengths"][0]["buckets"]["loss"][0].update(mean=None),
+     "(variants.baseline[0].lengths[0].buckets.loss[0].mean: expected a number, got None)"),
+    (lambda d: d.update(variants=[]), "(variants: expected an object, got [])"),
+    (lambda d: d.pop("provenance"), "(the file: missing key 'provenance')"),
+    (lambda d: d.update(extra=1), "(the file: unknown key 'extra')")])
+def test_report_of_a_results_file_with_a_bad_value_names_it(tmp_path, capsys, two_compares, edit, message):
+    data = json.loads((two_compares[0] / "results.json").read_text())
+    edit(data)
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    code, err = cli(capsys, "report", tmp_path)
+    assert code == 2 and f"{tmp_path / 'results.json'}: malformed comparison result {message}" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_a_nan_value_is_read_and_reported(tmp_path, capsys, two_compares):
+    """A diverged run's NaN loss is a value of the results model, not a malformed file."""
+    data = json.loads((two_compares[0] / "results.json").read_text())
+    data["variants"]["baseline"][0]["lengths"][1]["at_length"]["loss"] = float("nan")
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    assert cli(capsys, "report", tmp_path)[0] == 0 and (tmp_path / "report.md").is_file()
+
+
 def test_compare_seeds_zero_writes_nothing(tmp_path, capsys):
     code, err = cli(capsys, "compare", "--seeds", "0", "--out", tmp_path / "c")
     assert code == 2 and "--seeds" in err and not (tmp_path / "c").exists()

@@ -7,8 +7,8 @@ import contextlib
 import inspect
 from pathlib import Path
 
-from lengthgen.cli.common import (CommandError, command, float_list, int_list, non_negative_float, positive_int, seed_int,
-                                  writing)
+from lengthgen.cli.common import (CommandError, command, float_list, int_list, non_negative_float, positive_int,
+                                  seed_int, writing)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:

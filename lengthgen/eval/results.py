@@ -12,7 +12,8 @@
 
 Files hold ``{"schema": SCHEMA, "kind": "run" | "comparison" | "needle", ...}``; `RunEval.load`,
 `Comparison.load` and `NeedleMap.load` raise `ResultsError` (a one-line message naming the file) for truncated,
-foreign or other-schema files.
+foreign or other-schema files, for a value of the wrong type (naming its place) and for a comparison a report
+cannot be made of.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import datetime
 import functools
 import json
 import subprocess
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,10 +292,66 @@ def _load(cls: Any, kind: str, path: str | Path) -> Any:
     if data.get("kind") != kind:
         raise ResultsError(f"{path}: holds a {data.get('kind')!r} result, expected a {kind!r} result")
     body = {k: v for k, v in data.items() if k not in ("schema", "kind")}
-    try:
-        return cls.from_dict(body)
-    except (KeyError, TypeError, AttributeError) as err:
-        raise ResultsError(f"{path}: malformed {kind} result ({type(err).__name__}: {err})") from None
+    problem = _mistyped(body, cls, "") or _incomplete(body, kind)
+    if problem:
+        raise ResultsError(f"{path}: malformed {kind} result ({problem})")
+    return cls.from_dict(body)
+
+
+_SCALARS = {str: (str,), bool: (bool,), int: (int,), float: (int, float)}
+
+
+def _mistyped(value: Any, hint: Any, where: str) -> str | None:
+    """What in ``value`` (read from JSON) does not fit ``hint`` (a result's field type), naming where; None if
+    it fits. A number is not a bool, and may be NaN or infinite (a diverged run's loss)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return None
+    if origin in (types.UnionType, typing.Union):
+        arm = next(a for a in args if a is not type(None))
+        return None if value is None else _mistyped(value, arm, where)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            return f"{where or 'the file'}: expected an object, got {value!r:.40}"
+        fields, hints = {f.name: f for f in dataclasses.fields(hint)}, typing.get_type_hints(hint)
+        unknown = sorted(set(value) - set(fields))
+        missing = [n for n, f in fields.items() if n not in value
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if unknown or missing:
+            return f"{where or 'the file'}: " + ("unknown key " + repr(unknown[0]) if unknown
+                                                  else "missing key " + repr(missing[0]))
+        found = (_mistyped(value[n], hints[n], f"{where}.{n}".lstrip(".")) for n in fields if n in value)
+        return next((p for p in found if p), None)
+    if origin is list:
+        if not isinstance(value, list):
+            return f"{where}: expected a list, got {value!r:.40}"
+        return next((p for i, v in enumerate(value) if (p := _mistyped(v, args[0], f"{where}[{i}]"))), None)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"{where}: expected an object, got {value!r:.40}"
+        return next((p for k, v in value.items() if (p := _mistyped(v, args[1], f"{where}.{k}"))), None)
+    if isinstance(value, _SCALARS[hint]) and not (hint is not bool and isinstance(value, bool)):
+        return None
+    return f"{where}: expected {'a number' if hint is float else hint.__name__}, got {value!r:.40}"
+
+
+def _incomplete(body: dict[str, Any], kind: str) -> str | None:
+    """What a well-typed comparison lacks for a report: positive lengths, a variant, a run per variant, every
+    run's evaluation at each of ``eval_lengths``; None if nothing."""
+    if kind != "comparison":
+        return None
+    if body["train_length"] < 1 or not body["eval_lengths"] or min(body["eval_lengths"]) < 1:
+        return f"train_length {body['train_length']} and eval_lengths {body['eval_lengths']}: need positive lengths"
+    if not body["variants"]:
+        return "no variants"
+    for name, runs in body["variants"].items():
+        if not runs:
+            return f"variant {name!r} has no runs"
+        for i, run in enumerate(runs):
+            lacking = sorted(set(body["eval_lengths"]) - {row["length"] for row in run["lengths"]})
+            if lacking:
+                return f"variants.{name}[{i}] was not evaluated at length {lacking[0]}"
+    return None
 
 
 __all__ = ["Bucket", "Comparison", "LengthEval", "MULTIPLES", "NeedleCell", "NeedleMap", "Provenance", "ResultsError",
