@@ -259,9 +259,9 @@ def test_tokens_per_step_below_one_sequence_is_an_error():
     assert config("train.tokens_per_step=16", "train.stages=[[0, 8], [2, 16]]").batch_size_at(3) == 1
 
 
-def _compare(out: Path, *overrides: str, seeds=(0,), variants=("baseline",)) -> Comparison:
+def _compare(out: Path, *overrides: str, seeds=(0,), variants=("baseline",), tokens=16) -> Comparison:
     cfg = config("train.steps=2", *overrides, f"compare.seeds={list(seeds)}", "compare.eval_lengths=[8, 16]",
-                 "compare.eval_tokens=16")
+                 f"compare.eval_tokens={tokens}")
     return run_compare(cfg, out, variants=list(variants), progress=False, log=lambda _: None)
 
 
@@ -281,6 +281,16 @@ def test_report_refuses_to_merge_different_configs_under_one_variant(tmp_path, c
     code, err = cli(capsys, "report", a, c, "--out", tmp_path / "m")
     assert code == 2 and "variant 'baseline' was run differently (train.lr: 0.003 here, 0.01 there)" in err
     assert files(a) == before and not (tmp_path / "m" / "report.md").exists()
+
+
+def test_report_refuses_to_merge_evaluations_of_other_tokens(tmp_path, capsys, two_compares):
+    a = two_compares[0]
+    other = _compare(tmp_path / "d", seeds=(1,), tokens=32)
+    assert [row.batch_size for row in other.variants["baseline"][0].lengths] == [4, 2]
+    code, err = cli(capsys, "report", a, tmp_path / "d", "--out", tmp_path / "m")
+    assert code == 2 and "evaluated at length 8 on 4 sequences (4 sampled sequences), here on 2; cannot merge " \
+        "evaluations of other tokens (compare --eval-tokens)" in err
+    assert not (tmp_path / "m" / "report.md").exists()
 
 
 def test_report_of_several_folders_writes_to_its_own_out(tmp_path, capsys, two_compares):

@@ -230,12 +230,19 @@ class Comparison:
 
     def merge(self, other: "Comparison", name: str = "another comparison") -> None:
         """Add ``other``'s runs: new variants, and new seeds of a variant both hold. `ResultsError` (naming
-        ``name`` and what differs) when the source, training length, eval lengths or metric differ, or when a
-        variant both hold differs in its spec or its runs' configs (apart from ``train.seed``) or repeats a seed."""
+        ``name`` and what differs) when the source, training length, eval lengths, metric or evaluated sequences
+        (their number and kind at each length) differ, or when a variant both hold differs in its spec or its
+        runs' configs (apart from ``train.seed``) or repeats a seed."""
         for field_name in ("source", "train_length", "eval_lengths", "metric"):
             if getattr(other, field_name) != getattr(self, field_name):
                 raise ResultsError(f"{name}: its {field_name} {getattr(other, field_name)!r} differs from "
                                    f"{getattr(self, field_name)!r}; cannot merge")
+        batches = {r.length: (r.batch_size, r.batch) for runs in self.variants.values() for r in runs[0].lengths}
+        for row in (r for runs in other.variants.values() for run in runs for r in run.lengths):
+            if batches.setdefault(row.length, (row.batch_size, row.batch)) != (row.batch_size, row.batch):
+                raise ResultsError(f"{name}: evaluated at length {row.length} on {row.batch_size} sequences "
+                                   f"({row.batch}), here on {batches[row.length][0]}; cannot merge evaluations of "
+                                   "other tokens (compare --eval-tokens)")
         for variant, runs in other.variants.items():
             mine = self.variants.get(variant, [])
             found = differences(self.specs.get(variant), other.specs.get(variant), "spec") if mine else []
