@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from lengthgen.cli import main
 from lengthgen.config import ConfigError, describe, set_key
-from lengthgen.eval import Comparison, ResultsError
+from lengthgen.eval import Comparison, ResultsError, RunEval
 from lengthgen.experiments.compare import run_compare
 from lengthgen.experiments.eval_run import eval_run
 from lengthgen.model import GPT
@@ -183,6 +183,23 @@ def test_resume_accepts_changes_that_keep_the_trajectory(tmp_path, stopped):
     run = copy(stopped[0], tmp_path)
     result = resume(run, "train.eval_every=1", "train.keep_checkpoints=3", "train.threads=2", "name=renamed")
     assert result.history == stopped[1]
+
+
+def test_a_finished_run_resumed_evaluates_what_its_folder_lacks(tmp_path):
+    """Resuming a finished run evaluates again when eval.json is of other eval lengths or eval_bema.json is
+    missing (a kill between the two files), and leaves both alone when they are current."""
+    evals = ("train.eval_batches=1", "train.bema.enabled=true", "train.bema.tau=1")
+    run = train(config(*evals, "train.eval_lengths=[8, 16]"), tmp_path / "run", progress=False).run_dir
+    kept = files(run)
+    resume(run, *evals, "train.eval_lengths=[8, 16]")
+    assert {k: v for k, v in files(run).items() if k.startswith("eval")} == \
+        {k: v for k, v in kept.items() if k.startswith("eval")}
+    resume(run, *evals, "train.eval_lengths=[8, 32]")
+    for name in ("eval.json", "eval_bema.json"):
+        assert [row.length for row in RunEval.load(run / name).lengths] == [8, 32]
+    (run / "eval_bema.json").unlink()
+    resume(run, *evals, "train.eval_lengths=[8, 32]")
+    assert RunEval.load(run / "eval_bema.json").bema
 
 
 def test_more_steps_need_extend_and_the_extension_is_recorded(tmp_path, stopped, capsys):

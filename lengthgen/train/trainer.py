@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from lengthgen.data.config import step_generator
-from lengthgen.eval import Provenance, RunEval, eval_source, evaluate
+from lengthgen.eval import Provenance, ResultsError, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import distributed, run_folder
@@ -49,6 +50,10 @@ from lengthgen.train.setup import (autocast_dtype, check_backend, check_resume, 
                                    resolve)
 from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
 from lengthgen.train.weights import load_initial_weights
+
+
+#: the train keys that say what the final evaluation (eval.json) holds
+_EVAL_KEYS = ("eval_lengths", "eval_batches", "eval_batch_size")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -306,6 +311,19 @@ class Trainer:
             if self.is_main:
                 bema.save(self.run_dir / "eval_bema.json")
 
+    def _evaluated(self) -> bool:
+        """Whether the folder holds the final evaluation that this config asks for: eval.json, and eval_bema.json
+        once BEMA has started, each of the same ``train.eval_lengths``, ``eval_batches`` and ``eval_batch_size``.
+        A finished run resumed with other eval lengths, or after a kill between the two files, is evaluated
+        again."""
+        names = ["eval.json"] + (["eval_bema.json"] if self.bema is not None and self.bema.started else [])
+        asked = json.loads(json.dumps({k: getattr(self.config.train, k) for k in _EVAL_KEYS}))
+        try:
+            stored = [RunEval.load(self.run_dir / name).config.get("train", {}) for name in names]
+        except (FileNotFoundError, ResultsError):
+            return False
+        return all({k: train.get(k) for k in _EVAL_KEYS} == asked for train in stored)
+
     # -- the loop ------------------------------------------------------------------------------------
     def _forward_backward(self, batch) -> torch.Tensor:
         """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP / FSDP2
@@ -425,7 +443,7 @@ class Trainer:
                     self.save_checkpoint()
             if self._saved_step != self.step:
                 self.save_checkpoint()
-            if self.step >= tc.steps and (ran or not (self.run_dir / "eval.json").exists()):
+            if self.step >= tc.steps and (ran or not self._evaluated()):
                 self._final_eval()
         finally:
             self._session = None        # train_seconds stays as of the last checkpoint, which ends the loop
