@@ -340,6 +340,27 @@ def test_compare_resume_never_drops_runs_from_the_report(tmp_path, capsys):
     assert [s for s, _ in losses(out / "runs" / "baseline-seed0")] == [1, 2]          # reused, not retrained
 
 
+def test_compare_resume_with_pretraining_takes_another_spelling_of_out(tmp_path, monkeypatch):
+    """The finetuning runs start from the comparison's own pretraining: --out relative, absolute or from another
+    working directory is the same comparison (train.init_from was compared as spelled)."""
+    monkeypatch.chdir(tmp_path)
+    first = _compare(Path("c"), "compare.pretrain_steps=2")
+    monkeypatch.chdir(tmp_path / "c")
+    again = run_compare(config("train.steps=2", "compare.pretrain_steps=2", "compare.seeds=[0]",
+                               "compare.eval_lengths=[8, 16]", "compare.eval_tokens=16"), Path("..") / "c",
+                        variants=["baseline"], progress=False, resume=True, log=lambda _: None)
+    assert again.variants["baseline"][0].lengths == first.variants["baseline"][0].lengths
+
+
+def test_resume_takes_another_spelling_of_init_from(tmp_path, stopped):
+    start = stopped[0] / "checkpoints" / "step_00000003"
+    run = train(config(f"train.init_from={json.dumps(str(start))}"), tmp_path / "run", progress=False,
+                stop_at=2).run_dir
+    respelled = os.path.relpath(start, Path.cwd())
+    assert respelled != str(start)
+    assert resume(run, f"train.init_from={json.dumps(respelled)}", "train.checkpoint_every=0").step == 4
+
+
 def test_compare_rerun_after_moving_a_finished_variant_away_never_appends(tmp_path, capsys):
     out = tmp_path / "c"
     args = ["compare", "--variants", "baseline,l2", "--eval-lengths", "8,16", "--eval-tokens", "16", "--out", out,

@@ -275,8 +275,10 @@ def _check_kept(folder: Path, planned: set[str]) -> None:
 
 
 def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, runner: Runner) -> dict[tuple, Path]:
-    """Seed 000's pretraining: one run per (base, seed) of ``pretrain_steps`` steps; their folders."""
-    folders = {(base, seed): out / f"{base or 'base'}-seed{seed}" for base in runs.bases for seed in runs.compare.seeds}
+    """Seed 000's pretraining: one run per (base, seed) of ``pretrain_steps`` steps; their absolute folders (the
+    finetuning runs' ``train.init_from``, the same however ``--out`` is spelled at a resume)."""
+    folders = {(base, seed): out.resolve() / f"{base or 'base'}-seed{seed}"
+               for base in runs.bases for seed in runs.compare.seeds}
     runner.run([Job(runs.pretrain_config(base, seed), folder, f"[pretrain {base or 'base'} seed {seed}]",
                     resume=resume, progress=progress) for (base, seed), folder in folders.items()])
     return folders

@@ -124,11 +124,13 @@ MAY_CHANGE_ON_RESUME = frozenset({
 def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, extend: bool = False
                  ) -> dict[str, Any] | None:
     """Refuse (`ConfigError` naming every key) to resume at ``step`` from the config ``old`` (``where``'s) with
-    ``now`` when they differ outside `MAY_CHANGE_ON_RESUME`; ``extend`` lets ``train.steps`` grow past ``step``.
+    ``now`` when they differ outside `MAY_CHANGE_ON_RESUME` (``train.init_from`` counts as changed only when it
+    names another file); ``extend`` lets ``train.steps`` grow past ``step``.
     Returns the ``metrics.jsonl`` entry recording such an extension (None: none)."""
     allowed = MAY_CHANGE_ON_RESUME | ({"train.steps"} if extend else set())
+    same_file = lambda a, b: Path(a).resolve() == Path(b).resolve()  # noqa: E731
     changed = [f"{key}: {where.name} {a!r}, now {b!r}" for key, a, b in differences(old.to_dict(), now.to_dict())
-               if key not in allowed]
+               if key not in allowed and not (key == "train.init_from" and a and b and same_file(a, b))]
     if changed:
         hint = " (--extend changes train.steps)" if any(d.startswith("train.steps:") for d in changed) else ""
         raise ConfigError(f"cannot resume {where.parent}: {'; '.join(changed)}{hint}; these set the training "
