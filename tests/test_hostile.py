@@ -696,6 +696,33 @@ def test_eval_out_refuses_another_runs_eval_json(tmp_path, capsys, stopped):
     assert cli(capsys, "eval", run, "--lengths", "8", "--out", run / "eval.json")[0] == 0   # its own: replaced
 
 
+@pytest.mark.parametrize("tokenizer", [[], ["--tokenizer", "byte"]])
+@pytest.mark.parametrize("command", ["eval", "needle"])
+def test_hf_given_a_run_folder_names_it_and_leaves_no_folder(tmp_path, capsys, stopped, command, tokenizer):
+    """--hf RUN went to transformers' ValueError (or a missing tokenizer.json), and needle left its --out
+    folder behind holding only a lock file."""
+    code, err = cli(capsys, command, "--hf", stopped[0], *tokenizer, "--out", tmp_path / "out")
+    assert code == 2 and f"HF model path '{stopped[0]}' is a lengthgen run folder: give it as the run" in err
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"hidden_size": 8}')
+    code, err = cli(capsys, command, "--hf", tmp_path / "model", *tokenizer, "--out", tmp_path / "out")
+    assert code == 2 and "its config.json has no model_type" in err and not (tmp_path / "out").exists()
+
+
+def test_a_failed_command_removes_only_the_folder_it_created(tmp_path):
+    with pytest.raises(ValueError), lock(tmp_path / "new" / "out"):
+        raise ValueError
+    assert not (tmp_path / "new" / "out").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(ValueError), lock(tmp_path / "kept"):
+        raise ValueError
+    with pytest.raises(ValueError), lock(tmp_path / "written") as held:
+        (held.folder / "results.json").write_text("{}")
+        raise ValueError
+    assert (tmp_path / "kept").is_dir() and (tmp_path / "written" / "results.json").is_file()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--hf", "somewhere"], "give a run folder or checkpoint, or --hf PATH"),
     (["--corpus", "stdlib"], "--corpus and --tokenizer apply only with --hf"),

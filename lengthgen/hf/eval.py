@@ -4,6 +4,7 @@ lengthgen's one evaluator (`lengthgen.eval.evaluate` with the `measure_hf` adapt
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -22,13 +23,25 @@ _PLAIN_LM_HEADS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 
 
 def model_folder(path: str | os.PathLike) -> Path:
-    """``path`` as a local model folder; FileNotFoundError naming it if it is not a directory with a config.json."""
+    """``path`` as a local model folder; FileNotFoundError naming it if it is not a directory with a config.json,
+    `ConfigError` if that config.json is a lengthgen run's (a run is evaluated without --hf) or has no
+    ``model_type``."""
     folder = Path(path).expanduser()
     if not folder.is_dir() or not (folder / "config.json").is_file():
         what = "does not exist" if not folder.exists() else ("is not a directory" if not folder.is_dir()
                                                             else "has no config.json")
         raise FileNotFoundError(f"HF model path {str(path)!r} {what}: expected a local directory saved with "
                                 "save_pretrained or lengthgen export (models are never downloaded)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"HF model path {str(path)!r}: its config.json is not JSON ({err})") from None
+    if isinstance(config, dict) and {"model", "train", "data"} <= set(config):
+        raise ConfigError(f"HF model path {str(path)!r} is a lengthgen run folder: give it as the run, without "
+                          f"--hf, or export it first (lengthgen export {path} --out DIR)")
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ConfigError(f"HF model path {str(path)!r}: its config.json has no model_type, so it is not a "
+                          "Hugging Face model's (save_pretrained or lengthgen export writes one)")
     return folder
 
 
@@ -39,9 +52,9 @@ def load_local_model(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
     loaded with `lengthgen.hf.from_pretrained`; other models with their default attention. Raises
     FileNotFoundError naming ``path`` if it is not a local directory with a ``config.json``.
     """
+    folder = model_folder(path)
     transformers = require_transformers()
     register()
-    folder = model_folder(path)
     kwargs["local_files_only"] = True
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     if getattr(config, "lengthgen_spec", None) is not None or config.model_type == "lengthgen":

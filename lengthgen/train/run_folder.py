@@ -58,10 +58,11 @@ class RunFolderWarning(UserWarning):
 
 
 class FolderLock:
-    """The exclusive lock on a folder, held until `release` (or the process ends); a context manager."""
+    """The exclusive lock on a folder, held until `release` (or the process ends); a context manager, which
+    removes the folder it ``created`` when an error ends it before anything else was written there."""
 
-    def __init__(self, folder: Path, file: IO[str] | None) -> None:
-        self.folder, self._file = folder, file
+    def __init__(self, folder: Path, file: IO[str] | None, created: bool = False) -> None:
+        self.folder, self._file, self.created = folder, file, created
 
     def release(self) -> None:
         if self._file is not None:
@@ -71,7 +72,10 @@ class FolderLock:
     def __enter__(self) -> "FolderLock":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if kind is not None and self.created and [p.name for p in self.folder.iterdir()] == [LOCK]:
+            (self.folder / LOCK).unlink()
+            self.folder.rmdir()
         self.release()
 
 
@@ -79,6 +83,7 @@ def lock(folder: str | Path) -> FolderLock:
     """Lock ``folder`` (created if needed) for this process and remove its stale temporaries. `RunFolderError`
     names the holder when another process has it."""
     folder = Path(folder)
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     file = os.fdopen(os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o666), "r+")
     try:
@@ -98,7 +103,7 @@ def lock(folder: str | Path) -> FolderLock:
                            "since": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
     file.flush()
     remove_temporaries(folder)
-    return FolderLock(folder, file)
+    return FolderLock(folder, file, created)
 
 
 def _holder(text: str) -> str:
