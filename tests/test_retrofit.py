@@ -50,16 +50,17 @@ def test_gated_2sigmoid_gate_keeps_outputs_identical_before_finetuning(checkpoin
     assert result.step == 2 and float(result.model.blocks[0].attn.gate.weight.detach().abs().max()) > 0
 
 
-def test_changes_beyond_added_attention_parameters_are_listed(checkpoint):
+def test_changes_beyond_added_attention_parameters_are_named_on_one_line(checkpoint):
     base, _ = load_run(checkpoint)
     cfg = base.override("model.attention.kv_heads=1", "model.attention.qk_norm=rms")
     with pytest.raises(ConfigError) as err:
         load_initial_weights(GPT(cfg.model), checkpoint)
     message = str(err.value)
-    # both layers' k and v projections change shape; the added QK-norm weights are not complaints
-    for i in range(2):
-        for proj in ("k_proj", "v_proj"):
-            assert f"blocks.{i}.attn.{proj}.weight: checkpoint shape (32, 32), model (16, 32)" in message
+    # both layers' k and v projections change shape (the first three named); the added QK-norm weights are not
+    # complaints
+    for i, proj in [(0, "k_proj"), (0, "v_proj"), (1, "k_proj")]:
+        assert f"blocks.{i}.attn.{proj}.weight: checkpoint shape (32, 32), model (16, 32)" in message
+    assert "; and 1 more); keep the checkpoint's model shape" in message and "\n" not in message
     assert "q_norm_weight" not in message
     wider = base.override("model.mlp_ratio=4.0")
     with pytest.raises(ConfigError, match=r"blocks\.0\.mlp\..*checkpoint shape"):

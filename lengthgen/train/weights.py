@@ -46,7 +46,7 @@ def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch
     Parameters of attention layers that the checkpoint lacks (gates, out-norm affine, QK-norm weights,
     learnable scaling multipliers) keep their initialization, so e.g. a 2sigmoid gate starts as the identity.
     Anything else that differs (a missing non-attention parameter, an unexpected checkpoint tensor, a shape
-    change) raises `ConfigError` listing all of it. Returns {"checkpoint", "added"}.
+    change) raises `ConfigError` on one line, naming the first three. Returns {"checkpoint", "added"}.
     """
     ckpt, stored = load_newest(path, lambda c: ckpt_io.load_tensors(c, "model.safetensors", device))
     own = model.state_dict()
@@ -66,8 +66,9 @@ def load_initial_weights(model: nn.Module, path: str | Path, device: str | torch
     used = {alias[n] for n in own}
     problems += [f"{name}: in the checkpoint, not in the model" for name in stored if name not in used]
     if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise ConfigError(f"cannot initialize from {ckpt}: the new config changes more than added attention "
-                          "parameters:\n  " + "\n  ".join(problems))
+                          f"parameters ({'; '.join(problems[:3])}{more}); keep the checkpoint's model shape")
     missing, unexpected = model.load_state_dict(load, strict=False)
     assert not unexpected and set(missing) == set(added), (missing, unexpected)
     return {"checkpoint": str(ckpt), "added": added}
