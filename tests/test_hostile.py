@@ -352,6 +352,18 @@ def test_compare_resume_with_pretraining_takes_another_spelling_of_out(tmp_path,
     assert again.variants["baseline"][0].lengths == first.variants["baseline"][0].lengths
 
 
+@pytest.mark.parametrize("change", ["train.steps=3", "compare.pretrain_steps=3"])
+def test_compare_resume_with_other_steps_names_what_to_do(tmp_path, capsys, change):
+    """compare has no --extend, which the resume message suggested."""
+    _compare(tmp_path / "c", "compare.pretrain_steps=2")
+    before = files(tmp_path / "c")
+    with pytest.raises(ConfigError, match=r"trains 2 steps, now 3; a comparison's steps stay as they were") as err:
+        run_compare(config("train.steps=2", "compare.pretrain_steps=2", change, "compare.seeds=[0]",
+                           "compare.eval_lengths=[8, 16]", "compare.eval_tokens=16"), tmp_path / "c",
+                    variants=["baseline"], progress=False, resume=True, log=lambda _: None)
+    assert "--extend" not in str(err.value) and files(tmp_path / "c") == before
+
+
 def test_resume_takes_another_spelling_of_init_from(tmp_path, stopped):
     start = stopped[0] / "checkpoints" / "step_00000003"
     run = train(config(f"train.init_from={json.dumps(str(start))}"), tmp_path / "run", progress=False,

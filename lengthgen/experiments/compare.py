@@ -38,7 +38,7 @@ from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train.config import RunConfig, load_config
-from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, lock
+from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, lock, saved_run_config
 from lengthgen.train.setup import check_backend, check_length, device_type, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
@@ -239,6 +239,9 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         if resume:
             check_kind(out, "comparison")
             _check_kept(out / "runs", set(folders.values()))
+            _check_steps([(runs.config(name, seed), out / "runs" / folder) for (name, seed), folder in folders.items()]
+                         + [(runs.pretrain_config(base, seed), folder) for (base, seed), folder
+                            in _pretrain_folders(runs, out / "pretrain").items() if cc.pretrain_steps])
         else:
             check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
@@ -274,11 +277,27 @@ def _check_kept(folder: Path, planned: set[str]) -> None:
                              "merges the two)")
 
 
+def _check_steps(planned: list[tuple[RunConfig, Path]]) -> None:
+    """`ConfigError` before anything trains when a resumed comparison's run (config, folder) was trained for
+    another number of steps: a comparison's runs all train the same steps, so compare has no --extend."""
+    for cfg, folder in planned:
+        saved = saved_run_config(folder)
+        if saved is not None and saved.train.steps != cfg.train.steps:
+            raise ConfigError(f"compare --resume: {folder} trains {saved.train.steps} steps, now {cfg.train.steps}; "
+                              "a comparison's steps stay as they were: resume with the same --steps and "
+                              "--pretrain-steps, or run the new steps into another --out", "train.steps")
+
+
+def _pretrain_folders(runs: Plan, out: Path) -> dict[tuple, Path]:
+    """The pretraining run folder of each (base, seed), absolute (the finetuning runs' ``train.init_from``, the
+    same however ``--out`` is spelled at a resume)."""
+    return {(base, seed): out.resolve() / f"{base or 'base'}-seed{seed}"
+            for base in runs.bases for seed in runs.compare.seeds}
+
+
 def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, runner: Runner) -> dict[tuple, Path]:
-    """Seed 000's pretraining: one run per (base, seed) of ``pretrain_steps`` steps; their absolute folders (the
-    finetuning runs' ``train.init_from``, the same however ``--out`` is spelled at a resume)."""
-    folders = {(base, seed): out.resolve() / f"{base or 'base'}-seed{seed}"
-               for base in runs.bases for seed in runs.compare.seeds}
+    """Seed 000's pretraining: one run per (base, seed) of ``pretrain_steps`` steps; their folders."""
+    folders = _pretrain_folders(runs, out)
     runner.run([Job(runs.pretrain_config(base, seed), folder, f"[pretrain {base or 'base'} seed {seed}]",
                     resume=resume, progress=progress) for (base, seed), folder in folders.items()])
     return folders
