@@ -963,3 +963,20 @@ def test_compare_overwrite_keeps_train_runs_under_runs(tmp_path, capsys):
                     "--overwrite")
     assert code == 2 and "runs/counting" in err and "lengthgen did not write" in err, err
     assert files(tmp_path / "runs") == before
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare", "--variants", "l2,baseline,l2"], "variant 'l2' is named twice; name each variant once"),
+    (["train", "--wandb", ""], "train.wandb='' is not valid; it must be a W&B project name, or none"),
+    (["train", "--set", 'train.wandb=" "'], "train.wandb=' ' is not valid"),
+])
+def test_a_repeated_variant_or_an_empty_wandb_project_is_an_error(tmp_path, capsys, args, message):
+    """--variants l2,l2 ran l2 once, and --wandb "" turned W&B off, both silently."""
+    code, err = cli(capsys, *args, "--out", tmp_path / "out")
+    assert code == 2 and message in err and not (tmp_path / "out").exists()
+
+
+def test_export_to_a_file_says_it_is_a_file(tmp_path, capsys, stopped):
+    (tmp_path / "model").write_text("")
+    code, err = cli(capsys, "export", stopped[0], "--out", tmp_path / "model")
+    assert code == 2 and f"export folder {tmp_path / 'model'} is a file: choose a new folder" in err

@@ -95,7 +95,7 @@ def add_logging_arguments(p: argparse.ArgumentParser) -> None:
 def logging_overrides(args: argparse.Namespace) -> list[str]:
     """The ``--set`` overrides that ``--log-every`` and ``--wandb`` stand for."""
     return ([f"train.log_every={args.log_every}"] if args.log_every is not None else []) + \
-        ([f"train.wandb={json.dumps(args.wandb)}"] if args.wandb else [])
+        ([f"train.wandb={json.dumps(args.wandb)}"] if args.wandb is not None else [])
 
 
 def warn_unused(cfg) -> None:

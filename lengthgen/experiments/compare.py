@@ -126,6 +126,9 @@ def parse_variants(text: str | list[str] | tuple[str, ...], defined: dict[str, A
             raise ValueError(f"unknown variant {name!r}; choose among {', '.join(choices)}")
     if not names:
         raise ValueError("no variants given; e.g. --variants baseline,l2")
+    repeated = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"variant {repeated!r} is named twice; name each variant once (--seeds runs it again)")
     return names
 
 

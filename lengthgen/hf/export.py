@@ -62,7 +62,8 @@ def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RunFolderError(f"export folder {out} is not empty: choose a new folder")
+        raise RunFolderError(f"export folder {out} " + ("is not empty" if out.is_dir() else "is a file")
+                             + ": choose a new folder")
     cfg, gpt = load_run(run, bema=bema)
     if gpt.head_kind != "lm":
         raise ConfigError(f"{run}: model.head={gpt.head_kind!r} cannot be exported; transformers models are causal "

@@ -108,6 +108,8 @@ class TrainConfig:
         if steps != sorted(set(steps)) or any(length < 1 for _, length in self.stages):
             raise invalid("TrainConfig.stages", self.stages, "a list of [step, length] pairs with increasing "
                           "steps >= 0 and lengths >= 1, e.g. [[0, 32], [500, 64]]")
+        if self.wandb is not None and not self.wandb.strip():
+            raise invalid("TrainConfig.wandb", self.wandb, "a W&B project name, or none (W&B off)")
 
     def unused(self) -> list[str]:
         """What this valid config asks for but a run of it never reaches: stages that start at or after the last
