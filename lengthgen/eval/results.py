@@ -320,7 +320,7 @@ def _mistyped(value: Any, hint: Any, where: str) -> str | None:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             return f"{where or 'the file'}: expected an object, got {value!r:.40}"
-        fields, hints = {f.name: f for f in dataclasses.fields(hint)}, typing.get_type_hints(hint)
+        fields, hints = _fields(hint)
         unknown = sorted(set(value) - set(fields))
         missing = [n for n, f in fields.items() if n not in value
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
@@ -340,6 +340,12 @@ def _mistyped(value: Any, hint: Any, where: str) -> str | None:
     if isinstance(value, _SCALARS[hint]) and not (hint is not bool and isinstance(value, bool)):
         return None
     return f"{where}: expected {'a number' if hint is float else hint.__name__}, got {value!r:.40}"
+
+
+@functools.cache
+def _fields(cls: Any) -> tuple[dict[str, dataclasses.Field], dict[str, Any]]:
+    """A result dataclass's fields by name and their resolved type hints."""
+    return {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls)
 
 
 def _incomplete(body: dict[str, Any], kind: str) -> str | None:
