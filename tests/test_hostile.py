@@ -952,6 +952,24 @@ def test_out_never_lands_in_another_run_or_in_a_checkpoint(tmp_path, capsys):
     assert files(tmp_path / "b") == before
 
 
+def test_overwrite_refuses_files_lengthgen_did_not_write_inside_its_folders(tmp_path, capsys, stopped):
+    """--overwrite checked only the top of the folder: a user's file inside a comparison's run folder, a copied
+    checkpoint or a note in tb/ went with it."""
+    _compare(tmp_path / "c")
+    (tmp_path / "c" / "runs" / "baseline-seed0" / "notes.txt").write_text("mine")
+    before = files(tmp_path / "c")
+    code, err = cli(capsys, "compare", "--out", tmp_path / "c", "--overwrite", "--variants", "baseline",
+                    *sets("train.steps=2"))
+    assert code == 2 and "holds files lengthgen did not write (runs/baseline-seed0/notes.txt)" in err
+    assert files(tmp_path / "c") == before
+    run = copy(stopped[0], tmp_path)
+    shutil.copytree(run / "checkpoints" / "step_00000003", run / "checkpoints" / "best_keep")
+    (run / "tb" / "NOTES.txt").write_text("mine")
+    code, err = cli(capsys, "train", "--out", run, "--overwrite", *sets())
+    assert code == 2 and "(checkpoints/best_keep, tb/NOTES.txt)" in err
+    assert (run / "checkpoints" / "best_keep").is_dir() and (run / "tb" / "NOTES.txt").is_file()
+
+
 def test_compare_overwrite_keeps_train_runs_under_runs(tmp_path, capsys):
     """``lengthgen train`` writes runs/<config name> by default; ``compare --out . --overwrite`` in that folder took
     runs/ for a comparison's and deleted the training run (found by a probe). Only NAME-seedN run folders are a

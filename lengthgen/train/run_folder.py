@@ -126,20 +126,41 @@ KIND_MARKERS = {"training run": ("checkpoints", "config.json"), "comparison": ("
 
 
 _SEED_RUN = re.compile(r".+-seed\d+")
+#: what lengthgen writes inside a run's checkpoints/ (checkpoints, damaged ones set aside, temporaries) and tb/
+_INSIDE = {"checkpoints": re.compile(r"step_\d+(\.corrupt.*|\.tmp-.*)?|\..*\.tmp"),
+           "tb": re.compile(r"events\.out\.tfevents\..*")}
 
 
-def _not_comparison_runs(folder: Path) -> list[str]:
-    """What a comparison's ``runs/`` or ``pretrain/`` in ``folder`` holds besides its run folders (``NAME-seedN``,
-    or ``BASE/NAME-seedN``): e.g. ``lengthgen train``'s own default ``runs/<config name>``, which ``--overwrite`` of
-    a comparison in the folder above would have deleted."""
+def not_written(folder: Path, where: str = "") -> list[str]:
+    """What in ``folder`` lengthgen did not write (paths from ``folder``), which ``--overwrite`` would delete
+    with it: names outside `WRITTEN`, anything in ``checkpoints/`` but checkpoints and in ``tb/`` but event files,
+    and in a comparison's ``runs/`` and ``pretrain/`` anything but its run folders (``NAME-seedN`` or
+    ``BASE/NAME-seedN``, e.g. not ``lengthgen train``'s default ``runs/<config name>``), each checked the same way,
+    as are a retrofit's ``finetune/`` and ``control/``."""
     found = []
-    for name in ("runs", "pretrain"):
-        for child in sorted((folder / name).iterdir()) if (folder / name).is_dir() else []:
-            ours = _SEED_RUN.fullmatch(child.name) or (
-                child.is_dir() and any(_SEED_RUN.fullmatch(g.name) for g in child.iterdir()))
-            if not ours:
-                found.append(f"{name}/{child.name}")
+    for child in sorted(folder.iterdir()):
+        path = where + child.name
+        if child.name == LOCK:
+            continue
+        if child.name not in WRITTEN:
+            found.append(path)
+        elif child.name in _INSIDE and child.is_dir():
+            found += [f"{path}/{g.name}" for g in sorted(child.iterdir()) if not _INSIDE[child.name].fullmatch(g.name)]
+        elif child.name in ("finetune", "control") and child.is_dir():
+            found += not_written(child, path + "/")
+        elif child.name in ("runs", "pretrain") and child.is_dir():
+            found += [p for run in sorted(child.iterdir()) for p in _seed_runs(run, f"{path}/{run.name}")]
     return found
+
+
+def _seed_runs(entry: Path, path: str, in_base: bool = False) -> list[str]:
+    """`not_written` of a comparison's run folder ``NAME-seedN`` or of a base's folder of them; else ``path``."""
+    is_run = lambda p: p.is_dir() and _SEED_RUN.fullmatch(p.name)  # noqa: E731
+    if is_run(entry):
+        return not_written(entry, path + "/")
+    if not in_base and entry.is_dir() and any(is_run(r) for r in entry.iterdir()):
+        return [p for r in sorted(entry.iterdir()) for p in _seed_runs(r, f"{path}/{r.name}", True)]
+    return [path]
 
 
 def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool = True,
@@ -153,7 +174,7 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
         resume = "--resume to continue it, " if resumable else ""
         raise RunFolderError(f"{folder} already holds {_names(held)}; pass {resume}--overwrite to delete it and "
                              "start over, or choose another folder")
-    foreign = [name for name in held if name not in WRITTEN] + _not_comparison_runs(folder)
+    foreign = not_written(folder) if held else []
     if foreign:
         raise RunFolderError(f"{folder} holds files lengthgen did not write ({_names(foreign)}); --overwrite "
                              "deletes only lengthgen's files: move them or choose another folder")
