@@ -200,6 +200,10 @@ def test_a_finished_run_resumed_evaluates_what_its_folder_lacks(tmp_path):
     (run / "eval_bema.json").unlink()
     resume(run, *evals, "train.eval_lengths=[8, 32]")
     assert RunEval.load(run / "eval_bema.json").bema
+    # lengthgen eval --out RUN/eval.json replaced it with other lengths (its config still names [8, 32])
+    assert main(["eval", str(run), "--lengths", "16", "--tokens", "32", "--out", str(run / "eval.json")]) == 0
+    resume(run, *evals, "train.eval_lengths=[8, 32]")
+    assert [row.length for row in RunEval.load(run / "eval.json").lengths] == [8, 32]
 
 
 def test_more_steps_need_extend_and_the_extension_is_recorded(tmp_path, stopped, capsys):

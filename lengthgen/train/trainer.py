@@ -313,16 +313,18 @@ class Trainer:
 
     def _evaluated(self) -> bool:
         """Whether the folder holds the final evaluation that this config asks for: eval.json, and eval_bema.json
-        once BEMA has started, each of the same ``train.eval_lengths``, ``eval_batches`` and ``eval_batch_size``.
-        A finished run resumed with other eval lengths, or after a kill between the two files, is evaluated
-        again."""
+        once BEMA has started, each of the same ``train.eval_lengths``, ``eval_batches`` and ``eval_batch_size``,
+        evaluated at those lengths. A finished run resumed with other eval lengths, after a kill between the two
+        files, or whose eval.json ``lengthgen eval --out`` replaced, is evaluated again."""
         names = ["eval.json"] + (["eval_bema.json"] if self.bema is not None and self.bema.started else [])
-        asked = json.loads(json.dumps({k: getattr(self.config.train, k) for k in _EVAL_KEYS}))
+        tc = self.config.train
+        asked = json.loads(json.dumps({k: getattr(tc, k) for k in _EVAL_KEYS}))
         try:
-            stored = [RunEval.load(self.run_dir / name).config.get("train", {}) for name in names]
+            stored = [RunEval.load(self.run_dir / name) for name in names]
         except (FileNotFoundError, ResultsError):
             return False
-        return all({k: train.get(k) for k in _EVAL_KEYS} == asked for train in stored)
+        return all({k: run.config.get("train", {}).get(k) for k in _EVAL_KEYS} == asked
+                   and [row.length for row in run.lengths] == sorted(set(tc.eval_lengths)) for run in stored)
 
     # -- the loop ------------------------------------------------------------------------------------
     def _forward_backward(self, batch) -> torch.Tensor:
