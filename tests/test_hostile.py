@@ -221,6 +221,22 @@ def test_more_steps_need_extend_and_the_extension_is_recorded(tmp_path, stopped,
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 6
 
 
+def test_resume_on_edited_corpus_files_is_refused(tmp_path):
+    """Resuming after the corpus files changed trained on, and silently mixed in, other data."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"document number {j} with some text\n\n" for j in range(50)))
+    text = ["data.kind=text", f"data.text={{corpus = {json.dumps(str(corpus))}, cache = false}}",
+            "data.task_kwargs={}", "train.checkpoint_every=1"]
+    run = train(config(*text), tmp_path / "run", progress=False, stop_at=2).run_dir
+    copied = tmp_path / "copy.txt"                  # the same text in another file: the same data
+    shutil.copy(corpus, copied)
+    corpus.write_text(corpus.read_text().replace("document", "DOCUMENT"))
+    with pytest.raises(ConfigError, match=r"its training data differ from the data here \(token digest"):
+        train(config(*text), run, progress=False, resume=True, stop_at=3)
+    corpus.write_text(copied.read_text())
+    assert train(config(*text), run, progress=False, resume=True).step == 4
+
+
 def test_resume_without_latest_json_continues_from_the_newest_checkpoint(tmp_path, stopped):
     run = copy(stopped[0], tmp_path)
     (run / "latest.json").unlink()

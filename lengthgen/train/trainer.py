@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lengthgen.config import ConfigError
 from lengthgen.data.config import step_generator
 from lengthgen.eval import Provenance, ResultsError, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
@@ -176,6 +177,11 @@ class Trainer:
         where = ckpt / "state.json"
         self.extended = check_resume(ckpt_io.saved_config(state["config"], where), self.config, where,
                                      step=state["step"], extend=extend)
+        trained_on, now = state.get("data_digest"), self.source.digest()
+        if trained_on is not None and trained_on != now:
+            raise ConfigError(f"cannot resume {ckpt}: its training data differ from the data here (token digest "
+                              f"{trained_on[:12]}, now {now[:12]}: the corpus files were changed); resume with the "
+                              "data it trained on, or start over with --overwrite or another --out", "data")
         with torch.random.fork_rng(devices=[]):      # building the copy must not move the run's RNG
             full = GPT(self.config.model)
         ckpt_io.load_weights(full, ckpt)
@@ -230,6 +236,7 @@ class Trainer:
             "tokens": self.tokens,
             "train_seconds": self.train_seconds,
             "metrics": self.metrics,
+            "data_digest": self.source.digest(),
         }
         bema_tensors = None
         if self.bema is not None:

@@ -66,6 +66,11 @@ class Task:
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         raise NotImplementedError
 
+    def digest(self) -> str | None:
+        """A digest of the data the task samples from, which a checkpoint keeps so that a resume on other data is
+        refused; None for a task generated from the seed alone."""
+        return None
+
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-position metrics, each (B, L) float with NaN where undefined, or per-sequence (B,) for
         ``classify`` tasks. ``output`` is the model head's output: (B, L, V) logits for ``lm``, (B, L)
