@@ -288,12 +288,25 @@ def test_eval_tokens_zero_or_negative_is_an_error(stopped, capsys, tokens):
 
 
 def test_tokens_per_step_below_one_sequence_is_an_error():
-    with pytest.raises(ConfigError, match=r"^train\.tokens_per_step=7 is not valid; it must be at least the longest "
-                                          r"training length \(8"):
+    with pytest.raises(ConfigError, match=r"^train\.tokens_per_step=7: 7 tokens per step hold no sequence of the "
+                                          r"longest training length \(8"):
         config("train.tokens_per_step=7")
-    with pytest.raises(ConfigError, match=r"train\.tokens_per_step=12 .*\(16"):
+    # a stage longer than batch_size x data.length failed only when it started (batch 0), after the steps before
+    with pytest.raises(ConfigError, match=r"^train\.batch_size=4: 32 tokens per step hold no sequence of the "
+                                          r"longest training length \(40: data.length and train.stages\)"):
+        config("train.stages=[[2, 40]]")
+    with pytest.raises(ConfigError, match=r"train\.tokens_per_step=12: .*\(16"):
         config("train.tokens_per_step=12", "train.stages=[[0, 8], [2, 16]]")
     assert config("train.tokens_per_step=16", "train.stages=[[0, 8], [2, 16]]").batch_size_at(3) == 1
+
+
+def test_overrides_are_checked_once_all_are_applied():
+    """model.heads=3 then model.dim=6 failed on heads=3 against the default dim."""
+    for order in (["model.heads=3", "model.dim=6"], ["model.dim=6", "model.heads=3"]):
+        assert (config(*order).model.dim, config(*order).model.heads) == (6, 3)
+    with pytest.raises(ConfigError, match=r"^model\.heads=5 is not valid; it must be a divisor of dim=16"):
+        config("model.heads=5")
+    assert config("model.attention=l2", "model.attention.window=4").model.attention.softmax_p == 2.0
 
 
 def _compare(out: Path, *overrides: str, seeds=(0,), variants=("baseline",), tokens=16) -> Comparison:

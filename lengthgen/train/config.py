@@ -140,10 +140,12 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check(self)
-        tokens = self.train.tokens_per_step
-        if tokens is not None and tokens < max(self.lengths()):
-            raise invalid("RunConfig.train.tokens_per_step", tokens, f"at least the longest training length "
-                          f"({max(self.lengths())}: data.length and train.stages), so every step has a sequence")
+        if self.tokens_per_step < max(self.lengths()):
+            key = "tokens_per_step" if self.train.tokens_per_step is not None else "batch_size"
+            raise ConfigError(f"RunConfig.train.{key}={getattr(self.train, key)}: {self.tokens_per_step} tokens per "
+                              f"step hold no sequence of the longest training length ({max(self.lengths())}: "
+                              f"data.length and train.stages); set train.tokens_per_step to at least "
+                              f"{max(self.lengths())}", f"RunConfig.train.{key}")
 
     def unused(self) -> list[str]:
         """`TrainConfig.unused`, and document masking on a task (its sequences are one document each)."""
@@ -193,12 +195,18 @@ class RunConfig:
             raise err.under("") from None
 
     def override(self, *assignments: str) -> "RunConfig":
-        """A copy with ``key=value`` assignments applied in order (see the module docstring)."""
-        cfg = self
+        """A copy with ``key=value`` assignments applied in order (see the module docstring), checked once all
+        are applied: ``model.dim=6`` then ``model.heads=3`` is valid in either order. Each valid step is built,
+        so that a preset set by one (``model.attention=l2``) is the table that a later key changes."""
+        data = self.to_dict()
         for assignment in assignments:
             key, value = parse_assignment(assignment)
-            cfg = RunConfig.from_dict(set_key(cfg.to_dict(), key, value, RunConfig))
-        return cfg
+            data = set_key(data, key, value, RunConfig)
+            try:
+                data = RunConfig.from_dict(data).to_dict()
+            except ConfigError:
+                pass            # a later assignment may mend it; the final build names what is still wrong
+        return RunConfig.from_dict(data)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
