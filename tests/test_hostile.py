@@ -807,16 +807,22 @@ def test_bench_arguments_are_checked(capsys, args):
     assert code == 2 and args[0] in err
 
 
-def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("command, after", [
+    ("train", "the run continues from its last checkpoint with --resume"),
+    ("compare", "the comparison continues with --resume: finished runs are reused"),
+    ("retrofit", "retrofit has no --resume: run it again with --overwrite")])
+def test_ctrl_c_is_one_line_saying_how_the_command_goes_on(tmp_path, capsys, monkeypatch, stopped, command, after):
+    """An interrupted retrofit pointed to a --resume it does not have."""
     from lengthgen.train import trainer
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(trainer.Trainer, "fit", interrupted)
-    code = main(["train", *sets(), "--out", str(tmp_path / "r"), "--no-progress"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 130 and err == ["lengthgen train: interrupted (a run continues from its last checkpoint with "
-                                   "--resume)"]
+    args = {"train": sets(), "compare": ["--variants", "baseline", *sets()],
+            "retrofit": [stopped[0], "--steps", "1", "--set", "model.attention.softmax_p=2.0"]}
+    code = main([command, *map(str, args[command]), "--out", str(tmp_path / "r"), "--no-progress"])
+    err = [line for line in capsys.readouterr().err.splitlines() if ": warning: " not in line]
+    assert code == 130 and err == [f"lengthgen {command}: interrupted ({after})"]
 
 
 def test_a_backend_that_cannot_train_here_is_refused_before_the_folder_exists(tmp_path, capsys):
@@ -1031,3 +1037,13 @@ def test_export_to_a_file_says_it_is_a_file(tmp_path, capsys, stopped):
     (tmp_path / "model").write_text("")
     code, err = cli(capsys, "export", stopped[0], "--out", tmp_path / "model")
     assert code == 2 and f"export folder {tmp_path / 'model'} is a file: choose a new folder" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--steps", "3"], "lengthgen train: error: unrecognized arguments: --steps 3; config keys are set with "
+                                "--set KEY=VALUE"),
+    (["eval", "run", "--bogus"], "lengthgen eval: error: unrecognized arguments: --bogus (see lengthgen eval --help)")])
+def test_an_unknown_argument_names_its_command(capsys, args, message):
+    """Unknown flags were reported by the top parser as `lengthgen: error:`, without the command."""
+    code, err = cli(capsys, *args)
+    assert code == 2 and err.startswith(message)

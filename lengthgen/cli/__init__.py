@@ -37,8 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=inspect.cleandoc(handler.__doc__ or ""),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(p)
-        p.set_defaults(handler=handler)
+        p.set_defaults(handler=handler, parser=p)
     return parser
+
+
+#: how a command that trains goes on after an interruption
+_AGAIN = {"train": " (the run continues from its last checkpoint with --resume)",
+          "compare": " (the comparison continues with --resume: finished runs are reused)",
+          "retrofit": " (retrofit has no --resume: run it again with --overwrite)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     from lengthgen.train.checkpoint import CheckpointError
     from lengthgen.train.run_folder import RunFolderError, RunFolderWarning
 
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:        # named by the command's own parser, which says `lengthgen train: error: ...`
+        hint = "; config keys are set with --set KEY=VALUE, e.g. --set train.steps=100" \
+            if any(a.startswith("--") for a in unknown) and "--set" in args.parser.format_usage() else ""
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     with warnings.catch_warnings():
         show = warnings.showwarning
 
@@ -77,17 +87,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:               # Ctrl-C: checkpoints on disk are intact (atomic writes)
-            print(f"lengthgen {args.command}: interrupted (a run continues from its last checkpoint with "
-                  "--resume)", file=sys.stderr)
+            print(f"lengthgen {args.command}: interrupted{_AGAIN.get(args.command, '')}", file=sys.stderr)
             return 130
         except (MemoryError, RuntimeError) as err:
             what = out_of_memory(err)
             if what is None:
                 raise
-            resume = " (the run continues from its last checkpoint with --resume)" \
-                if args.command in ("train", "compare", "retrofit") else ""
             print(f"lengthgen {args.command}: error: out of memory ({what}); use shorter lengths, fewer tokens or "
-                  f"a smaller batch{resume}", file=sys.stderr)
+                  f"a smaller batch{_AGAIN.get(args.command, '')}", file=sys.stderr)
             return 1
         except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
