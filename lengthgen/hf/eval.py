@@ -141,16 +141,25 @@ def _tokenizer(path: str | os.PathLike, name: str | None) -> Any:
         raise ConfigError(f"tokenizer: {err}", "tokenizer") from None
 
 
-def _model_and_tokenizer(path: str | os.PathLike, tokenizer: str | None) -> tuple[Any, nn.Module]:
-    """The tokenizer (`_tokenizer`) and the model (`load_local_model`); `ConfigError` when the tokenizer has more
-    ids than the model's embedding."""
+def _text_and_model(path: str | os.PathLike, tokenizer: str | None, corpus: str, split: str
+                    ) -> tuple[Any, Any, nn.Module]:
+    """The tokenizer (`_tokenizer`), ``corpus``'s ``split`` tokenized with it (`make_text_data`) and the model
+    (`load_local_model`), checked in that order, before the model loads; `ConfigError` naming the corpus when it
+    cannot be read or has no documents there, or when the tokenizer has more ids than the model's embedding."""
+    from lengthgen.data.text import make_text_data
+
+    model_folder(path)
     tok = _tokenizer(path, tokenizer)
+    try:
+        data = make_text_data(corpus, tok, split=split)
+    except ValueError as err:           # CorpusError, ShardFormatError, a bad corpus spec
+        raise ConfigError(f"--corpus: {err}", "corpus") from None
     model = load_local_model(path)
     rows = model.get_input_embeddings().num_embeddings
     if tok.vocab_size > rows:
         raise ConfigError(f"tokenizer: {tok.name!r} has {tok.vocab_size} ids but the model at {str(path)!r} embeds "
                           f"only {rows}", "tokenizer")
-    return tok, model
+    return tok, data, model
 
 
 def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 1024),
@@ -162,10 +171,7 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
     ``tokenizer.json`` (FileNotFoundError naming the folder when it has none). A tokenizer with more ids than
     the model's embedding raises `ConfigError`.
     """
-    from lengthgen.data.text import make_text_data
-
-    tok, model = _model_and_tokenizer(path, tokenizer)
-    data = make_text_data(corpus, tok, split=split)
+    tok, data, model = _text_and_model(path, tokenizer, corpus, split)
     source = LongDocuments([(f"{split} split", data)], data)
     result = evaluate(model, source, list(lengths), tokens_per_length=tokens, seed=seed, diagnostics=False,
                       measure=measure_hf)
@@ -179,10 +185,7 @@ def needle_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[
     """The retrieval map of a local HF model (`lengthgen.eval.needle_map`): text needles in ``corpus``'s ``split``
     tokenized with ``tokenizer`` (as `evaluate_hf`), in the model's own dtype, ``forward_tokens`` tokens per
     forward pass at most (None: a cell's sequences at once). ``train_length`` marks the map."""
-    from lengthgen.data.text import make_text_data
-
-    tok, model = _model_and_tokenizer(path, tokenizer)
-    data = make_text_data(corpus, tok, split=split)
+    tok, data, model = _text_and_model(path, tokenizer, corpus, split)
     result = needle_map(model, data, list(lengths), list(depths), needles=needles, samples=samples, seed=seed,
                         forward_tokens=forward_tokens, measure=measure_needle_hf, progress=progress,
                         train_length=train_length)
