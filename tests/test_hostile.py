@@ -779,6 +779,13 @@ def test_eval_and_needle_refuse_flags_they_would_ignore(capsys, stopped, command
     assert code == 2 and message in err
 
 
+@pytest.mark.parametrize("command", ["eval", "needle"])
+def test_bema_with_hf_is_refused(tmp_path, capsys, command):
+    """--hf DIR --bema evaluated the HF model's only weights without a word."""
+    code, err = cli(capsys, command, "--hf", tmp_path, "--bema", "--out", tmp_path / "out")
+    assert code == 2 and "--bema applies to a run's BEMA weights; an --hf model has none" in err
+
+
 @pytest.mark.parametrize("content, message", [
     (b"\xff\xfe[model]", "is not UTF-8 text"), (None, "is a folder, not a TOML or JSON file")])
 def test_config_file_that_is_binary_or_a_folder(tmp_path, capsys, content, message):

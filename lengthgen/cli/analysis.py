@@ -58,9 +58,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def only_hf(args: argparse.Namespace) -> None:
-    """--corpus and --tokenizer choose the text of an --hf model; a run reads its own."""
+    """--corpus and --tokenizer choose the text of an --hf model; a run reads its own. --bema is a run's."""
     if not args.hf and (args.corpus or args.tokenizer):
         raise CommandError("--corpus and --tokenizer apply only with --hf; a run uses its own corpus and tokenizer")
+    if args.hf and args.bema:
+        raise CommandError("--bema applies to a run's BEMA weights; an --hf model has none (export a run with "
+                           "--bema to evaluate its BEMA weights as an HF model)")
 
 
 @command("eval", _eval_args)
