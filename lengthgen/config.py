@@ -47,6 +47,11 @@ class ConfigWarning(UserWarning):
     """A valid config that likely does not do what was meant (a training stage after the last step)."""
 
 
+#: the largest length, size or count a config key takes (a bigger tensor dimension only overflows torch's size
+#: arithmetic, with a traceback, rather than running out of memory)
+MAX_SIZE = 2**31 - 1
+
+
 class ConfigError(ValueError):
     """An invalid configuration key or value. The message starts with ``key`` (``""``: it names none)."""
 

@@ -87,13 +87,13 @@ def test_overrides():
     ("train.compile=1", "train.compile=1 is not valid; it must be true or false"),
     ("train.betas=[0.9, 1.0]", "train.betas[1]=1.0 is not valid; it must be a finite float32 number in [0, 1)"),
     ("train.betas=[0.9]", "train.betas=[0.9] is not valid; it must be a list of 2 items, each a finite float32 number"),
-    ("train.eval_lengths=[16, 0]", "train.eval_lengths[1]=0 is not valid; it must be an integer >= 1"),
+    ("train.eval_lengths=[16, 0]", "train.eval_lengths[1]=0 is not valid; it must be an integer in [1, 2147483647]"),
     ("train.stages=[[5, 32], [1, 64]]", "train.stages=[(5, 32), (1, 64)] is not valid; it must be a list of "
                                         "[step, length] pairs with increasing steps"),
     ("train.bema=3", "train.bema=3 is not valid; it must be a table with keys enabled, kappa"),
     ("data.task=nosuch", "data.task='nosuch' is not valid; it must be one of counting, set_complement"),
     ("data.task_kwargs=[1]", "data.task_kwargs=[1] is not valid; it must be a table"),
-    ("model.dim=0", "model.dim=0 is not valid; it must be an integer >= 1"),
+    ("model.dim=0", "model.dim=0 is not valid; it must be an integer in [1, 2147483647]"),
     ("train.steps", "override 'train.steps' is not valid; write key=value"),
     ("model..dim=3", "override 'model..dim=3' is not valid; write key=value"),
 ])

@@ -1054,3 +1054,23 @@ def test_an_unknown_argument_names_its_command(capsys, args, message):
     """Unknown flags were reported by the top parser as `lengthgen: error:`, without the command."""
     code, err = cli(capsys, *args)
     assert code == 2 and err.startswith(message)
+
+
+HUGE = 2**63 - 1
+
+
+@pytest.mark.parametrize("override, message", [
+    (f"data.length={HUGE}", f"data.length={HUGE} is not valid; it must be an integer in [1, 2147483647]"),
+    (f"train.batch_size={HUGE}", "train.batch_size"), (f"train.eval_lengths=[{HUGE}]", "train.eval_lengths[0]"),
+    (f"model.vocab_size={HUGE}", "model.vocab_size"), (f"train.stages=[[0, {HUGE}]]", "train.stages[0][1]"),
+    ("train.threads=100000", "train.threads=100000 is not valid; it must be an integer in [0, 1024]")])
+def test_huge_sizes_are_config_errors(tmp_path, capsys, override, message):
+    """A size beyond int32 overflowed torch's size arithmetic (a traceback); 100000 threads was a segfault."""
+    code, err = cli(capsys, "train", *sets(override), "--out", tmp_path / "r")
+    assert code == 2 and message in err and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args", [["--lengths", str(10**20)], ["--tokens", str(HUGE)]])
+def test_huge_eval_arguments_are_errors(capsys, stopped, args):
+    code, err = cli(capsys, "eval", stopped[0], *args)
+    assert code == 2 and f"argument {args[0]}" in err and "up to 2147483647" in err

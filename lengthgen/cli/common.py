@@ -9,6 +9,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from lengthgen.config import MAX_SIZE
+
 
 class CommandError(Exception):
     """A bad command-line argument; printed as a one-line error (exit status 2)."""
@@ -26,8 +28,8 @@ def positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; give a positive integer")
+    if not 1 <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give a positive integer up to {MAX_SIZE}")
     return value
 
 
@@ -111,8 +113,8 @@ def int_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 256,1024") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 256,1024")
+    if not values or min(values) < 1 or max(values) > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers up to {MAX_SIZE}, e.g. 256,1024")
     return values
 
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lengthgen.config import ConfigError, check, documented, option
+from lengthgen.config import MAX_SIZE, ConfigError, check, documented, option
 from lengthgen.data.tasks import TaskName, make_task
 
 DataKind = Literal["task", "text"]
@@ -34,7 +34,7 @@ class DataConfig:
     kind: DataKind = option("task", "task (a synthetic task) or text (a text corpus)")
     task: TaskName = option("counting", "the synthetic task (kind = task)")
     task_kwargs: dict[str, Any] = option({}, "the task's arguments, e.g. {vocab_size = 8}")
-    length: int = option(64, "training length (before any train.stages)", ge=1)
+    length: int = option(64, "training length (before any train.stages)", ge=1, le=MAX_SIZE)
     text: dict[str, Any] = option({}, "make_text_data's arguments (kind = text): corpus, tokenizer, split, ...")
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import ConfigError, build, check, invalid, option
+from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, option
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
 from lengthgen.experiments.jobs import Job, Runner
 from lengthgen.experiments.needle import needle_filler
@@ -70,8 +70,8 @@ class CompareConfig:
     seeds: list[int] = option([0], "train.seed of each run of a variant (--seeds N: 0, 1, ..., N-1)", ge=0,
                               le=2**63 - 1)
     eval_lengths: list[int] = option([], "evaluation lengths (default: the training length x 1, 2, 4, 8, 16)",
-                                     ge=1)
-    eval_tokens: int = option(8192, "tokens per evaluated length", ge=1)
+                                     ge=1, le=MAX_SIZE)
+    eval_tokens: int = option(8192, "tokens per evaluated length", ge=1, le=MAX_SIZE)
     metric: str | None = option(None, "the report's headline: loss or the source's metric (default: the "
                                 "source's)")
     needle_depths: list[float] = option([], "retrieval maps at these needle depths and the eval lengths, e.g. [0, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from lengthgen.config import check_value
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.eval import MULTIPLES, RunEval, eval_source, evaluate
 from lengthgen.train import load_run
 from lengthgen.data.config import make_source
@@ -18,7 +18,7 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
     on the run's device and autocast, seeded with its ``train.seed``, at ``lengths`` (default: the training
     length x `MULTIPLES`) with ``tokens`` tokens per length; text runs on single long documents. A bad length or
     token count is a `ConfigError`, checked before the model is run."""
-    tokens = check_value("tokens", tokens, int, ge=1)
+    tokens = check_value("tokens", tokens, int, ge=1, le=MAX_SIZE)
     cfg, model = load_run(path, bema=bema)
     kind = device_type(cfg.train)
     lengths = lengths or [max(cfg.lengths()) * m for m in MULTIPLES]

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from lengthgen.config import ConfigError, check_value
+from lengthgen.config import MAX_SIZE, ConfigError, check_value
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
 from lengthgen.report import write_report
@@ -81,7 +81,7 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     load_initial_weights(GPT(cfg.model), ckpt)
     train_length = max(cfg.lengths())
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
-    eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1)
+    eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1, le=MAX_SIZE)
     source = make_source(cfg.data)
     for length in eval_lengths:
         check_length(source, "eval_lengths", length)

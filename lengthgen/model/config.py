@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lengthgen.attention import PRESETS, AttentionSpec, resolve_spec
-from lengthgen.config import (ConfigError, build, check, check_value, documented, invalid, option, to_plain,
-                              unknown_key)
+from lengthgen.config import (MAX_SIZE, ConfigError, build, check, check_value, documented, invalid, option,
+                              to_plain, unknown_key)
 from lengthgen.model.norms import Norm
 
 Placement = Literal["pre", "post", "peri", "hybrid", "hybrid_star", "mix"]
@@ -74,11 +74,11 @@ class GPTConfig:
     (``skips``) and the sigmoid soft-cap (``logit_cap_form``).
     """
 
-    vocab_size: int | None = option(None, "vocabulary size (default: the data's)", ge=1)
-    dim: int = option(128, "model width", ge=1)
-    layers: int = option(2, "number of transformer blocks", ge=1)
-    heads: int = option(4, "attention heads per layer", ge=1)
-    head_dim: int | None = option(None, "width of one head (default dim // heads)", ge=1)
+    vocab_size: int | None = option(None, "vocabulary size (default: the data's)", ge=1, le=MAX_SIZE)
+    dim: int = option(128, "model width", ge=1, le=MAX_SIZE)
+    layers: int = option(2, "number of transformer blocks", ge=1, le=MAX_SIZE)
+    heads: int = option(4, "attention heads per layer", ge=1, le=MAX_SIZE)
+    head_dim: int | None = option(None, "width of one head (default dim // heads)", ge=1, le=MAX_SIZE)
     mlp_ratio: float = option(4.0, "MLP hidden width / dim; 0: attention-only blocks (seed 003)", ge=0)
     mlp: Mlp = option("gelu", "MLP activation: gelu, gelu_tanh (tanh approximation, seed 001) or relu2 "
                       "(squared ReLU)")

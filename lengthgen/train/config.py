@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lengthgen.atomic import atomic_write_text
-from lengthgen.config import (ConfigError, build, check, documented, invalid, load_toml, option, parse_assignment,
-                              read_config_text, set_key, to_plain)
+from lengthgen.config import (MAX_SIZE, ConfigError, build, check, documented, invalid, load_toml, option,
+                              parse_assignment, read_config_text, set_key, to_plain)
 from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
 
@@ -75,18 +75,20 @@ class TrainConfig:
     qk_clip: float | None = option(None, "QK-clip threshold tau (Kimi K2); none disables", gt=0)
     grad_clip: float = option(1.0, "max global grad norm; 0 disables", ge=0)
     grad_accum: int = option(1, "micro-batches per step", ge=1)
-    batch_size: int = option(32, "sequences per step at data.length (when tokens_per_step is none)", ge=1)
+    batch_size: int = option(32, "sequences per step at data.length (when tokens_per_step is none)", ge=1,
+                            le=MAX_SIZE)
     tokens_per_step: int | None = option(None, "constant tokens per step: batch = tokens_per_step // length",
-                                         ge=1)
-    stages: list[tuple[int, int]] = option([], "staged context length: [[step, length], ...]", ge=0)
+                                         ge=1, le=MAX_SIZE)
+    stages: list[tuple[int, int]] = option([], "staged context length: [[step, length], ...]", ge=0,
+                                          le=MAX_SIZE)
     restart_at_stages: bool = option(False, "at every stage after the first, re-create the optimizers (fresh "
                                      "state) and warm the learning rate up again over warmup_steps (seed 001)")
     bema: BemaConfig = option(BemaConfig(), "BEMA of the weights")
     seed: int = option(0, "seed of the weights and the data", ge=0, le=2**63 - 1)
     eval_every: int = option(0, "evaluate every this many steps; 0: at the end only", ge=0)
-    eval_lengths: list[int] = option([], "evaluation lengths (default [data.length])", ge=1)
+    eval_lengths: list[int] = option([], "evaluation lengths (default [data.length])", ge=1, le=MAX_SIZE)
     eval_batches: int = option(2, "batches per evaluation length", ge=0)
-    eval_batch_size: int = option(16, "sequences per evaluation batch", ge=1)
+    eval_batch_size: int = option(16, "sequences per evaluation batch", ge=1, le=MAX_SIZE)
     checkpoint_every: int = option(0, "checkpoint every this many steps; 0: at the end only", ge=0)
     keep_checkpoints: int = option(2, "checkpoints kept on disk", ge=1)
     log_every: int = option(10, "log every this many steps (and the first and last): a line on the console "
@@ -98,7 +100,8 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model (on CPU too, where compiling takes minutes)")
     parallel: Parallel = option("ddp", "under torchrun: ddp (every rank holds the model) or fsdp (FSDP2 "
                                 "fully_shard: weights, gradients and optimizer states split across ranks)")
-    threads: int = option(0, "CPU threads (torch.set_num_threads) while training; 0: torch's default", ge=0)
+    threads: int = option(0, "CPU threads (torch.set_num_threads) while training; 0: torch's default", ge=0,
+                          le=1024)
     init_from: str | None = option(None, "start from this run folder's or checkpoint's weights with a fresh "
                                    "optimizer; parameters the attention spec adds keep their init")
 
