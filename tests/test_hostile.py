@@ -31,7 +31,7 @@ from lengthgen.model import GPT
 from lengthgen.optional import MissingPackageError
 from lengthgen.train import load_run, train
 from lengthgen.train.config import RunConfig
-from lengthgen.train.run_folder import LOCK, RunFolderError, RunFolderWarning, lock
+from lengthgen.train.run_folder import LOCK, RunFolderError, RunFolderWarning, load_newest, lock
 from lengthgen.train.setup import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -453,6 +453,29 @@ def test_a_damaged_checkpoint_falls_back_to_the_older_one(tmp_path, stopped, dam
     assert result.history == stopped[1]                            # exact, from step 2
     assert [s for s, _ in losses(run)] == [1, 2, 3, 4]
     assert (run / "checkpoints" / "step_00000003.corrupt" / damaged).is_file()
+
+
+def test_a_checkpoint_rotated_away_while_read_reads_the_new_one(tmp_path, stopped):
+    """eval of a run that is training (keep_checkpoints=1) failed with 'no readable checkpoint' when the writer
+    replaced the checkpoint being read."""
+    import warnings
+
+    from lengthgen.train import checkpoint as ckpt_io
+
+    run = copy(stopped[0], tmp_path)
+    shutil.rmtree(run / "checkpoints" / "step_00000002")
+    old, new = run / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000004"
+
+    def read(ckpt):
+        if ckpt == old:                       # the writer saves step 4 and removes step 3 during this read
+            shutil.copytree(old, new)
+            shutil.rmtree(old)
+        return ckpt_io.read_state(ckpt)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # a rotated checkpoint is not a damaged one
+        found, state = load_newest(run, read)
+    assert found == new and state["step"] == 3
 
 
 def test_every_checkpoint_damaged_is_a_one_line_error(tmp_path, stopped, capsys):

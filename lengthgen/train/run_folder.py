@@ -219,28 +219,39 @@ def checkpoints_at(path: str | Path) -> tuple[list[Path], bool]:
     return found, True
 
 
-def load_newest(path: str | Path, load: Callable[[Path], T], *, set_aside: bool = False) -> tuple[Path, T]:
+def load_newest(path: str | Path, load: Callable[[Path], T], *, set_aside: bool = False, tries: int = 3
+                ) -> tuple[Path, T]:
     """``(checkpoint, load(checkpoint))`` for the newest checkpoint at ``path`` that ``load`` reads without a
     `CheckpointError`. Older ones are tried only for a run folder; each damaged newer one is named in a
-    `RunFolderWarning` and, with ``set_aside`` (a writer resuming), renamed ``step_N.corrupt``."""
+    `RunFolderWarning` and, with ``set_aside`` (a writer resuming), renamed ``step_N.corrupt``. A checkpoint
+    that vanishes while it is read was rotated away by the run's writer: the run folder is listed again (up to
+    ``tries`` times)."""
     candidates, is_run = checkpoints_at(path)
-    errors: list[CheckpointError] = []
+    damaged: list[tuple[Path, CheckpointError]] = []
+    rotated = False
     for ckpt in candidates:
         try:
             value = load(ckpt)
         except CheckpointError as err:
             if not is_run:
                 raise
-            errors.append(err)
+            if not ckpt.exists():
+                rotated = True
+            else:
+                damaged.append((ckpt, err))
             continue
-        for bad, err in zip(candidates, errors):
+        for bad, err in damaged:
             kept = ""
             if set_aside:
                 os.replace(bad, _free(bad.with_name(bad.name + ".corrupt")))
                 kept = f"; kept aside as {bad.name}.corrupt"
             warnings.warn(f"{err}; using the older checkpoint {ckpt.name}{kept}", RunFolderWarning, stacklevel=2)
         return ckpt, value
-    raise CheckpointError(f"no readable checkpoint in {path}: " + "; ".join(map(str, errors)))
+    if rotated and tries > 1:
+        return load_newest(path, load, set_aside=set_aside, tries=tries - 1)
+    raise CheckpointError(f"no readable checkpoint in {path}: " + "; ".join(str(err) for _, err in damaged)
+                          + ("; the others were removed while read (a run writing there rotates them)"
+                             if rotated else ""))
 
 
 def _free(path: Path) -> Path:
