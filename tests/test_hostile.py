@@ -1097,3 +1097,18 @@ def test_huge_sizes_are_config_errors(tmp_path, capsys, override, message):
 def test_huge_eval_arguments_are_errors(capsys, stopped, args):
     code, err = cli(capsys, "eval", stopped[0], *args)
     assert code == 2 and f"argument {args[0]}" in err and "up to 2147483647" in err
+
+
+@pytest.mark.parametrize("command", [["train"], ["compare"], ["theory"], ["eval", "run"], ["bench", "attention"]])
+def test_an_empty_out_is_an_error(capsys, command):
+    """--out '' meant runs/run for train, the current folder for compare and a traceback for theory."""
+    code, err = cli(capsys, *command, "--out", "")
+    assert code == 2 and "argument --out: '' is empty; give a path" in err
+
+
+@pytest.mark.parametrize("key", ["max_documents", "max_tokens"])
+def test_text_limits_below_one_are_config_errors(tmp_path, capsys, key):
+    """data.text.max_documents=-1 was taken, then failed as a corpus without documents."""
+    code, err = cli(capsys, "train", *sets("data.kind=text", "data.task_kwargs={}", f"data.text.{key}=-1"),
+                    "--out", tmp_path / "r")
+    assert code == 2 and f"data.text.{key}=-1 is not valid; it must be an integer >= 1, or none" in err

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = "; config keys are set with --set KEY=VALUE, e.g. --set train.steps=100" \
             if any(a.startswith("--") for a in unknown) and "--set" in args.parser.format_usage() else ""
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    if getattr(args, "out", None) == "":    # not the current folder, nor the default: an empty shell variable
+        args.parser.error("argument --out: '' is empty; give a path")
     with warnings.catch_warnings():
         show = warnings.showwarning
 

@@ -336,6 +336,8 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
     ``max_documents`` or ``max_tokens``). ``tokenizer``: see ``make_tokenizer``. ``split``:
     ``train | val | all``. ``cache`` / ``cache_dir`` / ``max_documents`` / ``max_tokens``: see
     ``pretokenize``."""
+    max_documents = check_value("make_text_data.max_documents", max_documents, int | None, ge=1)
+    max_tokens = check_value("make_text_data.max_tokens", max_tokens, int | None, ge=1)
     tok = make_tokenizer(tokenizer)
     if isinstance(corpus, str) and corpus.startswith("hf:") and max_documents is None \
             and max_tokens is None:
