@@ -827,6 +827,12 @@ def test_out_that_is_a_file_or_under_one(tmp_path, capsys):
         code, err = cli(capsys, "train", *sets(), "--out", out)
         assert code == 2 and err.endswith(f"{out}: {says}")
     assert (tmp_path / "f").read_text() == "keep"
+    # bench and eval write one file: a file in its path was found only after the benchmark had run
+    for command in (["bench", "attention", "--device", "cpu", "--lengths", "16", "--head-dims", "8",
+                     "--variants", "baseline", "--backends", "dense", "--time-budget", "0.001"], ["eval", "run"]):
+        out = tmp_path / "f" / "x.json"
+        code, err = cli(capsys, *command, "--out", out)
+        assert code == 2 and err.endswith(f"--out {out}: {tmp_path / 'f'} is a file, not a folder")
 
 
 @pytest.mark.parametrize("args", [["--heads", "0"], ["--reps", "0"], ["--time-budget", "-1"], ["--lengths", "0"],

@@ -133,6 +133,9 @@ def writing(path: Path, source: str | None = None) -> contextlib.AbstractContext
 
     if path.is_dir():
         raise CommandError(f"--out {path} is a folder; give a file path")
+    under_file = next((f for f in path.parents if f.exists() and not f.is_dir()), None)
+    if under_file is not None:           # found now, not when the work is done
+        raise CommandError(f"--out {path}: {under_file} is a file, not a folder")
     if not (path.parent / LOCK).exists():
         inside = next((f for f in path.resolve().parents if (f / LOCK).exists()), None)
         if inside is not None:          # e.g. a checkpoint's model.safetensors: resuming would find it damaged
