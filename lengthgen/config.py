@@ -338,7 +338,8 @@ def read_config_text(path: str | Path) -> str:
         hint = f" (did you mean {near}?)" if not path.suffix and near.is_file() else ""
         raise FileNotFoundError(f"config file not found: {path}{hint}")
     if not path.is_file():
-        raise ConfigError(f"config file {path} is a folder, not a TOML or JSON file")
+        what = "a folder" if path.is_dir() else "not a regular file"
+        raise ConfigError(f"config file {path} is {what}; give a TOML or JSON file")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

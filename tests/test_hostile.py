@@ -810,7 +810,7 @@ def test_bema_with_hf_is_refused(tmp_path, capsys, command):
 
 
 @pytest.mark.parametrize("content, message", [
-    (b"\xff\xfe[model]", "is not UTF-8 text"), (None, "is a folder, not a TOML or JSON file")])
+    (b"\xff\xfe[model]", "is not UTF-8 text"), (None, "is a folder; give a TOML or JSON file")])
 def test_config_file_that_is_binary_or_a_folder(tmp_path, capsys, content, message):
     path = tmp_path / "c.toml"
     path.write_bytes(content) if content is not None else path.mkdir()
@@ -934,6 +934,10 @@ def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch, error, what):
     monkeypatch.setattr(GPT, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["eval", str(tmp_path / "run"), "--lengths", "64"])
+    # train: --resume is suggested only once the run folder exists (here the model did not fit)
+    monkeypatch.setattr(GPT, "__init__", forward)
+    code, err = cli(capsys, "train", *sets(), "--out", tmp_path / "new")
+    assert code == 1 and err.endswith("or a smaller batch") and not (tmp_path / "new").exists()
 
 
 def _children(pid: int) -> list[int]:

@@ -47,6 +47,12 @@ _AGAIN = {"train": " (the run continues from its last checkpoint with --resume)"
           "retrofit": " (retrofit has no --resume: run it again with --overwrite)"}
 
 
+def _again(args: argparse.Namespace) -> str:
+    """How the interrupted or failed command goes on (`_AGAIN`); nothing when its --out folder was not made."""
+    out = getattr(args, "out", None)
+    return "" if out and not os.path.isdir(out) else _AGAIN.get(args.command, "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
     checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
@@ -89,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:               # Ctrl-C: checkpoints on disk are intact (atomic writes)
-            print(f"lengthgen {args.command}: interrupted{_AGAIN.get(args.command, '')}", file=sys.stderr)
+            print(f"lengthgen {args.command}: interrupted{_again(args)}", file=sys.stderr)
             return 130
         except (MemoryError, RuntimeError) as err:
             what = out_of_memory(err)
             if what is None:
                 raise
             print(f"lengthgen {args.command}: error: out of memory ({what}); use shorter lengths, fewer tokens or "
-                  f"a smaller batch{_AGAIN.get(args.command, '')}", file=sys.stderr)
+                  f"a smaller batch{_again(args)}", file=sys.stderr)
             return 1
         except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
