@@ -283,15 +283,18 @@ _NONE_WORDS = ("none", "null")
 
 def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None) -> dict[str, Any]:
     """A copy of the config dict ``data`` with the dotted ``key`` set to ``value`` (sub-dicts created as
-    needed). The only conversion: ``"none"``/``"null"`` becomes None where the field of ``cls`` at ``key``
-    is optional (or of any type). Validation is the checker's, when the dict is built."""
+    needed; a preset name where a key goes inside becomes ``{preset = NAME}``, so ``model.attention=l2`` then
+    ``model.attention.window=4`` is l2 with a window). The only conversion: ``"none"``/``"null"`` becomes None
+    where the field of ``cls`` at ``key`` is optional (or of any type). Validation is the checker's, when the
+    dict is built."""
     head, _, rest = key.partition(".")
     hint = hints(cls).get(head) if cls is not None and dataclasses.is_dataclass(cls) else None
     out = dict(data)
     if rest:
         inner = out.get(head)
+        inner = inner if isinstance(inner, dict) else {"preset": inner} if isinstance(inner, str) else {}
         sub = hint if dataclasses.is_dataclass(hint) else _optional_arm(hint)
-        out[head] = set_key(inner if isinstance(inner, dict) else {}, rest, value, sub)
+        out[head] = set_key(inner, rest, value, sub)
     elif (hint is Any or _optional_arm(hint) is not None) and isinstance(value, str) \
             and value.lower() in _NONE_WORDS:
         out[head] = None

@@ -307,6 +307,9 @@ def test_overrides_are_checked_once_all_are_applied():
     with pytest.raises(ConfigError, match=r"^model\.heads=5 is not valid; it must be a divisor of dim=16"):
         config("model.heads=5")
     assert config("model.attention=l2", "model.attention.window=4").model.attention.softmax_p == 2.0
+    # a preset set while the config is invalid for a moment (heads=3 of dim 16) is kept when a later key changes it
+    spec = config("model.heads=3", "model.attention=l2", "model.attention.window=4", "model.dim=6").model.attention
+    assert (spec.softmax_p, spec.window) == (2.0, 4)
 
 
 def _compare(out: Path, *overrides: str, seeds=(0,), variants=("baseline",), tokens=16) -> Comparison:
@@ -1041,6 +1044,10 @@ def test_overwrite_refuses_files_lengthgen_did_not_write_inside_its_folders(tmp_
                     *sets("train.steps=2"))
     assert code == 2 and "holds files lengthgen did not write (runs/baseline-seed0/notes.txt)" in err
     assert files(tmp_path / "c") == before
+    (tmp_path / "c" / "runs" / "baseline-seed0" / "notes.txt").unlink()
+    (tmp_path / "c" / "runs" / "baseline-seed0" / "wandb").mkdir()        # W&B's own folder in a run (--wandb)
+    assert cli(capsys, "compare", "--out", tmp_path / "c", "--overwrite", "--variants", "baseline",
+               *sets("train.steps=2"))[0] == 0
     run = copy(stopped[0], tmp_path)
     shutil.copytree(run / "checkpoints" / "step_00000003", run / "checkpoints" / "best_keep")
     (run / "tb" / "NOTES.txt").write_text("mine")
