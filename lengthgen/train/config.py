@@ -199,16 +199,11 @@ class RunConfig:
 
     def override(self, *assignments: str) -> "RunConfig":
         """A copy with ``key=value`` assignments applied in order (see the module docstring), checked once all
-        are applied: ``model.dim=6`` then ``model.heads=3`` is valid in either order. Each valid step is built,
-        so that a preset set by one (``model.attention=l2``) is the table that a later key changes."""
+        are applied: ``model.dim=6`` then ``model.heads=3`` is valid in either order, and a preset set by one
+        (``model.attention=l2``) is the table that a later key changes (`set_key`)."""
         data = self.to_dict()
         for assignment in assignments:
-            key, value = parse_assignment(assignment)
-            data = set_key(data, key, value, RunConfig)
-            try:
-                data = RunConfig.from_dict(data).to_dict()
-            except ConfigError:
-                pass            # a later assignment may mend it; the final build names what is still wrong
+            data = set_key(data, *parse_assignment(assignment), RunConfig)
         return RunConfig.from_dict(data)
 
 
