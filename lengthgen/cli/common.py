@@ -23,25 +23,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str, low: int, high: int, give: str, bounds: str = "") -> int:
+    """``text`` as an integer in [``low``, ``high``], else argparse's one-line error saying to ``give`` one."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
-    if not 1 <= value <= MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; give a positive integer up to {MAX_SIZE}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give {give}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give {give}{bounds}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _integer(text, 1, MAX_SIZE, "a positive integer", f" up to {MAX_SIZE}")
 
 
 def seed_int(text: str) -> int:
     """A seed as ``train.seed`` takes it: an integer from 0 to 2**63 - 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a seed from 0 to 2**63 - 1") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; give a seed from 0 to 2**63 - 1")
-    return value
+    return _integer(text, 0, 2**63 - 1, "a seed from 0 to 2**63 - 1")
 
 
 def non_negative_float(text: str) -> float:
