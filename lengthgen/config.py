@@ -284,12 +284,15 @@ _NONE_WORDS = ("none", "null")
 def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None) -> dict[str, Any]:
     """A copy of the config dict ``data`` with the dotted ``key`` set to ``value`` (sub-dicts created as
     needed; a preset name where a key goes inside becomes ``{preset = NAME}``, so ``model.attention=l2`` then
-    ``model.attention.window=4`` is l2 with a window). The only conversion: ``"none"``/``"null"`` becomes None
-    where the field of ``cls`` at ``key`` is optional (or of any type). Validation is the checker's, when the
-    dict is built."""
+    ``model.attention.window=4`` is l2 with a window). A ``preset`` key in a table whose class has
+    ``set_preset`` goes through it: ``model.attention.preset=l2`` is l2 on top of the config's attention. The only
+    conversion: ``"none"``/``"null"`` becomes None where the field of ``cls`` at ``key`` is optional (or of any
+    type). Validation is the checker's, when the dict is built."""
     head, _, rest = key.partition(".")
     hint = hints(cls).get(head) if cls is not None and dataclasses.is_dataclass(cls) else None
     out = dict(data)
+    if head == "preset" and not rest and hasattr(cls, "set_preset"):
+        return cls.set_preset(out, value)
     if rest:
         inner = out.get(head)
         inner = inner if isinstance(inner, dict) else {"preset": inner} if isinstance(inner, str) else {}

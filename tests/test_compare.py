@@ -2,23 +2,14 @@
 
 import pytest
 
-from lengthgen.attention import PRESETS, AttentionSpec
 from lengthgen.cli import main
 from lengthgen.data.tasks import make_task
 from lengthgen.eval import Comparison, RunEval
-from lengthgen.experiments.compare import base_config, parse_variants, run_compare, variant_spec
+from lengthgen.experiments.compare import base_config, parse_variants, run_compare
 from lengthgen.report import markdown_report, verdicts
 from lengthgen.report.tables import conclusion, value_rows
 
 TINY = ["data.task=counting", "train.steps=3", "model.dim=16", "model.heads=2", "model.layers=1", "train.batch_size=4"]
-
-
-def test_variant_spec_applies_preset_on_top_of_the_base():
-    base = AttentionSpec(position="nope", window=32)
-    spec = variant_spec(base, "l2")
-    assert spec.softmax_p == 2.0 and spec.position == "nope" and spec.window == 32
-    assert variant_spec(base, "baseline") == base
-    assert variant_spec(AttentionSpec(), "avnorm") == PRESETS["avnorm"]
 
 
 def test_parse_variants_errors_name_the_choices():

@@ -56,6 +56,30 @@ def test_overrides():
     assert parse_value("l2") == "l2" and parse_value("3") == 3 and parse_value("[1, 2]") == [1, 2]
 
 
+def test_with_preset_applies_a_preset_on_top_of_a_spec():
+    base = AttentionSpec(position="nope", window=32)
+    assert base.with_preset("l2") == base.replace(softmax_p=2.0)
+    assert base.with_preset("baseline") == base
+    assert AttentionSpec().with_preset("avnorm") == PRESETS["avnorm"]
+    assert PRESETS["ssmax"].with_preset("sqrt_log_n") == PRESETS["sqrt_log_n"]   # the preset's fields win
+
+
+def test_set_preset_inside_the_attention_table_is_the_preset_on_top():
+    """``--set model.attention.preset=l2`` once did nothing: the resolved table's explicit softmax_p = 1 hid the
+    preset. It is now compare's variant l2 (NoPE stays NoPE); ``model.attention=l2`` stays the whole preset."""
+    nope = RunConfig().override("model.attention.position=nope")
+    on_top = nope.override("model.attention.preset=l2")
+    assert on_top.model.attention == PRESETS["l2"].replace(position="nope")
+    assert nope.override("model.attention=l2").model.attention == PRESETS["l2"]
+    assert RunConfig().override("model.attention=ssmax", "model.attention.preset=l2").model.attention == \
+        PRESETS["ssmax"].replace(softmax_p=2.0)
+    # the same spec as compare's variant of that name, which is what a comparison's run of it trains
+    from lengthgen.experiments.compare import apply_variant
+    assert apply_variant(nope, "l2", None, "compare.variants.l2") == on_top
+    with pytest.raises(ConfigError, match="model.attention: unknown attention preset 'l3'; choose one of baseline"):
+        nope.override("model.attention.preset=l3")
+
+
 @pytest.mark.parametrize("assignment, message", [
     ("model.foo=1", "model.foo is not a valid key; valid keys: vocab_size, dim, layers, heads"),
     ("foo=1", "foo is not a valid key; valid keys: model, train, data, name"),

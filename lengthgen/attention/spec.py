@@ -107,6 +107,21 @@ class AttentionSpec:
             raise ConfigError(f"unknown attention preset {name!r}; choose one of {', '.join(PRESETS)}")
         return PRESETS[name].replace(**changes)
 
+    def with_preset(self, name: str) -> "AttentionSpec":
+        """Preset ``name`` applied on top of this spec: the fields in which it differs from ``baseline`` replace
+        this spec's, so ``l2`` on a NoPE spec is NoPE with p = 2 (compare's variants)."""
+        preset = AttentionSpec.preset(name)
+        return self.replace(**{f: getattr(preset, f) for f in FIELDS if getattr(preset, f) != getattr(BASE, f)})
+
+    @classmethod
+    def set_preset(cls, table: dict[str, Any], name: Any) -> dict[str, Any]:
+        """``--set model.attention.preset=NAME`` on a config's attention table: `with_preset` (a table that does
+        not resolve, or an unknown name, is set as written, for the checker to name what is wrong)."""
+        try:
+            return resolve_spec(table).with_preset(name).to_dict()
+        except ConfigError:
+            return {**table, "preset": name}
+
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from lengthgen.attention import FIELDS, PRESETS, AttentionSpec, resolve_spec
+from lengthgen.attention import PRESETS, resolve_spec
 from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, option
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
 from lengthgen.experiments.jobs import Job, Runner
@@ -142,14 +142,6 @@ def check_metric(source, metric: str | None) -> str:
     return metric
 
 
-def variant_spec(base: AttentionSpec, variant: str) -> AttentionSpec:
-    """``variant``'s preset applied on top of the config's attention spec: the fields in which the preset
-    differs from ``baseline`` replace the base's, so ``position="nope"`` in the config makes every variant NoPE."""
-    preset = PRESETS[variant]
-    changes = {f: getattr(preset, f) for f in FIELDS if getattr(preset, f) != getattr(PRESETS["baseline"], f)}
-    return base.replace(**changes)
-
-
 def _merge(into: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     out = dict(into)
     for key, value in changes.items():
@@ -160,10 +152,10 @@ def _merge(into: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 
 def apply_variant(cfg: RunConfig, name: str, changes: dict[str, Any] | None, key: str) -> RunConfig:
     """``cfg`` with a variant's change table merged in, or (``changes`` None) the attention preset ``name``
-    applied by `variant_spec`. Errors name ``key`` (``compare.variants.<name>``)."""
+    applied by `AttentionSpec.with_preset`. Errors name ``key`` (``compare.variants.<name>``)."""
     if changes is None:
-        return dataclasses.replace(cfg, model=cfg.model.replace(attention=variant_spec(
-            resolve_spec(cfg.model.attention), name)))
+        return dataclasses.replace(cfg, model=cfg.model.replace(
+            attention=resolve_spec(cfg.model.attention).with_preset(name)))
     try:
         return RunConfig.from_dict(_merge(cfg.to_dict(), changes))
     except ConfigError as err:
