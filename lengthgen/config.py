@@ -31,6 +31,7 @@ import numbers
 import re
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -306,6 +307,16 @@ def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None)
     return out
 
 
+def leaves(table: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """The dotted keys and values of a nested change table (``{model = {dim = 64}}`` -> ``("model.dim", 64)``),
+    for `set_key`; an empty table changes nothing."""
+    for key, value in table.items():
+        if isinstance(value, dict):
+            yield from leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def parse_value(raw: str) -> Any:
     """A TOML literal (``64``, ``1e-3``, ``true``, ``[[0, 32]]``, ``{window = 64}``, ``"x"``), else the string."""
     if tomllib is None:  # pragma: no cover
@@ -433,5 +444,5 @@ def format_config(config: Any, width: int = 34) -> str:
 
 
 __all__ = ["ConfigError", "build", "check", "check_value", "describe", "differences", "documented", "expected",
-           "format_config", "hints", "invalid", "load_toml", "option", "parse_assignment", "parse_value", "set_key",
-           "to_plain", "toml_value", "unknown_key"]
+           "format_config", "hints", "invalid", "leaves", "load_toml", "option", "parse_assignment", "parse_value",
+           "set_key", "to_plain", "toml_value", "unknown_key"]

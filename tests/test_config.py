@@ -76,6 +76,8 @@ def test_set_preset_inside_the_attention_table_is_the_preset_on_top():
     # the same spec as compare's variant of that name, which is what a comparison's run of it trains
     from lengthgen.experiments.compare import apply_variant
     assert apply_variant(nope, "l2", None, "compare.variants.l2") == on_top
+    # and a compare variant's change table that names the preset (it trained baseline attention)
+    assert apply_variant(nope, "x", {"model": {"attention": {"preset": "l2"}}}, "compare.variants.x") == on_top
     with pytest.raises(ConfigError, match="model.attention: unknown attention preset 'l3'; choose one of baseline"):
         nope.override("model.attention.preset=l3")
 

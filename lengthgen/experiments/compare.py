@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from lengthgen.attention import PRESETS, resolve_spec
-from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, option
+from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, leaves, option
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
 from lengthgen.experiments.jobs import Job, Runner
 from lengthgen.experiments.needle import needle_filler
@@ -142,22 +142,15 @@ def check_metric(source, metric: str | None) -> str:
     return metric
 
 
-def _merge(into: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    out = dict(into)
-    for key, value in changes.items():
-        both = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merge(out[key], value) if both else value
-    return out
-
-
 def apply_variant(cfg: RunConfig, name: str, changes: dict[str, Any] | None, key: str) -> RunConfig:
-    """``cfg`` with a variant's change table merged in, or (``changes`` None) the attention preset ``name``
-    applied by `AttentionSpec.with_preset`. Errors name ``key`` (``compare.variants.<name>``)."""
+    """``cfg`` with a variant's change table applied key by key (`RunConfig.changed`), or (``changes`` None)
+    the attention preset ``name`` applied by `AttentionSpec.with_preset`. Errors name ``key``
+    (``compare.variants.<name>``)."""
     if changes is None:
         return dataclasses.replace(cfg, model=cfg.model.replace(
             attention=resolve_spec(cfg.model.attention).with_preset(name)))
     try:
-        return RunConfig.from_dict(_merge(cfg.to_dict(), changes))
+        return cfg.changed(leaves(changes))
     except ConfigError as err:
         raise ConfigError(f"{key}: {err}", key) from None
 

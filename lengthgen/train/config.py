@@ -11,6 +11,7 @@ full key and the valid keys or choices, before anything is trained.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -201,9 +202,14 @@ class RunConfig:
         """A copy with ``key=value`` assignments applied in order (see the module docstring), checked once all
         are applied: ``model.dim=6`` then ``model.heads=3`` is valid in either order, and a preset set by one
         (``model.attention=l2``) is the table that a later key changes (`set_key`)."""
+        return self.changed(parse_assignment(assignment) for assignment in assignments)
+
+    def changed(self, changes: Iterable[tuple[str, Any]]) -> "RunConfig":
+        """A copy with ``(dotted key, value)`` changes applied in order by `set_key`, checked once at the end
+        (`override`; a nested change table through `lengthgen.config.leaves`)."""
         data = self.to_dict()
-        for assignment in assignments:
-            data = set_key(data, *parse_assignment(assignment), RunConfig)
+        for key, value in changes:
+            data = set_key(data, key, value, RunConfig)
         return RunConfig.from_dict(data)
 
 
