@@ -233,7 +233,17 @@ def test_resume_on_edited_corpus_files_is_refused(tmp_path):
     corpus.write_text(corpus.read_text().replace("document", "DOCUMENT"))
     with pytest.raises(ConfigError, match=r"its training data differ from the data here \(token digest"):
         train(config(*text), run, progress=False, resume=True, stop_at=3)
-    corpus.write_text(copied.read_text())
+    # the same text at another path (the corpus moved, the cache switched on) resumes: the digest says it is the
+    # same data; other text there, or another data key, is refused
+    moved = [f"data.text={{corpus = {json.dumps(str(copied))}, cache = true, cache_dir = "
+             f"{json.dumps(str(tmp_path / 'cache'))}}}"]
+    with pytest.raises(ConfigError, match=r"data\.text\.max_documents: state\.json None, now 40"):
+        train(config(*text, *moved, "data.text.max_documents=40"), run, progress=False, resume=True)
+    assert train(config(*text, *moved), run, progress=False, resume=True, stop_at=3).step == 3
+    copied.write_text(corpus.read_text())                 # the edited text, now at the new path
+    with pytest.raises(ConfigError, match=r"its training data differ from the data here \(token digest"):
+        train(config(*text, *moved), run, progress=False, resume=True)
+    corpus.write_text(copied.read_text().replace("DOCUMENT", "document"))
     assert train(config(*text), run, progress=False, resume=True).step == 4
 
 

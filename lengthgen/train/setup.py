@@ -121,13 +121,19 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.compile", "train.threads"})
 
 
-def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, extend: bool = False
-                 ) -> dict[str, Any] | None:
+#: where a text corpus is read from: a resume may change them when the checkpoint's token digest says that the data
+#: are the same (a corpus copied or moved, the cache switched on)
+DATA_LOCATION = frozenset({"data.text.corpus", "data.text.root", "data.text.cache", "data.text.cache_dir"})
+
+
+def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, extend: bool = False,
+                 same_data: bool = False) -> dict[str, Any] | None:
     """Refuse (`ConfigError` naming every key) to resume at ``step`` from the config ``old`` (``where``'s) with
     ``now`` when they differ outside `MAY_CHANGE_ON_RESUME` (``train.init_from`` counts as changed only when it
-    names another file); ``extend`` lets ``train.steps`` grow past ``step``.
+    names another file); ``extend`` lets ``train.steps`` grow past ``step``; ``same_data`` (the checkpoint's
+    token digest is the data's) lets the `DATA_LOCATION` keys change.
     Returns the ``metrics.jsonl`` entry recording such an extension (None: none)."""
-    allowed = MAY_CHANGE_ON_RESUME | ({"train.steps"} if extend else set())
+    allowed = MAY_CHANGE_ON_RESUME | ({"train.steps"} if extend else set()) | (DATA_LOCATION if same_data else set())
     same_file = lambda a, b: Path(a).resolve() == Path(b).resolve()  # noqa: E731
     changed = [f"{key}: {where.name} {a!r}, now {b!r}" for key, a, b in differences(old.to_dict(), now.to_dict())
                if key not in allowed and not (key == "train.init_from" and a and b and same_file(a, b))]
@@ -160,5 +166,5 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
     return None
 
 
-__all__ = ["MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths", "check_resume",
-           "check_world", "device_type", "fill_model_from_source", "resolve"]
+__all__ = ["DATA_LOCATION", "MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths",
+           "check_resume", "check_world", "device_type", "fill_model_from_source", "resolve"]

@@ -175,9 +175,10 @@ class Trainer:
         accepts its config; returns its step. `_restore` puts it into the run."""
         state = ckpt_io.read_state(ckpt)
         where = ckpt / "state.json"
-        self.extended = check_resume(ckpt_io.saved_config(state["config"], where), self.config, where,
-                                     step=state["step"], extend=extend)
         trained_on, now = state.get("data_digest"), self.source.digest()
+        self.extended = check_resume(ckpt_io.saved_config(state["config"], where), self.config, where,
+                                     step=state["step"], extend=extend, same_data=trained_on is not None
+                                     and trained_on == now)
         if trained_on is not None and trained_on != now:
             raise ConfigError(f"cannot resume {ckpt}: its training data differ from the data here (token digest "
                               f"{trained_on[:12]}, now {now[:12]}: the corpus files were changed); resume with the "
