@@ -284,6 +284,25 @@ def test_hash_split_is_stable_and_disjoint(tmp_path):
     assert split_of("a/b.py", 0.05) == split_of("a/b.py", 0.05)
 
 
+def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
+    """Seed 000 trains on fineweb_train_*.bin and evaluates on fineweb_val_*.bin: with ``val_corpus`` the
+    evaluation reads that corpus, not a hash split of the training files."""
+    train_docs = [f"train document {i} " * 8 for i in range(40)]
+    val_docs = [f"val document {i} " * 40 for i in range(6)]
+    train_path, val_path = write_docs(tmp_path, train_docs, "train.jsonl"), write_docs(tmp_path, val_docs, "val.jsonl")
+    both = {"corpus": str(train_path), "val_corpus": str(val_path), "cache": False}
+    assert make_text_data(**both).stream.num_documents == 40                        # all of corpus, no split
+    assert make_text_data(**both, split="val").stream.num_documents == 6
+    assert make_text_data(**both, split="all").stream.num_documents == 40
+    from lengthgen.data.config import DataConfig, make_source
+    from lengthgen.eval.sources import eval_source
+    cfg = DataConfig(kind="text", text=both)
+    rows = eval_source(cfg, make_source(cfg)).sample(2, 256, gen(0)).tokens
+    assert all(BYTE.decode(row[1:].tolist()).startswith("val document") for row in rows)
+    with pytest.raises(ValueError, match="make_text_data.split='dev' is not valid"):
+        make_text_data(**both, split="dev")
+
+
 # ------------------------------------------------------------------------------------------------
 # stdlib corpus
 

@@ -256,6 +256,30 @@ def test_muon_lr_mul_scales_the_matched_matrices_and_follows_the_schedule():
     assert sorted(g["lr"] for g in muon.param_groups) == pytest.approx([0.005, 0.01, 0.015, 0.02])
 
 
+def test_adam_lr_mul_and_betas_set_each_matched_parameters_group():
+    """Seed 000's DistAdam: value embeddings at lr x75 with betas (0.75, 0.95), the skip gate x0.05 and the
+    scalars x5 with betas (0.9, 0.99)."""
+    cfg = config("train.optimizer=muon", "train.lr=0.01", "train.betas=[0.5, 0.95]", "train.weight_decay=0.1",
+                 "train.adam_lr_mul={\"*.weight\" = 2.0, \"embed.weight\" = 75.0}",
+                 "train.adam_betas={\"*norm*\" = [0.9, 0.99]}")
+    model = GPT(cfg.model.replace(vocab_size=8, head="lm", tie_embeddings=False))
+    adamw = build_optimizers(model, cfg.train)[1]
+    group_of = {name: g for g in adamw.param_groups for p in g["params"] for name, q in model.named_parameters()
+                if q is p}
+    assert group_of["embed.weight"]["lr"] == pytest.approx(0.75) and group_of["head.weight"]["lr"] == 0.02
+    assert group_of["final_norm.weight"]["lr"] == 0.02 and group_of["final_norm.weight"]["betas"] == (0.9, 0.99)
+    assert group_of["head.weight"]["betas"] == (0.5, 0.95)
+    assert group_of["head.weight"]["weight_decay"] == 0.1 and group_of["final_norm.weight"]["weight_decay"] == 0
+    assert [g["weight_decay"] > 0 for g in adamw.param_groups] == [True, True, False, False]   # decayed first
+    set_lr([adamw], 0.5)
+    assert group_of["embed.weight"]["lr"] == pytest.approx(0.375)
+    # without patterns: the two groups of before (2-D weights, then the rest), so older checkpoints load
+    default = build_optimizers(model, config().train)[0]
+    assert [all(p.ndim >= 2 for p in g["params"]) for g in default.param_groups] == [True, False]
+    with pytest.raises(ConfigError, match=r"train.adam_lr_mul: pattern 'blocks.\*.mlp.\*' matches no AdamW parameter"):
+        build_optimizers(model, config("train.optimizer=muon", "train.adam_lr_mul={\"blocks.*.mlp.*\" = 2.0}").train)
+
+
 @pytest.mark.parametrize("keys, message", [
     (["train.optimizer=muon", "train.muon_lr_mul={\"blocks.*.attn.qkv.weight\" = 2.0}"],
      "train.muon_lr_mul: pattern 'blocks.*.attn.qkv.weight' matches no Muon parameter; the Muon parameters are "

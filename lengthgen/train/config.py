@@ -73,6 +73,12 @@ class TrainConfig:
     muon_lr_mul: dict[str, float] = option({}, "Muon parameter-name pattern (fnmatch, e.g. 'blocks.*.mlp.proj."
                                            "weight') -> learning-rate multiplier (modded-nanogpt's lr_mul); "
                                            "later patterns win", gt=0)
+    adam_lr_mul: dict[str, float] = option({}, "AdamW parameter-name pattern (fnmatch, e.g. 'value_embeds.*') -> "
+                                           "learning-rate multiplier (modded-nanogpt's lr_mul); later patterns "
+                                           "win", gt=0)
+    adam_betas: dict[str, tuple[float, float]] = option({}, "AdamW parameter-name pattern -> betas for those "
+                                                        "parameters (modded-nanogpt's per-group betas); later "
+                                                        "patterns win", ge=0, lt=1)
     qk_clip: float | None = option(None, "QK-clip threshold tau (Kimi K2); none disables", gt=0)
     grad_clip: float = option(1.0, "max global grad norm; 0 disables", ge=0)
     grad_accum: int = option(1, "micro-batches per step", ge=1)

@@ -3,8 +3,9 @@
 Muon (`torch.optim.Muon`) orthogonalizes the update of 2-D weight matrices; it is meant for hidden layers
 only. `muon_param_names` picks the 2-D parameters inside the transformer blocks (attention and MLP
 projections, gates); embeddings, the head, norms, biases and scalars (e.g. learnable query-scaling
-multipliers) go to AdamW. ``train.muon_lr_mul`` scales the Muon learning rate of the matrices whose names match
-a pattern (modded-nanogpt's per-parameter ``lr_mul``). AdamW decays 2-D weights only, or every parameter
+multipliers) go to AdamW. ``train.muon_lr_mul`` and ``train.adam_lr_mul`` scale the learning rate of the
+parameters whose names match a pattern (modded-nanogpt's per-parameter ``lr_mul``), ``train.adam_betas`` sets
+AdamW's betas by pattern (its per-group betas). AdamW decays 2-D weights only, or every parameter
 (``weight_decay_on="all"``, as seed 001's optimizer does).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,47 +30,47 @@ def muon_param_names(model: nn.Module) -> list[str]:
             if p.requires_grad and p.ndim == 2 and name.startswith("blocks.")]
 
 
-def muon_lr_multipliers(names: list[str], patterns: dict[str, float]) -> dict[str, float]:
-    """Each Muon parameter's learning-rate multiplier: 1, or the value of the last ``train.muon_lr_mul`` pattern
-    (fnmatch) that matches its name. A pattern that matches no Muon parameter is a `ConfigError`."""
-    if patterns and not names:
-        raise ConfigError("train.muon_lr_mul applies only with train.optimizer=muon", "train.muon_lr_mul")
-    multipliers = dict.fromkeys(names, 1.0)
-    for matched, value in pattern_matches("train.muon_lr_mul", patterns, names, "Muon parameter"):
-        multipliers.update(dict.fromkeys(matched, value))
-    return multipliers
+def by_pattern(key: str, names: list[str], patterns: dict[str, Any], default: Any, what: str) -> dict[str, Any]:
+    """Each of ``names``' value: ``default``, or the value of the last pattern of the config table ``key``
+    (fnmatch) that matches it. A pattern that matches none of ``names`` is a `ConfigError`."""
+    values = dict.fromkeys(names, default)
+    for matched, value in pattern_matches(key, patterns, names, what):
+        values.update(dict.fromkeys(matched, value))
+    return values
 
 
 def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [Muon, AdamW] per ``train_cfg.optimizer``; Muon has one group per ``muon_lr_mul`` multiplier
-    (lr ``muon_lr * multiplier``). Each group records its peak lr in ``initial_lr``."""
-    muon_names = muon_param_names(model) if train_cfg.optimizer == "muon" else []
-    multipliers = muon_lr_multipliers(muon_names, train_cfg.muon_lr_mul)
+    """[AdamW] or [Muon, AdamW] per ``train_cfg.optimizer``. Muon has one group per ``muon_lr_mul`` multiplier
+    (lr ``muon_lr * multiplier``), AdamW one per weight decay, ``adam_lr_mul`` multiplier and ``adam_betas``
+    (decayed groups first). Each group records its peak lr in ``initial_lr``."""
+    tc = train_cfg
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    muon_names = muon_param_names(model) if tc.optimizer == "muon" else []
+    if tc.muon_lr_mul and not muon_names:
+        raise ConfigError("train.muon_lr_mul applies only with train.optimizer=muon", "train.muon_lr_mul")
+    muon_mul = by_pattern("train.muon_lr_mul", muon_names, tc.muon_lr_mul, 1.0, "Muon parameter")
+    adam_names = [name for name in params if name not in muon_mul]
+    adam_mul = by_pattern("train.adam_lr_mul", adam_names, tc.adam_lr_mul, 1.0, "AdamW parameter")
+    adam_betas = by_pattern("train.adam_betas", adam_names, tc.adam_betas, tuple(tc.betas), "AdamW parameter")
     muon_groups: dict[float, list[nn.Parameter]] = {}
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if name in multipliers:
-            muon_groups.setdefault(multipliers[name], []).append(p)
-        elif p.ndim >= 2 or train_cfg.weight_decay_on == "all":
-            decay.append(p)
+    adam_groups: dict[tuple, list[nn.Parameter]] = {}
+    for name, p in params.items():
+        if name in muon_mul:
+            muon_groups.setdefault(muon_mul[name], []).append(p)
         else:
-            no_decay.append(p)
+            decayed = p.ndim >= 2 or tc.weight_decay_on == "all"
+            adam_groups.setdefault((decayed, adam_mul[name], tuple(adam_betas[name])), []).append(p)
     optimizers: list[torch.optim.Optimizer] = []
     if muon_groups:
-        groups = [{"params": params, "lr": train_cfg.muon_lr * mul} for mul, params in muon_groups.items()]
-        muon = torch.optim.Muon(groups, lr=train_cfg.muon_lr, weight_decay=train_cfg.muon_weight_decay,
-                                momentum=train_cfg.muon_momentum, nesterov=True,
-                                adjust_lr_fn=train_cfg.muon_adjust_lr)
-        optimizers.append(muon)
-    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    if groups:
+        groups = [{"params": ps, "lr": tc.muon_lr * mul} for mul, ps in muon_groups.items()]
+        optimizers.append(torch.optim.Muon(groups, lr=tc.muon_lr, weight_decay=tc.muon_weight_decay,
+                                           momentum=tc.muon_momentum, nesterov=True, adjust_lr_fn=tc.muon_adjust_lr))
+    if adam_groups:
+        ordered = sorted(adam_groups.items(), key=lambda group: not group[0][0])     # decayed groups first
+        groups = [{"params": ps, "weight_decay": tc.weight_decay if decayed else 0.0, "lr": tc.lr * mul,
+                   "betas": betas} for (decayed, mul, betas), ps in ordered]
         fused = all(p.is_cuda for g in groups for p in g["params"]) or None
-        optimizers.append(torch.optim.AdamW(groups, lr=train_cfg.lr, betas=tuple(train_cfg.betas),
-                                            eps=train_cfg.eps, fused=fused))
+        optimizers.append(torch.optim.AdamW(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, fused=fused))
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]

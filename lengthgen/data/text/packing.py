@@ -324,9 +324,10 @@ def long_documents(corpus: Corpus | str | TokenStream | TextData = "stdlib",
 
 
 def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer = "byte",
-                   split: str = "train", *, bos_aligned: bool = False, cache: bool | str = "auto",
-                   cache_dir: str | os.PathLike | None = None, max_documents: int | None = None,
-                   max_tokens: int | None = None, verbose: bool = False, **options) -> TextData:
+                   split: str = "train", *, val_corpus: str | None = None, bos_aligned: bool = False,
+                   cache: bool | str = "auto", cache_dir: str | os.PathLike | None = None,
+                   max_documents: int | None = None, max_tokens: int | None = None, verbose: bool = False,
+                   **options) -> TextData:
     """A ``TextData`` from a corpus spec and a tokenizer name.
 
     ``corpus``: ``"stdlib"`` (default; options ``val_fraction``, ``include_tests``, ``root``), a
@@ -334,8 +335,12 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
     ``val_fraction``), ``"bin:<glob>"`` (``val_fraction``; usually ``split="all"``) or
     ``"hf:<dataset>[:config]"`` (``text_field``, ``hf_split``, ``streaming``; needs
     ``max_documents`` or ``max_tokens``). ``tokenizer``: see ``make_tokenizer``. ``split``:
-    ``train | val | all``. ``cache`` / ``cache_dir`` / ``max_documents`` / ``max_tokens``: see
-    ``pretokenize``."""
+    ``train | val | all``. ``val_corpus``: a validation corpus of its own (modded-nanogpt's
+    ``bin:fineweb_val_*.bin``): the val split is all of it, the train split all of ``corpus``. ``cache`` /
+    ``cache_dir`` / ``max_documents`` / ``max_tokens``: see ``pretokenize``."""
+    if val_corpus is not None:
+        check_value("make_text_data.split", split, Literal["train", "val", "all"])
+        corpus, split = (val_corpus, "all") if split == "val" else (corpus, "all")
     max_documents = check_value("make_text_data.max_documents", max_documents, int | None, ge=1)
     max_tokens = check_value("make_text_data.max_tokens", max_tokens, int | None, ge=1)
     tok = make_tokenizer(tokenizer)
