@@ -29,6 +29,7 @@ OPTIONS = {
     "p3": dict(softmax_p=3.0),
     "log_n": dict(query_scaling="log_n"),
     "log_n_s": dict(query_scaling="log_n", scaling_init=0.6),
+    "log_bn": dict(query_scaling="log_bn", scaling_a=0.3, scaling_b=0.4, scaling_c=0.8, scaling_init=1.2),
     "sqrt_log_n": dict(query_scaling="sqrt_log_n"),
     "sqrt_log_n_abc": dict(query_scaling="sqrt_log_n", scaling_a=0.4, scaling_b=0.5, scaling_c=1.2, scaling_init=1.5),
     "scale_invariant": dict(distance="scale_invariant"),
@@ -132,7 +133,7 @@ SDPA_OPTIONS = [n for n in OPTIONS if sdpa.unsupported(AttentionSpec(**OPTIONS[n
 
 
 def test_sdpa_support_is_what_it_claims():
-    assert set(SDPA_OPTIONS) == {"baseline", "log_n", "log_n_s", "sqrt_log_n", "sqrt_log_n_abc", "window",
+    assert set(SDPA_OPTIONS) == {"baseline", "log_n", "log_n_s", "log_bn", "sqrt_log_n", "sqrt_log_n_abc", "window",
                                  "window1", "doc", "base_scale"}
     q, k, v = make_inputs()
     with pytest.raises(ValueError, match="softmax_p"):
@@ -321,7 +322,7 @@ def test_cpu_flash_gradcheck(changes):
     assert torch.autograd.gradcheck(lambda q, k, v: run_cpu_flash(q, k, v, spec, docs, q_block=4), (q, k, v))
 
 
-@pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])
+@pytest.mark.parametrize("scaling", ["log_n", "log_bn", "sqrt_log_n"])
 def test_gradcheck_multipliers_through_attend(scaling):
     spec = AttentionSpec(query_scaling=scaling, softmax_p=2.0, window=4, distance="alibi")
     q, k, v = make_inputs(b=1, h=2, hkv=1, lq=5, lk=6, d=3, seed=4, requires_grad=True)
@@ -365,6 +366,8 @@ def naive_attention(q, k, v, spec, doc_ids, multipliers):
                 n = len(visible)
                 if spec.query_scaling == "log_n":
                     g = mult * math.log(n)
+                elif spec.query_scaling == "log_bn":
+                    g = spec.scaling_a + mult * math.log(spec.scaling_b * n + spec.scaling_c)
                 elif spec.query_scaling == "sqrt_log_n":
                     g = spec.scaling_a + mult * math.sqrt(2 * math.log(spec.scaling_b * n + spec.scaling_c))
                 else:
@@ -390,7 +393,7 @@ def naive_attention(q, k, v, spec, doc_ids, multipliers):
 
 
 @pytest.mark.parametrize("distance", ["scale_invariant", "alibi", "log_bias"])
-@pytest.mark.parametrize("scaling,p", [("log_n", 2.0), ("sqrt_log_n", 3.0), ("sqrt_log_n", 0.5)])
+@pytest.mark.parametrize("scaling,p", [("log_n", 2.0), ("log_bn", 1.0), ("sqrt_log_n", 3.0), ("sqrt_log_n", 0.5)])
 def test_dense_oracle_matches_explicit_loops(distance, scaling, p):
     spec = AttentionSpec(softmax_p=p, query_scaling=scaling, distance=distance, window=4, doc_masking=True,
                          tau=2.5, log_bias_lambda=1.7, scaling_a=0.2, base_scale=0.8)

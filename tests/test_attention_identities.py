@@ -150,7 +150,7 @@ def test_visible_counts():
     assert mods.visible_counts(spec.replace(window=2), 8, 8, docs).tolist() == [[1, 2, 2, 1, 2, 1, 2, 2]]
 
 
-@pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])
+@pytest.mark.parametrize("scaling", ["log_n", "log_bn", "sqrt_log_n"])
 def test_query_gains_equal_their_formulas(scaling):
     spec = AttentionSpec(query_scaling=scaling, scaling_a=0.3, scaling_b=0.25, scaling_c=1.1, window=9)
     n = torch.tensor([[1.0, 2.0, 5.0, 9.0]], dtype=torch.float64)
@@ -161,6 +161,8 @@ def test_query_gains_equal_their_formulas(scaling):
         for i, ni in enumerate(n[0].tolist()):
             if scaling == "log_n":
                 want = mult[h].item() * math.log(ni)
+            elif scaling == "log_bn":
+                want = 0.3 + mult[h].item() * math.log(0.25 * ni + 1.1)
             else:
                 want = 0.3 + mult[h].item() * math.sqrt(2 * math.log(0.25 * ni + 1.1))
             assert g[0, h, i, 0].item() == pytest.approx(want, rel=1e-12, abs=1e-12)
@@ -186,7 +188,7 @@ class _AtenOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("scaling", ["log_n", "sqrt_log_n"])
+@pytest.mark.parametrize("scaling", ["log_n", "log_bn", "sqrt_log_n"])
 def test_query_scaling_is_one_cached_factor(scaling):
     """Without documents or an explicit mask the gain is a cached per-position constant: after the first call,
     query scaling adds at most 4 small ops to the baseline's (upcast, multiply) and creates no tensor from Python

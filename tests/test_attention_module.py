@@ -27,6 +27,7 @@ MODULE_OPTIONS = {
     "log_n_global": (dict(query_scaling="log_n", learnable_scaling="global", scaling_init=0.8), True),
     "log_n_layer": (dict(query_scaling="log_n", learnable_scaling="layer"), True),
     "sqrt_log_n_head": (dict(query_scaling="sqrt_log_n", learnable_scaling="head", scaling_a=0.1), True),
+    "log_bn_global": (dict(query_scaling="log_bn", learnable_scaling="global"), True),
     "scale_invariant": (dict(distance="scale_invariant", tau=3.0), True),
     "alibi": (dict(distance="alibi"), True),
     "log_bias": (dict(distance="log_bias", log_bias_lambda=2.0), True),
@@ -270,13 +271,16 @@ def test_bad_spec_value_names_field_and_choices(field, value):
 
 
 def test_dependent_field_errors():
-    with pytest.raises(ValueError, match=r"learnable_scaling='head' needs query_scaling log_n or sqrt_log_n"):
+    with pytest.raises(ValueError, match=r"learnable_scaling='head' needs query_scaling log_n, log_bn or sqrt_log_n"):
         AttentionSpec(learnable_scaling="head")
     with pytest.raises(ValueError, match=r"scaling_b=-1.*b >= 0"):
         AttentionSpec(query_scaling="sqrt_log_n", scaling_b=-1.0)
     with pytest.raises(ValueError, match=r"b \+ c > 1"):
         AttentionSpec(query_scaling="sqrt_log_n", scaling_b=0.0, scaling_c=1.0)
-    AttentionSpec(query_scaling="log_n", scaling_b=0.0, scaling_c=1.0)       # only sqrt_log_n uses b, c
+    with pytest.raises(ValueError, match=r"log_bn needs b >= 0 and b \+ c > 0 so that log\(b n \+ c\) is defined"):
+        AttentionSpec(query_scaling="log_bn", scaling_b=0.5, scaling_c=-0.5)
+    AttentionSpec(query_scaling="log_bn", scaling_b=0.0, scaling_c=0.5)      # a negative gain is allowed
+    AttentionSpec(query_scaling="log_n", scaling_b=0.0, scaling_c=1.0)       # log_n does not use b, c
 
 
 def test_unknown_fields_and_presets():

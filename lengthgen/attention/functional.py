@@ -35,12 +35,15 @@ def gain_feature(n: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     """The n-dependent factor f(n) of the gain ``g = a + m f(n)``:
 
     * ``log_n``: ``f = log n`` (``a = 0``; Scalable-Softmax, Nakanishi 2025, arXiv 2501.19399).
+    * ``log_bn``: ``f = log(b n + c)`` (seed 004's log n baseline: "a similar kind of a, b, c formulation for
+      log n as well (which is what I compared against)").
     * ``sqrt_log_n``: ``f = sqrt(2 log(b n + c))`` (seed 004: the extreme-value scale of the maximum of n
       Gaussian logits, with the seed's tuned a=0, b=0.1, c=1.9).
     """
     if spec.query_scaling == "log_n":
         return torch.log(n)
-    return torch.sqrt(2 * torch.log(spec.scaling_b * n + spec.scaling_c))
+    log_bn = torch.log(spec.scaling_b * n + spec.scaling_c)
+    return log_bn if spec.query_scaling == "log_bn" else torch.sqrt(2 * log_bn)
 
 
 def query_gain(n: torch.Tensor, spec: AttentionSpec, multiplier: torch.Tensor | float | None = None
@@ -61,7 +64,7 @@ def _combine(f: torch.Tensor, spec: AttentionSpec, multiplier: torch.Tensor | fl
     m = spec.scaling_init if multiplier is None else multiplier
     if isinstance(m, torch.Tensor):
         m = m.reshape(1, -1, 1, 1)
-    a = spec.scaling_a if spec.query_scaling == "sqrt_log_n" else 0.0
+    a = spec.scaling_a if spec.query_scaling in ("log_bn", "sqrt_log_n") else 0.0
     g = f * (m * base)
     return g + a * base if a else g
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from lengthgen.config import ConfigError, check, documented, option, to_plain
 
-QueryScaling = Literal["none", "log_n", "sqrt_log_n"]
+QueryScaling = Literal["none", "log_n", "log_bn", "sqrt_log_n"]
 Granularity = Literal["none", "global", "layer", "head"]
 Distance = Literal["none", "scale_invariant", "alibi", "log_bias"]
 QKNorm = Literal["none", "rms", "layer"]
@@ -37,10 +37,11 @@ class AttentionSpec:
     softmax_p: float = option(1.0, "p-softmax power (seed 001): 1 is softmax, 2 keeps the output variance "
                               "for uncorrelated values", gt=0)
     query_scaling: QueryScaling = option("none", "query-length scaling g of the n visible keys: log_n "
-                                         "(g = s log n) or sqrt_log_n (g = a + r sqrt(2 log(b n + c)))")
-    scaling_a: float = option(0.0, "sqrt_log_n constant a (seed 004's tuned value)")
-    scaling_b: float = option(0.1, "sqrt_log_n constant b (seed 004's tuned value)")
-    scaling_c: float = option(1.9, "sqrt_log_n constant c (seed 004's tuned value)")
+                                         "(g = s log n), log_bn (g = a + s log(b n + c), seed 004's log n) or "
+                                         "sqrt_log_n (g = a + r sqrt(2 log(b n + c)))")
+    scaling_a: float = option(0.0, "log_bn / sqrt_log_n constant a (seed 004's tuned value)")
+    scaling_b: float = option(0.1, "log_bn / sqrt_log_n constant b (seed 004's tuned value)")
+    scaling_c: float = option(1.9, "log_bn / sqrt_log_n constant c (seed 004's tuned value)")
     scaling_init: float = option(1.0, "initial (or fixed) query-scaling multiplier s / r")
     learnable_scaling: Granularity = option("none", "granularity of a learnable multiplier s / r")
     distance: Distance = option("none", "distance term: logit multiplier a_t (scale_invariant) or bias_t "
@@ -76,12 +77,14 @@ class AttentionSpec:
         check(self)
         if self.learnable_scaling != "none" and self.query_scaling == "none":
             raise ConfigError("AttentionSpec.learnable_scaling="
-                              f"{self.learnable_scaling!r} needs query_scaling log_n or sqrt_log_n, got 'none'",
-                              "AttentionSpec.learnable_scaling")
-        if self.query_scaling == "sqrt_log_n" and (self.scaling_b < 0 or self.scaling_b + self.scaling_c <= 1):
-            raise ConfigError(f"AttentionSpec.scaling_b={self.scaling_b}, scaling_c={self.scaling_c} are not "
-                              "valid; sqrt_log_n needs b >= 0 and b + c > 1 so that log(b n + c) > 0 for n >= 1",
-                              "AttentionSpec.scaling_b")
+                              f"{self.learnable_scaling!r} needs query_scaling log_n, log_bn or sqrt_log_n, got "
+                              "'none'", "AttentionSpec.learnable_scaling")
+        if self.query_scaling in ("log_bn", "sqrt_log_n"):
+            low, why = (1, "> 0") if self.query_scaling == "sqrt_log_n" else (0, "is defined")
+            if self.scaling_b < 0 or self.scaling_b + self.scaling_c <= low:
+                raise ConfigError(f"AttentionSpec.scaling_b={self.scaling_b}, scaling_c={self.scaling_c} are not "
+                                  f"valid; {self.query_scaling} needs b >= 0 and b + c > {low} so that log(b n + c) "
+                                  f"{why} for n >= 1", "AttentionSpec.scaling_b")
 
     # -- convenience ---------------------------------------------------------------------------------
     @property
