@@ -128,6 +128,9 @@ def test_tomita_always_accept_is_at_chance():
     uniform_loss = torch.nn.functional.cross_entropy(torch.zeros(4096, 2), batch.targets)
     assert task.chance("loss", 24) == pytest.approx(float(uniform_loss))
     assert task.chance("score", 24) is None
+    # a score that ignores the string ranks positives and negatives alike: ROC AUC 1/2
+    values = task.metrics(accept, batch)
+    assert task.batch_metrics(values, batch)["roc_auc"] == task.chance("roc_auc", 24) == 0.5
 
 
 def test_every_task_states_the_chance_of_its_headline_and_loss():

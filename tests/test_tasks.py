@@ -362,6 +362,28 @@ def test_tomita_metrics_and_roc_auc():
     assert out["accuracy"].shape == out["score"].shape == (64,)
     assert (out["accuracy"] == 1).all() and roc_auc(out["score"], batch.targets) == 1.0
     assert roc_auc(1 - out["score"], batch.targets) == 0.0
+    assert task.batch_metrics(out, batch) == {"roc_auc": 1.0} and task.metric == "roc_auc"   # the seed's metric
+
+
+def test_the_evaluator_reports_a_whole_batch_metric_once_per_length():
+    """Tomita's headline ROC AUC is a metric of the whole evaluation batch: the evaluator's value at each
+    length equals roc_auc of that batch's scores, also when the batch is measured in several forward passes."""
+    from lengthgen.eval import evaluate
+    from lengthgen.eval.evaluate import eval_generator
+    from lengthgen.model import GPT, GPTConfig
+
+    task = make_task("tomita", grammar=4)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, heads=2, layers=1, head="classify", num_classes=2))
+    result = evaluate(model, task, [12, 24], tokens_per_length=24 * 40, seed=3, forward_tokens=24 * 7,
+                      diagnostics=False)
+    for row in result.lengths:
+        batch = task.sample(row.batch_size, row.length, eval_generator(3, row.length))
+        with torch.no_grad():
+            scores = model(batch.tokens).float().softmax(-1)[:, 1]
+        want = roc_auc(scores, batch.targets)
+        assert 0 < want < 1 and row.at_length["roc_auc"] == pytest.approx(want, abs=1e-6)
+        assert row.mean["roc_auc"] == row.at_length["roc_auc"] and row.chance["roc_auc"] == 0.5
 
 
 @FEW

@@ -9,7 +9,8 @@ For each length L one batch of ``tokens_per_length // L`` sequences (at least on
 per-position quantity is averaged in power-of-2 position buckets (seed 000). The value "at length L" of a
 per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket): how the model does at
 positions only that length reaches; its ``mean`` is over all positions ``[0, L)``. Per-sequence metrics (classify
-tasks) are averaged over the batch. A task's chance level of each quantity (`lengthgen.data.tasks.Task.chance`)
+tasks) are averaged over the batch; a task's `batch_metrics` (Tomita's ROC AUC) are one value for the whole
+batch, kept like a per-sequence metric. A task's chance level of each quantity (`lengthgen.data.tasks.Task.chance`)
 is averaged over the same positions and buckets.
 
 Seeding rule (the only one for evaluation batches): the batch at length L for seed s is drawn from a
@@ -115,6 +116,8 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     device = _device(model)
     batch = source.sample(batch_size, length, eval_generator(seed, length))
     values = _measure(model, source, batch, device, context, measure, forward_tokens)
+    if hasattr(source, "batch_metrics"):
+        values.update({name: torch.tensor([value]) for name, value in source.batch_metrics(values, batch).items()})
     per_position = {name: v for name, v in values.items() if v.dim() == 2}
     describe = getattr(source, "describe", None)
     chance, chance_buckets = _chance(source, values, length)

@@ -77,6 +77,11 @@ class Task:
         predictions for ``regress``, (B, C) logits for ``classify``."""
         raise NotImplementedError
 
+    def batch_metrics(self, values: dict[str, torch.Tensor], batch: Batch) -> dict[str, float]:
+        """Metrics of a whole evaluation batch (e.g. a ROC AUC) from ``values``, the batch's per-sequence and
+        per-position values (``loss`` and `metrics`, on the CPU); none by default."""
+        return {}
+
     def chance(self, metric: str, length: int) -> torch.Tensor | float | None:
         """The chance level of ``metric`` (``loss`` or a metric of `metrics`) at ``length``: the expected
         value of the best predictor that knows the task's format and each position but not the sampled

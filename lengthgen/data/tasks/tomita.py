@@ -96,7 +96,7 @@ class TomitaTask(Task):
     name = "tomita"
     head = "classify"
     num_classes = 2
-    metric = "accuracy"
+    metric = "roc_auc"
     higher_is_better = True
     max_length = None
     vocab_size = 4
@@ -165,12 +165,15 @@ class TomitaTask(Task):
         return torch.where(rejecting, keys, -1.0).argmax(1), rejecting.any(1)
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per sequence (B,): ``accuracy`` (argmax == label) and ``score`` = P(accept), for
-        :func:`roc_auc`."""
+        """Per sequence (B,): ``accuracy`` (argmax == label) and ``score`` = P(accept)."""
         return {"accuracy": (output.argmax(-1) == batch.targets).float(),
                 "score": output.float().softmax(-1)[:, 1]}
 
+    def batch_metrics(self, values: dict[str, torch.Tensor], batch: Batch) -> dict[str, float]:
+        """``roc_auc`` of the batch's scores (`roc_auc`): the seed's metric for sequence classification."""
+        return {"roc_auc": roc_auc(values["score"], batch.targets)}
+
     def chance(self, metric: str, length: int) -> float | None:
-        """Labels are balanced (accepted with probability 1/2 at every length): ``accuracy`` 1/2, ``loss``
-        (cross-entropy of the label) log 2."""
-        return {"accuracy": 0.5, "loss": math.log(2)}.get(metric)
+        """Labels are balanced (accepted with probability 1/2 at every length): ``accuracy`` and ``roc_auc`` 1/2
+        (any score that ignores the string), ``loss`` (cross-entropy of the label) log 2."""
+        return {"accuracy": 0.5, "roc_auc": 0.5, "loss": math.log(2)}.get(metric)
