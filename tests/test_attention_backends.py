@@ -185,6 +185,43 @@ def test_cpu_flash_matches_dense(name, dtype, tol):
         assert_like_dense(run_cpu_flash(q, k, v, spec, docs, q_block=q_block), want, tol, (q, k, v), gw)
 
 
+@pytest.mark.parametrize("backend, spec", [
+    (backend, spec) for backend in ("tiled", "sdpa", "cpu_flash", "flex")
+    for spec in (AttentionSpec(), AttentionSpec(distance="alibi", window=5))
+    if (backend, spec.distance) != ("sdpa", "alibi")     # sdpa has no score modifier
+], ids=lambda x: x if isinstance(x, str) else x.distance)
+def test_inputs_of_any_last_dimension_stride_match_dense(backend, spec):
+    """cpu_flash called SDPA's CPU kernel directly, which reads each row's channels as contiguous: a q, k or v
+    transposed in memory (stride(-1) != 1) gave outputs off by up to 24 and wrong gradients, and auto picks
+    cpu_flash for ALiBi, windows or documents at length. Flex runs without gradients on CPU."""
+    train = backend != "flex"
+    q, k, v = make_inputs(lq=40, lk=40, requires_grad=train)
+    strided = [t.detach().transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_(train) for t in (q, k, v)]
+    assert all(t.stride(-1) != 1 for t in strided)
+    want = attend(q, k, v, spec, backend="dense")
+    got = attend(*strided, spec, backend=backend)
+    torch.testing.assert_close(got, want, **F64)
+    if train:
+        for g_got, g_want in zip(grads(got, strided), grads(want, (q, k, v))):
+            torch.testing.assert_close(g_got, g_want, **F64)
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((torch.ones(1, 2, 4, 8, dtype=torch.long),) * 3, {}, "floating-point q, k, v, got torch.int64"),
+    ((torch.ones(1, 2, 0, 8),) * 3, {}, r"empty input q\(1, 2, 0, 8\)"),
+    ((torch.ones(0, 2, 4, 8),) * 3, {}, "at least one sequence"),
+    ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": torch.ones(3)}, r"one per query head \(2,\), got shape \(3,\)"),
+    ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": 2.0, "spec": "baseline"}, "query_scaling is 'none'"),
+])
+def test_attend_refuses_inputs_it_cannot_compute(args, kwargs, message):
+    """Integer inputs were truncated (p = 1) or failed inside torch (p = 2), empty ones crashed the process
+    (SIGFPE in cpu_flash) or raised from deep inside, a wrong-sized multiplier failed on a broadcast, and
+    multipliers without query scaling were ignored."""
+    kwargs = {"spec": "sqrt_log_n", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        attend(*args, kwargs.pop("spec"), **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------------
 # shapes: GQA, Lq < Lk, several documents, p values
 

@@ -11,11 +11,16 @@ from lengthgen.attention.functional import dense_attention, scale_queries
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
-                  mask: torch.Tensor | None) -> None:
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
+                  doc_ids: torch.Tensor | None, mask: torch.Tensor | None, multipliers: Any) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attend expects (batch, heads, length, head_dim) tensors, got q{tuple(q.shape)}, "
                          f"k{tuple(k.shape)}, v{tuple(v.shape)}")
+    if not all(t.is_floating_point() for t in (q, k, v)):
+        raise ValueError(f"attend expects floating-point q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if 0 in q.shape or 0 in v.shape:
+        raise ValueError(f"attend: empty input q{tuple(q.shape)}, v{tuple(v.shape)}; it needs at least one sequence, "
+                         "head, query and channel")
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attend: incompatible shapes q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
@@ -29,6 +34,14 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: to
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != want):
         raise ValueError(f"attend: mask must be a boolean (batch, 1, queries, keys) = {want} tensor, got "
                          f"{mask.dtype} {tuple(mask.shape)}")
+    if multipliers is not None:
+        if spec.query_scaling == "none":
+            raise ValueError("attend: multipliers scale log_n, log_bn or sqrt_log_n query scaling, but the spec's "
+                             "query_scaling is 'none'")
+        shape = tuple(multipliers.shape) if isinstance(multipliers, torch.Tensor) else ()
+        if shape not in ((), (1,), (q.shape[1],)):
+            raise ValueError(f"attend: multipliers must be a number, a scalar tensor or one per query head "
+                             f"({q.shape[1]},), got shape {shape}")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | str | dict[str, Any] | None = None,
@@ -40,12 +53,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     positions). ``doc_ids`` (B, Lk): document ids, used when ``spec.doc_masking``. ``mask``: an explicit
     boolean (B, 1, Lq, Lk) visibility (True = visible), combined with the causal mask, the spec's window
     and documents; n_i is then each row's visible count, and a row that sees nothing outputs 0.
-    ``multipliers``: the query-scaling multiplier (s for log_n, r for sqrt_log_n), scalar or (H,); default
+    ``multipliers``: the query-scaling multiplier (s for log_n / log_bn, r for sqrt_log_n), scalar or (H,); default
     ``spec.scaling_init``. ``backend``: auto | dense | tiled | sdpa | cpu_flash | flex | triton.
     ``return_weights`` uses the dense oracle and returns ``(out, weights)``. Returns (B, H, Lq, Dv).
     """
     spec = resolve_spec(spec)
-    _check_shapes(q, k, v, doc_ids, mask)
+    _check_inputs(q, k, v, spec, doc_ids, mask, multipliers)
     qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask)
     if return_weights:
         return dense_attention(qs, k, v, spec, doc_ids, mask=mask, return_weights=True)

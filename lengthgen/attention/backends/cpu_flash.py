@@ -132,6 +132,8 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     if reason:
         raise ValueError(f"backend 'cpu_flash' cannot run this spec: {reason}")
     dtype, (qs, k, v) = v.dtype, fn.kernel_inputs(qs, k, v)
+    # the kernel reads each row's channels as contiguous: another last-dimension stride gave wrong outputs
+    qs, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (qs, k, v))
     d, dv = qs.shape[-1], v.shape[-1]
     if d != dv:             # the kernel takes one head size: zero columns change no logit and add output columns
         qs, k, v = F.pad(qs, (0, max(d, dv) - d)), F.pad(k, (0, max(d, dv) - d)), F.pad(v, (0, max(d, dv) - dv))
