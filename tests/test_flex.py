@@ -58,6 +58,17 @@ def test_cpu_forward_matches_dense(name, spec, hkv, lq, lk):
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name,spec,hkv,lq,lk", CASES, ids=[c[0] for c in CASES])
+def test_cpu_float64_forward_matches_dense_to_float64_precision(name, spec, hkv, lq, lk):
+    """float64 in, float64 math: the p-norm factor and the ALiBi slopes were float32 (errors of 1e-5)."""
+    q, k, v = make_inputs(2, 4, hkv, lq, lk, 16, dtype=torch.float64, seed=len(name))
+    docs = make_docs(2, lk, seed=lq)
+    with torch.no_grad():
+        out = flex.attention(q * 20, k, v, spec, docs)
+        ref = fn.dense_attention(q * 20, k, v, spec, docs)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_cpu_attend_with_query_scaling_and_lse():
     """Through attend() (query scaling folded into q); the returned LSEs are natural-log logsumexps."""
     spec = AttentionSpec(query_scaling="sqrt_log_n", softmax_p=2.0, distance="alibi", doc_masking=True)

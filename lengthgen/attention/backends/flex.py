@@ -220,14 +220,15 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     else:
         block_mask = BLOCK_MASKS.get(lq, lk, spec, doc_ids, device)
     kw = dict(block_mask=block_mask, scale=1.0, enable_gqa=hkv != h, return_aux=AuxRequest(lse=True))
-    score_mod = mods.score_mod_for(spec, h, lq, lk, device)
+    compute = fn.compute_dtype(qs.dtype)    # float64 inputs stay float64 (slopes, the p-norm factor)
+    score_mod = mods.score_mod_for(spec, h, lq, lk, device, compute)
     out, aux = flex(qs, k, v, score_mod=score_mod, **kw)
     lse_1 = lse_p = aux.lse
     if p != 1:
         v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
         lse_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)[1].lse
-        factor = torch.exp(lse_1.float() - lse_p.float() / p).unsqueeze(-1)
-        out = out.float() * factor
+        factor = torch.exp(lse_1.to(compute) - lse_p.to(compute) / p).unsqueeze(-1)
+        out = out.to(compute) * factor
     out = out.to(dtype)
     return (out, lse_1.detach(), lse_p.detach()) if return_lse else out
 
