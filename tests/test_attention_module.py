@@ -270,6 +270,18 @@ def test_bad_spec_value_names_field_and_choices(field, value):
             assert all(choice in message for choice in CHOICES[field]), message
 
 
+def test_layer_errors_name_the_argument():
+    """Each failed later and deeper: a head_dim silently dim // heads (fewer channels than dim), an unknown
+    backend at the first forward, a 2-D input in an unpack."""
+    with pytest.raises(ValueError, match="dim=10 is not a multiple of heads=4; pass head_dim"):
+        Attention(10, 4)
+    assert Attention(10, 4, head_dim=4)(torch.randn(1, 3, 10)).shape == (1, 3, 10)
+    with pytest.raises(ValueError, match="unknown attention backend 'bogus'; choose one of auto, dense"):
+        Attention(16, 2, backend="bogus")
+    with pytest.raises(ValueError, match=r"Attention expects \(batch, length, dim\) input, got \(5, 16\)"):
+        Attention(16, 2)(torch.randn(5, 16))
+
+
 def test_dependent_field_errors():
     with pytest.raises(ValueError, match=r"learnable_scaling='head' needs query_scaling log_n, log_bn or sqrt_log_n"):
         AttentionSpec(learnable_scaling="head")

@@ -174,6 +174,9 @@ def test_a_tiny_temperature_draws_the_argmax(temperature):
     (dict(top_k=0), ConfigError, r"^top_k=0 is not valid; it must be an integer >= 1, or none$"),
     (dict(prompt=torch.zeros(3, dtype=torch.long)), ValueError, r"prompt must be \(batch, length >= 1\)"),
     (dict(prompt=torch.zeros(1, 3)), ValueError, r"token ids \(torch.long\), got torch.float32"),
+    (dict(prompt=torch.tensor([[1, VOCAB]])), ValueError, rf"token ids must be in \[0, {VOCAB}\) \(model.vocab_size\), "
+                                                          rf"got {VOCAB}"),
+    (dict(prompt=torch.tensor([[-1, 2]])), ValueError, r"must be in \[0, \d+\) \(model.vocab_size\), got -1"),
 ])
 def test_bad_generation_arguments(kwargs, error, match):
     args = {"prompt": tokens(length=3), "max_new_tokens": 2, **kwargs}

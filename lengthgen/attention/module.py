@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from lengthgen.attention import functional as fn
+from lengthgen.attention.backends import BACKENDS
 from lengthgen.attention.cache import KVCache
 from lengthgen.attention.core import attend
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
@@ -50,6 +51,10 @@ class Attention(nn.Module):
                  multiplier: nn.Parameter | None = None, out_proj: bool = True) -> None:
         super().__init__()
         self.spec = spec = resolve_spec(spec)
+        if head_dim is None and dim % heads:
+            raise ValueError(f"Attention: dim={dim} is not a multiple of heads={heads}; pass head_dim")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.heads, self.head_dim = heads, head_dim or dim // heads
         self.kv_heads = spec.kv_heads or heads
         if heads % self.kv_heads:
@@ -81,6 +86,8 @@ class Attention(nn.Module):
         """``value``: an optional (B, L, Hkv*D) term added to the values (seed 000's value embeddings).
         ``cache``: x holds the positions after those in ``cache.layer(layer_index)``, whose keys and values this
         call attends to and extends (``doc_ids``: the new positions' ids)."""
+        if x.dim() != 3:
+            raise ValueError(f"Attention expects (batch, length, dim) input, got {tuple(x.shape)}")
         b, length, _ = x.shape
         spec = self.spec
         q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
