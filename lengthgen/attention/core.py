@@ -50,9 +50,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     """Causal p-softmax attention with every `AttentionSpec` mechanism (see `lengthgen.attention.functional`).
 
     q: (B, H, Lq, D); k, v: (B, Hkv, Lk, D) with H a multiple of Hkv and Lq <= Lk (queries are the last Lq
-    positions). ``doc_ids`` (B, Lk): document ids, used when ``spec.doc_masking``. ``mask``: an explicit
-    boolean (B, 1, Lq, Lk) visibility (True = visible), combined with the causal mask, the spec's window
-    and documents; n_i is then each row's visible count, and a row that sees nothing outputs 0.
+    positions). ``doc_ids`` (B, Lk): document ids, used when ``spec.doc_masking`` (None: one document).
+    ``mask``: an explicit boolean (B, 1, Lq, Lk) visibility (True = visible), combined with the causal mask, the
+    spec's window and documents; n_i is then each row's visible count, and a row that sees nothing outputs 0.
     ``multipliers``: the query-scaling multiplier (s for log_n / log_bn, r for sqrt_log_n), scalar or (H,); default
     ``spec.scaling_init``. ``backend``: auto | dense | tiled | sdpa | cpu_flash | flex | triton.
     ``return_weights`` uses the dense oracle and returns ``(out, weights)``. Returns (B, H, Lq, Dv).
