@@ -150,6 +150,10 @@ def test_report_summarizes_the_setup_and_defines_both_means():
     ({"optimizer": "adamw", "lr": 0.001}, "; adamw lr 0.001, "),
     ({"optimizer": "muon", "lr": 0.008, "muon_lr": 0.023, "muon_lr_mul": {"blocks.*.mlp.proj.weight": 4.0}},
      "; muon lr 0.023 (x4 on blocks.*.mlp.proj.weight) + adamw lr 0.008, "),
+    ({"optimizer": "muon", "lr": 0.008, "muon_lr": 0.023, "adam_lr_mul": {"value_embeds.*": 75.0, "skip.*": 0.05}},
+     "; muon lr 0.023 + adamw lr 0.008 (x75 on value_embeds.*, x0.05 on skip.*), "),
+    ({"optimizer": "adamw", "lr": 0.001, "adam_lr_mul": {"embed.weight": 2.0}},
+     "; adamw lr 0.001 (x2 on embed.weight), "),
 ])
 def test_report_names_each_optimizers_learning_rate(train, says):
     results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})

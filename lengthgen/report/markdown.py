@@ -129,11 +129,13 @@ def _by_variant(results: Comparison, attr: str, unit: str) -> str:
 
 
 def _optimizer(train: dict) -> str:
-    """``adamw lr 0.001``, or ``muon lr 0.02 (x4 on blocks.*.mlp.proj.weight) + adamw lr 0.008``."""
-    if train.get("optimizer") != "muon":
-        return f"{train.get('optimizer')} lr {train.get('lr')}"
-    muls = ", ".join(f"x{m:g} on {pattern}" for pattern, m in (train.get("muon_lr_mul") or {}).items())
-    return f"muon lr {train.get('muon_lr')}" + (f" ({muls})" if muls else "") + f" + adamw lr {train.get('lr')}"
+    """``adamw lr 0.001``, or ``muon lr 0.02 (x4 on blocks.*.mlp.proj.weight) + adamw lr 0.008 (x75 on
+    value_embeds.*)``: each learning rate with its multipliers by parameter pattern."""
+    def lr(name: str, key: str, multipliers: str) -> str:
+        muls = ", ".join(f"x{m:g} on {pattern}" for pattern, m in (train.get(multipliers) or {}).items())
+        return f"{name} lr {train.get(key)}" + (f" ({muls})" if muls else "")
+    adamw = lr("adamw" if train.get("optimizer") == "muon" else str(train.get("optimizer")), "lr", "adam_lr_mul")
+    return adamw if train.get("optimizer") != "muon" else f"{lr('muon', 'muon_lr', 'muon_lr_mul')} + {adamw}"
 
 
 def _seed_counts(results: Comparison) -> str:
