@@ -191,6 +191,20 @@ def _assert_readable(fig) -> None:
         assert not box.overlaps(ax.get_window_extent(renderer))
 
 
+def test_the_by_length_axis_says_what_a_value_at_length_l_averages():
+    """A per-position metric is a mean over positions [L/2, L); a per-sequence or whole-batch one (Tomita's ROC
+    AUC) is over the length-L sequences, which the label once called a mean over positions too."""
+    from lengthgen.report.plots import extrapolation_figure
+    per_position = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    per_sequence = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for runs in per_sequence.variants.values():
+        for run in runs:
+            for row in run.lengths:
+                row.buckets, row.chance_buckets = {}, {}
+    assert "mean over positions [L/2, L)" in extrapolation_figure(per_position).axes[0].get_ylabel()
+    assert "over the length-L sequences" in extrapolation_figure(per_sequence).axes[0].get_ylabel()
+
+
 def test_one_colour_per_variant_in_every_panel_and_figure():
     results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6], "c": [0.3, 0.4]})
     styles = variant_styles(results.variants)

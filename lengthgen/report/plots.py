@@ -124,6 +124,8 @@ def extrapolation_figure(results: Comparison):
     for ax in (ax for row in panels[len(grouped):] for ax in row):      # the last row's empty slots
         ax.set_visible(False)
     chance = [chance_level(results, metric, n) for n in lengths]
+    first = next(iter(results.variants.values()))[0].at(longest)
+    over = "mean over positions [L/2, L)" if first.buckets.get(metric) else "over the length-L sequences"
     for (group, names), row in zip(grouped.items(), panels):
         ax = row[0]
         for variant in names:
@@ -135,7 +137,7 @@ def extrapolation_figure(results: Comparison):
         _log2_axis(ax, train_length, "evaluated length L (tokens)")
         ax.set_xticks(lengths, [f"{n}\n{n / train_length:g}x" for n in lengths])
         ax.minorticks_off()
-        ax.set_ylabel(f"{metric} at length L\n(mean over positions [L/2, L))")
+        ax.set_ylabel(f"{metric} at length L\n({over})")
         ax.set_title(_titled(group, f"{metric} by evaluated length"))
         ax.yaxis.set_tick_params(labelleft=True)
         if by_position:
