@@ -282,14 +282,31 @@ def to_plain(value: Any) -> Any:
 _NONE_WORDS = ("none", "null")
 
 
-def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None) -> dict[str, Any]:
-    """A copy of the config dict ``data`` with the dotted ``key`` set to ``value`` (sub-dicts created as
-    needed; a preset name where a key goes inside becomes ``{preset = NAME}``, so ``model.attention=l2`` then
-    ``model.attention.window=4`` is l2 with a window). A ``preset`` key in a table whose class has
-    ``set_preset`` goes through it: ``model.attention.preset=l2`` is l2 on top of the config's attention. The only
-    conversion: ``"none"``/``"null"`` becomes None where the field of ``cls`` at ``key`` is optional (or of any
-    type). Validation is the checker's, when the dict is built."""
-    head, _, rest = key.partition(".")
+def key_path(key: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The parts of a dotted TOML key: ``train.adam_lr_mul."value_embeds.*"`` -> ``("train", "adam_lr_mul",
+    "value_embeds.*")`` (a quoted part may hold dots); a tuple is returned as it is."""
+    if isinstance(key, tuple):
+        return key
+    parts: list[str] = []
+    try:
+        table = tomllib.loads(f"{key} = 0") if tomllib is not None else None
+    except tomllib.TOMLDecodeError:
+        table = None
+    while isinstance(table, dict) and len(table) == 1:
+        (part, table), = table.items()
+        parts.append(part)
+    return tuple(parts) if table == 0 else tuple(part.strip() for part in key.split("."))
+
+
+def set_key(data: dict[str, Any], key: str | tuple[str, ...], value: Any, cls: type | None = None
+            ) -> dict[str, Any]:
+    """A copy of the config dict ``data`` with ``key`` (dotted, see `key_path`, or its parts) set to ``value``
+    (sub-dicts created as needed; a preset name where a key goes inside becomes ``{preset = NAME}``, so
+    ``model.attention=l2`` then ``model.attention.window=4`` is l2 with a window). A ``preset`` key in a table
+    whose class has ``set_preset`` goes through it: ``model.attention.preset=l2`` is l2 on top of the config's
+    attention. The only conversion: ``"none"``/``"null"`` becomes None where the field of ``cls`` at ``key`` is
+    optional (or of any type). Validation is the checker's, when the dict is built."""
+    head, *rest = key_path(key)
     hint = hints(cls).get(head) if cls is not None and dataclasses.is_dataclass(cls) else None
     out = dict(data)
     if head == "preset" and not rest and hasattr(cls, "set_preset"):
@@ -298,7 +315,7 @@ def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None)
         inner = out.get(head)
         inner = inner if isinstance(inner, dict) else {"preset": inner} if isinstance(inner, str) else {}
         sub = hint if dataclasses.is_dataclass(hint) else _optional_arm(hint)
-        out[head] = set_key(inner, rest, value, sub)
+        out[head] = set_key(inner, tuple(rest), value, sub)
     elif (hint is Any or _optional_arm(hint) is not None) and isinstance(value, str) \
             and value.lower() in _NONE_WORDS:
         out[head] = None
@@ -307,14 +324,15 @@ def set_key(data: dict[str, Any], key: str, value: Any, cls: type | None = None)
     return out
 
 
-def leaves(table: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """The dotted keys and values of a nested change table (``{model = {dim = 64}}`` -> ``("model.dim", 64)``),
-    for `set_key`; an empty table changes nothing."""
+def leaves(table: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """The key paths and values of a nested change table (``{model = {dim = 64}}`` -> ``(("model", "dim"), 64)``;
+    a key holding dots, such as a parameter pattern, stays one part), for `set_key`: tables merge into the
+    config's; an empty table changes nothing."""
     for key, value in table.items():
         if isinstance(value, dict):
-            yield from leaves(value, f"{prefix}{key}.")
+            yield from leaves(value, (*prefix, key))
         else:
-            yield f"{prefix}{key}", value
+            yield (*prefix, key), value
 
 
 def parse_value(raw: str) -> Any:
@@ -444,5 +462,5 @@ def format_config(config: Any, width: int = 34) -> str:
 
 
 __all__ = ["ConfigError", "build", "check", "check_value", "describe", "differences", "documented", "expected",
-           "format_config", "hints", "invalid", "leaves", "load_toml", "option", "parse_assignment", "parse_value",
-           "set_key", "to_plain", "toml_value", "unknown_key"]
+           "format_config", "hints", "invalid", "key_path", "leaves", "load_toml", "option", "parse_assignment",
+           "parse_value", "set_key", "to_plain", "toml_value", "unknown_key"]

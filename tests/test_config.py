@@ -80,6 +80,24 @@ def test_set_preset_inside_the_attention_table_is_the_preset_on_top():
     assert apply_variant(nope, "x", {"model": {"attention": {"preset": "l2"}}}, "compare.variants.x") == on_top
     with pytest.raises(ConfigError, match="model.attention: unknown attention preset 'l3'; choose one of baseline"):
         nope.override("model.attention.preset=l3")
+    # in any order with other keys, also while the table is briefly invalid (learnable scaling before the scaling)
+    keys = ["model.attention.learnable_scaling=global", "model.attention.preset=l2",
+            "model.attention.query_scaling=log_n"]
+    want = PRESETS["l2"].replace(learnable_scaling="global", query_scaling="log_n")
+    for order in (keys, keys[::-1], [keys[1], keys[0], keys[2]]):
+        assert RunConfig().override(*order).model.attention == want, order
+
+
+def test_keys_with_dots_inside_quotes_are_one_part():
+    """A parameter pattern holds dots: quoted in --set, a key of its own in a compare variant's table (where the
+    key-by-key merge once split it and refused the variant)."""
+    from lengthgen.experiments.compare import apply_variant
+    cfg = RunConfig().override('train.adam_lr_mul."embed.*"=2.0', 'model.init_overrides."blocks.*.mlp.proj.weight"=0')
+    assert cfg.train.adam_lr_mul == {"embed.*": 2.0} and cfg.model.init_overrides == {"blocks.*.mlp.proj.weight": 0}
+    table = {"train": {"adam_lr_mul": {"head.*": 3.0}}, "model": {"init_overrides": {"blocks.*.attn.o_proj.weight": 0}}}
+    out = apply_variant(cfg, "x", table, "compare.variants.x")
+    assert out.train.adam_lr_mul == {"embed.*": 2.0, "head.*": 3.0}            # tables merge, as before
+    assert out.model.init_overrides == {"blocks.*.mlp.proj.weight": 0, "blocks.*.attn.o_proj.weight": 0}
 
 
 @pytest.mark.parametrize("assignment, message", [

@@ -118,12 +118,13 @@ class AttentionSpec:
 
     @classmethod
     def set_preset(cls, table: dict[str, Any], name: Any) -> dict[str, Any]:
-        """``--set model.attention.preset=NAME`` on a config's attention table: `with_preset` (a table that does
-        not resolve, or an unknown name, is set as written, for the checker to name what is wrong)."""
-        try:
-            return resolve_spec(table).with_preset(name).to_dict()
-        except ConfigError:
+        """``--set model.attention.preset=NAME`` on a config's attention table: as `with_preset`, the fields in
+        which the preset differs from ``baseline`` are written over the table's (whatever else the table holds,
+        valid yet or not); an unknown name is set as the table's preset, for the checker to name."""
+        if not isinstance(name, str) or name not in PRESETS:
             return {**table, "preset": name}
+        preset = PRESETS[name]
+        return {**table, **{f: to_plain(getattr(preset, f)) for f in FIELDS if getattr(preset, f) != getattr(BASE, f)}}
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))

@@ -210,9 +210,9 @@ class RunConfig:
         (``model.attention=l2``) is the table that a later key changes (`set_key`)."""
         return self.changed(parse_assignment(assignment) for assignment in assignments)
 
-    def changed(self, changes: Iterable[tuple[str, Any]]) -> "RunConfig":
-        """A copy with ``(dotted key, value)`` changes applied in order by `set_key`, checked once at the end
-        (`override`; a nested change table through `lengthgen.config.leaves`)."""
+    def changed(self, changes: Iterable[tuple[str | tuple[str, ...], Any]]) -> "RunConfig":
+        """A copy with ``(key, value)`` changes (a dotted key or its parts) applied in order by `set_key`, checked
+        once at the end (`override`; a nested change table through `lengthgen.config.leaves`)."""
         data = self.to_dict()
         for key, value in changes:
             data = set_key(data, key, value, RunConfig)
