@@ -293,7 +293,10 @@ def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
     both = {"corpus": str(train_path), "val_corpus": str(val_path), "cache": False}
     assert make_text_data(**both).stream.num_documents == 40                        # all of corpus, no split
     assert make_text_data(**both, split="val").stream.num_documents == 6
-    assert make_text_data(**both, split="all").stream.num_documents == 40
+    with pytest.raises(ValueError, match="split='all' never reads val_corpus"):
+        make_text_data(**both, split="all")
+    with pytest.raises(ValueError, match="a Hugging Face dataset has its own validation split"):
+        make_text_data(**{**both, "val_corpus": "hf:some/dataset"}, split="val")
     from lengthgen.data.config import DataConfig, make_source
     from lengthgen.eval.sources import eval_source
     cfg = DataConfig(kind="text", text=both)
@@ -301,6 +304,18 @@ def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
     assert all(BYTE.decode(row[1:].tolist()).startswith("val document") for row in rows)
     with pytest.raises(ValueError, match="make_text_data.split='dev' is not valid"):
         make_text_data(**both, split="dev")
+    # a val_corpus that cannot be read is an error before training, not an evaluation of the training text
+    from lengthgen.config import ConfigError
+    from lengthgen.train import Trainer
+    (tmp_path / "empty").mkdir()
+    bad = DataConfig(kind="text", text={**both, "val_corpus": str(tmp_path / "empty")})
+    with pytest.raises(ConfigError, match=r"data.text.val_corpus: corpus .*empty.* has no .txt"):
+        eval_source(bad, make_source(bad))
+    config = {"data": {"kind": "text", "text": bad.text, "length": 16}, "train": {"steps": 1, "batch_size": 2},
+              "model": {"dim": 16, "layers": 1, "heads": 2}}
+    with pytest.raises(ConfigError, match="data.text.val_corpus"):
+        Trainer(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 # ------------------------------------------------------------------------------------------------

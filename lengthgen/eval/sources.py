@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lengthgen.config import ConfigError
 from lengthgen.data.tasks.base import Batch
 
 
@@ -61,22 +62,31 @@ class LongDocuments:
         return self.fallback.metrics(output, batch)
 
 
+def validation_text(data_cfg: Any) -> Any:
+    """The validation split of a text run's corpus (``data.text.val_corpus`` when set), or None where the run
+    trains on ``split="all"`` or the corpus has no validation split. A ``val_corpus`` that cannot be read is a
+    `ConfigError` naming it: it was asked for."""
+    from lengthgen.data.text import make_text_data
+
+    text = data_cfg.text
+    if text.get("split", "train") == "all" and text.get("val_corpus") is None:
+        return None
+    try:
+        return make_text_data(**{**text, "split": "val"})
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        if text.get("val_corpus") is not None:
+            raise ConfigError(f"data.text.val_corpus: {err}", "data.text.val_corpus") from None
+        return None
+
+
 def eval_source(data_cfg: Any, source: Any) -> Any:
     """The source to evaluate a run on: `LongDocuments` of its corpus for text data (the validation split
-    first, where the corpus has one), else ``source`` itself."""
+    first, `validation_text`), else ``source`` itself."""
     if data_cfg.kind != "text" or not hasattr(source, "long_batch"):
         return source
-    from lengthgen.data.text import CorpusError, make_text_data
-
-    candidates: list[tuple[str, Any]] = []
+    val = validation_text(data_cfg)
     split = data_cfg.text.get("split", "train")
-    if split != "all":
-        try:
-            candidates.append(("val split", make_text_data(**{**data_cfg.text, "split": "val"})))
-        except (CorpusError, ValueError):
-            pass
-    candidates.append((f"{split} split", source))
-    return LongDocuments(candidates, source)
+    return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)], source)
 
 
-__all__ = ["LongDocuments", "eval_source"]
+__all__ = ["LongDocuments", "eval_source", "validation_text"]

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lengthgen.data.config import DataConfig, make_source
 from lengthgen.eval import MULTIPLES, NeedleMap
-from lengthgen.eval import DEPTHS, check_needles, needle_map
+from lengthgen.eval import DEPTHS, check_needles, needle_map, validation_text
 from lengthgen.train import load_run
 from lengthgen.train.config import RunConfig
 from lengthgen.train.setup import autocast_dtype, device_type
@@ -21,14 +21,10 @@ from lengthgen.train.setup import autocast_dtype, device_type
 def needle_filler(data: DataConfig, source: Any) -> Any:
     """What a run's needles are hidden in: its task, or for text its corpus's validation split (the run's own
     split where the corpus has none), as single long evaluations use."""
-    if data.kind != "text" or data.text.get("split", "train") == "all":
+    if data.kind != "text":
         return source
-    from lengthgen.data.text import CorpusError, make_text_data
-
-    try:
-        return make_text_data(**{**data.text, "split": "val"})
-    except (CorpusError, ValueError):
-        return source
+    val = validation_text(data)
+    return source if val is None else val
 
 
 def run_map(model: nn.Module, cfg: RunConfig, source: Any, lengths: list[int], depths: list[float], *,

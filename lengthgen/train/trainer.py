@@ -88,6 +88,8 @@ class Trainer:
             raise ValueError("resume or overwrite a run folder, not both")
         cfg, self.source = resolve(config)
         self.config, tc = cfg, cfg.train
+        if cfg.data.kind == "text" and cfg.data.text.get("val_corpus") is not None:
+            _ = self.eval_source      # a validation corpus of its own is read now: a bad one fails before training
         self.run_dir = Path(out_dir)
         kind = device_type(tc)
         self.rank, self.world, local_rank = distributed.setup(kind)

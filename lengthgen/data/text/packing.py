@@ -336,10 +336,17 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
     ``"hf:<dataset>[:config]"`` (``text_field``, ``hf_split``, ``streaming``; needs
     ``max_documents`` or ``max_tokens``). ``tokenizer``: see ``make_tokenizer``. ``split``:
     ``train | val | all``. ``val_corpus``: a validation corpus of its own (modded-nanogpt's
-    ``bin:fineweb_val_*.bin``): the val split is all of it, the train split all of ``corpus``. ``cache`` /
+    ``bin:fineweb_val_*.bin``; not ``hf:``): the val split is all of it, the train split all of ``corpus``. ``cache`` /
     ``cache_dir`` / ``max_documents`` / ``max_tokens``: see ``pretokenize``."""
     if val_corpus is not None:
-        check_value("make_text_data.split", split, Literal["train", "val", "all"])
+        check_value("make_text_data.val_corpus", val_corpus, str)
+        if split == "all":
+            raise ValueError("make_text_data: split='all' never reads val_corpus (it is the val split); use "
+                             "split='train'")
+        check_value("make_text_data.split", split, Literal["train", "val"])
+        if val_corpus.startswith("hf:"):
+            raise ValueError(f"val_corpus {val_corpus!r}: a Hugging Face dataset has its own validation split "
+                             "(hf_split); leave val_corpus unset")
         corpus, split = (val_corpus, "all") if split == "val" else (corpus, "all")
     max_documents = check_value("make_text_data.max_documents", max_documents, int | None, ge=1)
     max_tokens = check_value("make_text_data.max_tokens", max_tokens, int | None, ge=1)
