@@ -247,6 +247,23 @@ def test_resume_on_edited_corpus_files_is_refused(tmp_path):
     assert train(config(*text), run, progress=False, resume=True).step == 4
 
 
+def test_a_moved_corpus_resumes_only_with_the_same_evaluation_text(tmp_path):
+    """The training digest alone let a resume move the corpus to a copy whose validation text differed: the
+    run's evaluations then changed data mid-run. Each checkpoint now keeps the evaluation text's digest too."""
+    docs = lambda word: "".join(f"{word} number {j} with some text\n\n" for j in range(40))  # noqa: E731
+    for name, word in (("train.txt", "document"), ("val.txt", "held out"), ("other.txt", "changed")):
+        (tmp_path / name).write_text(docs(word))
+    data = lambda train, val: ["data.kind=text", "data.task_kwargs={}", "train.checkpoint_every=1",  # noqa: E731
+                               f"data.text={{corpus = {json.dumps(str(tmp_path / train))}, "
+                               f"val_corpus = {json.dumps(str(tmp_path / val))}, cache = false}}"]
+    run = train(config(*data("train.txt", "val.txt")), tmp_path / "run", progress=False, stop_at=2).run_dir
+    shutil.copy(tmp_path / "train.txt", tmp_path / "moved.txt")
+    with pytest.raises(ConfigError, match=r"data\.text\.val_corpus: state\.json '.*val\.txt', now '.*other\.txt'"):
+        train(config(*data("moved.txt", "other.txt")), run, progress=False, resume=True)
+    shutil.copy(tmp_path / "val.txt", tmp_path / "val_copy.txt")
+    assert train(config(*data("moved.txt", "val_copy.txt")), run, progress=False, resume=True).step == 4
+
+
 def test_resume_without_latest_json_continues_from_the_newest_checkpoint(tmp_path, stopped):
     run = copy(stopped[0], tmp_path)
     (run / "latest.json").unlink()

@@ -8,6 +8,7 @@ Synthetic tasks generate any length, so they are evaluated on themselves (`eval_
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,14 @@ class LongDocuments:
         self.candidates, self.fallback = candidates, fallback
         self.vocab_size = fallback.vocab_size
         self.name = getattr(fallback, "name", "text")
+
+    def digest(self) -> str:
+        """The candidates' token digests (`TextData.digest`) hashed together: other evaluation text, another
+        digest."""
+        h = hashlib.blake2b(digest_size=16)
+        for label, data in self.candidates:
+            h.update(f"{label} {data.digest()};".encode())
+        return h.hexdigest()
 
     def _pick(self, count: int, length: int) -> tuple[str, Any, int] | None:
         for label, data in self.candidates:

@@ -121,9 +121,10 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.compile", "train.threads"})
 
 
-#: where a text corpus is read from: a resume may change them when the checkpoint's token digest says that the data
-#: are the same (a corpus copied or moved, the cache switched on)
-DATA_LOCATION = frozenset({"data.text.corpus", "data.text.root", "data.text.cache", "data.text.cache_dir"})
+#: where a text corpus is read from: a resume may change them when the checkpoint's token digests say that the
+#: training and evaluation data are the same (a corpus copied or moved, the cache switched on)
+DATA_LOCATION = frozenset({"data.text.corpus", "data.text.val_corpus", "data.text.root", "data.text.cache",
+                           "data.text.cache_dir"})
 
 
 def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, extend: bool = False,
@@ -131,7 +132,7 @@ def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, exte
     """Refuse (`ConfigError` naming every key) to resume at ``step`` from the config ``old`` (``where``'s) with
     ``now`` when they differ outside `MAY_CHANGE_ON_RESUME` (``train.init_from`` counts as changed only when it
     names another file); ``extend`` lets ``train.steps`` grow past ``step``; ``same_data`` (the checkpoint's
-    token digest is the data's) lets the `DATA_LOCATION` keys change.
+    token digests are the data's) lets the `DATA_LOCATION` keys change.
     Returns the ``metrics.jsonl`` entry recording such an extension (None: none)."""
     allowed = MAY_CHANGE_ON_RESUME | ({"train.steps"} if extend else set()) | (DATA_LOCATION if same_data else set())
     same_file = lambda a, b: Path(a).resolve() == Path(b).resolve()  # noqa: E731

@@ -178,9 +178,9 @@ class Trainer:
         state = ckpt_io.read_state(ckpt)
         where = ckpt / "state.json"
         trained_on, now = state.get("data_digest"), self.source.digest()
+        same = trained_on is not None and trained_on == now and state.get("eval_digest") == self._eval_digest()
         self.extended = check_resume(ckpt_io.saved_config(state["config"], where), self.config, where,
-                                     step=state["step"], extend=extend, same_data=trained_on is not None
-                                     and trained_on == now)
+                                     step=state["step"], extend=extend, same_data=same)
         if trained_on is not None and trained_on != now:
             raise ConfigError(f"cannot resume {ckpt}: its training data differ from the data here (token digest "
                               f"{trained_on[:12]}, now {now[:12]}: the corpus files were changed); resume with the "
@@ -240,6 +240,7 @@ class Trainer:
             "train_seconds": self.train_seconds,
             "metrics": self.metrics,
             "data_digest": self.source.digest(),
+            "eval_digest": self._eval_digest(),
         }
         bema_tensors = None
         if self.bema is not None:
@@ -276,6 +277,11 @@ class Trainer:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _eval_digest(self) -> str | None:
+        """The token digest of what the run is evaluated on (text: `LongDocuments.digest`; tasks: None)."""
+        digest = getattr(self.eval_source, "digest", None)
+        return digest() if digest is not None else None
 
     @functools.cached_property
     def eval_source(self) -> Any:
