@@ -96,8 +96,17 @@ def test_compare_command_bad_variant_exits_2(tmp_path, capsys):
 
 def test_compare_command_bad_metric_exits_2_before_training(tmp_path, capsys):
     assert main(["compare", "--task", "counting", "--metric", "accuracy", "--out", str(tmp_path)]) == 2
-    assert "choose loss or abs_error" in capsys.readouterr().err
+    assert "choose loss, abs_error" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_task_may_headline_another_metric_it_reports():
+    """Tomita's headline became the ROC AUC; its accuracy, still reported, can be a comparison's headline."""
+    from lengthgen.experiments.compare import check_metric
+    tomita = make_task("tomita")
+    assert check_metric(tomita, None) == "roc_auc" and check_metric(tomita, "accuracy") == "accuracy"
+    with pytest.raises(ValueError, match="choose loss, roc_auc, accuracy"):
+        check_metric(tomita, "score")
 
 
 def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path):

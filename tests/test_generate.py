@@ -168,6 +168,10 @@ def test_a_tiny_temperature_draws_the_argmax(temperature):
     assert drawn.flatten().tolist() == [1] * 50
 
 
+def test_an_empty_batch_generates_an_empty_batch():
+    assert model().generate(torch.zeros(0, 5, dtype=torch.long), 3).shape == (0, 8)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(max_new_tokens=-1), ConfigError, r"^max_new_tokens=-1 is not valid; it must be an integer >= 0$"),
     (dict(temperature=-0.5), ConfigError, r"^temperature=-0.5 is not valid; it must be a finite float32 number >= 0$"),

@@ -363,6 +363,9 @@ def test_tomita_metrics_and_roc_auc():
     assert (out["accuracy"] == 1).all() and roc_auc(out["score"], batch.targets) == 1.0
     assert roc_auc(1 - out["score"], batch.targets) == 0.0
     assert task.batch_metrics(out, batch) == {"roc_auc": 1.0} and task.metric == "roc_auc"   # the seed's metric
+    # a diverged model's NaN scores have no ranking: NaN, not 0 or 1 by the order of the labels
+    assert math.isnan(roc_auc(torch.full((4,), math.nan), torch.tensor([0, 1, 1, 0])))
+    assert math.isnan(roc_auc(torch.tensor([0.2, math.nan, 0.9, 0.1]), torch.tensor([0, 1, 1, 0])))
 
 
 def test_the_evaluator_reports_a_whole_batch_metric_once_per_length():

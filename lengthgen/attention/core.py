@@ -18,9 +18,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atten
                          f"k{tuple(k.shape)}, v{tuple(v.shape)}")
     if not all(t.is_floating_point() for t in (q, k, v)):
         raise ValueError(f"attend expects floating-point q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if 0 in q.shape or 0 in v.shape:
-        raise ValueError(f"attend: empty input q{tuple(q.shape)}, v{tuple(v.shape)}; it needs at least one sequence, "
-                         "head, query and channel")
+    if q.shape[-1] == 0:
+        raise ValueError(f"attend: q and k have no channels (head_dim 0), got q{tuple(q.shape)}")
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attend: incompatible shapes q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
@@ -39,9 +38,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atten
             raise ValueError("attend: multipliers scale log_n, log_bn or sqrt_log_n query scaling, but the spec's "
                              "query_scaling is 'none'")
         shape = tuple(multipliers.shape) if isinstance(multipliers, torch.Tensor) else ()
-        if shape not in ((), (1,), (q.shape[1],)):
+        if not isinstance(multipliers, (torch.Tensor, int, float)) or shape not in ((), (1,), (q.shape[1],)):
+            got = f"shape {shape}" if isinstance(multipliers, torch.Tensor) else type(multipliers).__name__
             raise ValueError(f"attend: multipliers must be a number, a scalar tensor or one per query head "
-                             f"({q.shape[1]},), got shape {shape}")
+                             f"({q.shape[1]},), got {got}")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | str | dict[str, Any] | None = None,
@@ -59,6 +59,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     """
     spec = resolve_spec(spec)
     _check_inputs(q, k, v, spec, doc_ids, mask, multipliers)
+    if backend != "auto":
+        backends.module(backend)                     # an unknown name fails here, also for an empty input
+    if 0 in q.shape[:3] or v.shape[-1] == 0:     # nothing to compute (the fused kernels need rows): empty output
+        keep = (q.sum() + k.sum() + v.sum()).to(v.dtype) * 0     # empty sums: zero gradients to the inputs
+        out = v.new_zeros((*q.shape[:3], v.shape[-1])) + keep
+        return (out, v.new_zeros((*q.shape[:3], k.shape[2])) + keep) if return_weights else out
     qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask)
     if return_weights:
         return dense_attention(qs, k, v, spec, doc_ids, mask=mask, return_weights=True)

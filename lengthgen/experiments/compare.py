@@ -137,8 +137,9 @@ def check_metric(source, metric: str | None) -> str:
     source's own."""
     if metric is None:
         return source.metric
-    if metric not in ("loss", source.metric):
-        raise ValueError(f"metric {metric!r} is not reported by {source.name!r}; choose loss or {source.metric}")
+    choices = ("loss", source.metric, *getattr(source, "also_reported", ()))
+    if metric not in choices:
+        raise ValueError(f"metric {metric!r} is not reported by {source.name!r}; choose {', '.join(choices)}")
     return metric
 
 

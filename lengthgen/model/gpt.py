@@ -226,7 +226,7 @@ class GPT(nn.Module):
         if prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
             raise ValueError(f"GPT.generate: prompt must be (batch, length >= 1) token ids (torch.long), got "
                              f"{prompt.dtype} {tuple(prompt.shape)}")
-        low, high = int(prompt.min()), int(prompt.max())
+        low, high = (int(prompt.min()), int(prompt.max())) if prompt.numel() else (0, 0)
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(f"GPT.generate: prompt token ids must be in [0, {self.config.vocab_size}) "
                              f"(model.vocab_size), got {low if low < 0 else high}")

@@ -11,7 +11,7 @@ from lengthgen.config import differences
 from lengthgen.eval.results import Comparison, RunEval
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
-from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, AT_LENGTH, chance_level, conclusion, groups,
+from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, at_length, chance_level, conclusion, groups,
                                      length_label, mean, metric_names, seed_values, table, value_rows, verdict_rows)
 
 #: the plots beside ``report.md``
@@ -29,8 +29,9 @@ def markdown_report(results: Comparison) -> str:
     lines += ["## Setup", "", *setup(results), "", "## Conclusion", "", conclusion(results), "",
               f"Rule: {RULE}. Each seed has its own initialization, training batches and evaluation batches.", "",
               f"## {metric} at length L ({arrow})", "",
-              f"{AT_LENGTH}. Cells: mean over seeds, [min, max] over seeds when several, (ratio to the mean at the "
-              f"training length); {AT_CHANCE} = not better than the chance level in every seed; {CHANCE}.", ""]
+              f"{at_length(results, metric)}. Cells: mean over seeds, [min, max] over seeds when several, (ratio to "
+              f"the mean at the training length); {AT_CHANCE} = not better than the chance level in every seed; "
+              f"{CHANCE}.", ""]
     rows = value_rows(results, metric, ratio=True) + verdict_rows(results, "best (rule)")
     lines += table(rows)
     if any(run.at(n).mean.get(metric) != run.at(n).at_length.get(metric)
@@ -39,7 +40,8 @@ def markdown_report(results: Comparison) -> str:
                   f"The same runs over every position of each length ({ALL_POSITIONS}, not only [L/2, L)).", "",
                   *table(value_rows(results, metric, field="mean"))]
     for name in metric_names(results)[1:]:
-        lines += ["", f"## {name} at length L", "", f"{AT_LENGTH}.", "", *table(value_rows(results, name))]
+        lines += ["", f"## {name} at length L", "", f"{at_length(results, name)}.", "",
+                  *table(value_rows(results, name))]
     if results.retrofit:
         lines += ["", *retrofit_section(results)]
     lines += ["", "## Plots", "", f"![{metric} by evaluated length and by position]({EXTRAPOLATION})", "",

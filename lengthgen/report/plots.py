@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from lengthgen.eval.results import Bucket, Comparison, LengthEval
-from lengthgen.report.tables import chance_level, groups
+from lengthgen.report.tables import chance_level, groups, per_position
 
 import matplotlib
 
@@ -124,8 +124,7 @@ def extrapolation_figure(results: Comparison):
     for ax in (ax for row in panels[len(grouped):] for ax in row):      # the last row's empty slots
         ax.set_visible(False)
     chance = [chance_level(results, metric, n) for n in lengths]
-    first = next(iter(results.variants.values()))[0].at(longest)
-    over = "mean over positions [L/2, L)" if first.buckets.get(metric) else "over the length-L sequences"
+    over = "mean over positions [L/2, L)" if per_position(results, metric) else "over the length-L sequences"
     for (group, names), row in zip(grouped.items(), panels):
         ax = row[0]
         for variant in names:

@@ -13,6 +13,8 @@ from lengthgen.eval.results import Comparison, LengthEval, RunEval
 from lengthgen.report.stats import Verdict, above_chance, verdict
 
 AT_LENGTH = "at length L = mean over positions [L/2, L), the positions only that length reaches"
+#: what a per-sequence value at length L is (a classifier's accuracy, Tomita's ROC AUC over the batch)
+PER_SEQUENCE = "at length L = over the length-L sequences (a value per sequence or per batch, not per position)"
 ALL_POSITIONS = "mean over all positions [0, L)"
 #: marks a value that is not better than the chance level in every seed
 AT_CHANCE = "°"
@@ -136,11 +138,23 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
     return text + (f" Means: {listed}." if listed else "")
 
 
+def per_position(results: Comparison, name: str) -> bool:
+    """Whether ``name`` is measured by position (its value at length L a mean over positions [L/2, L)), not per
+    sequence or per batch."""
+    return bool(next(iter(results.variants.values()))[0].at(results.eval_lengths[-1]).buckets.get(name))
+
+
+def at_length(results: Comparison, name: str) -> str:
+    """What ``name`` at length L means: `AT_LENGTH` or `PER_SEQUENCE`."""
+    return AT_LENGTH if per_position(results, name) else PER_SEQUENCE
+
+
 def terminal_table(results: Comparison) -> str:
     """The headline metric at each length (mean [min, max] over seeds), the chance level, the rule's verdict
     per length and the conclusion."""
     rows = value_rows(results, results.metric) + verdict_rows(results)
-    title = f"{results.metric} at length L (mean over positions [L/2, L); training length {results.train_length})"
+    over = "mean over positions [L/2, L)" if per_position(results, results.metric) else "over the length-L sequences"
+    title = f"{results.metric} at length L ({over}; training length {results.train_length})"
     notes = [f"{AT_CHANCE} = not better than the chance level in every seed"] if any(
         AT_CHANCE in c for row in rows[1:] for c in row[1:]) else []
     return "\n".join([title, *aligned(rows), *notes, conclusion(results).replace("**", "")])

@@ -60,6 +60,7 @@ class Task:
     head: str = "lm"
     num_classes: int = 0
     metric: str = "loss"
+    also_reported: tuple[str, ...] = ()    # other metrics a comparison may take as its headline (compare.metric)
     higher_is_better: bool = False
     max_length: int | None = None   # longest length the task can generate (None: unbounded)
 

@@ -68,8 +68,10 @@ def _compose(maps: torch.Tensor, reverse: bool = False) -> torch.Tensor:
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Rank-based ROC AUC (Mann-Whitney U) of ``scores`` for binary ``labels``; tied scores get
-    their average rank. NaN when only one class is present."""
+    their average rank. NaN when only one class is present or a score is NaN (a diverged model)."""
     scores, labels = scores.flatten().double(), labels.flatten().bool()
+    if scores.isnan().any():
+        return float("nan")
     n_pos = int(labels.sum())
     n_neg = labels.numel() - n_pos
     if n_pos == 0 or n_neg == 0:
@@ -97,6 +99,7 @@ class TomitaTask(Task):
     head = "classify"
     num_classes = 2
     metric = "roc_auc"
+    also_reported = ("accuracy",)
     higher_is_better = True
     max_length = None
     vocab_size = 4
