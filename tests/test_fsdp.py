@@ -22,6 +22,8 @@ from helpers import logged_losses, torchrun_two
 
 RUN_A = BASE + ["train.grad_accum=2"]
 RUN_M = BASE + ["train.optimizer=muon", "train.muon_lr=0.05", "model.tie_embeddings=false"]
+#: a language model: its evaluation calls the model's features and logits, not forward (FSDP2 hooks forward only)
+RUN_T = BASE + ["data.kind=text", "data.task_kwargs={}", 'data.text={corpus = "stdlib", tokenizer = "byte"}']
 
 
 def test_two_sharded_processes_match_one(tmp_path):
@@ -31,7 +33,7 @@ def test_two_sharded_processes_match_one(tmp_path):
     from lengthgen.train.weights import load_run
 
     torchrun_two(__file__, tmp_path)
-    for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3)):
+    for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("t", RUN_T, 1e-5)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
         sharded = logged_losses(tmp_path / f"fsdp-{name}")
         assert len(sharded) == 5
@@ -44,7 +46,11 @@ def test_two_sharded_processes_match_one(tmp_path):
         if name == "a":
             for (key, got), want in zip(model.state_dict().items(), single.model.state_dict().values()):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=key)
-        assert [r.length for r in RunEval.load(tmp_path / f"fsdp-{name}" / "eval.json").lengths] == [16, 32]
+        evaluation = RunEval.load(tmp_path / f"fsdp-{name}" / "eval.json")
+        assert [r.length for r in evaluation.lengths] == [16, 32]
+        if name != "m":
+            for got, want in zip(evaluation.lengths, single.evaluation.lengths):
+                assert got.at_length["loss"] == pytest.approx(want.at_length["loss"], rel=1e-4), name
     records = [json.loads(line) for line in (tmp_path / "fsdp-a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]       # steps 4-5 after the resume
 
@@ -77,6 +83,7 @@ def _worker(out: Path) -> None:
     Trainer(cfg, out / "fsdp-a", progress=False).fit(stop_at=3)
     Trainer(cfg, out / "fsdp-a", progress=False, resume=True).fit()
     train(RunConfig().override(*RUN_M, "train.parallel=fsdp"), out / "fsdp-m", progress=False)
+    train(RunConfig().override(*RUN_T, "train.parallel=fsdp"), out / "fsdp-t", progress=False)
     cleanup()
 
 

@@ -89,12 +89,14 @@ def parallelize(model: nn.Module, parallel: str, device: torch.device) -> nn.Mod
 
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    for method in ("features", "logits"):     # the evaluator's lm path calls these, not forward
+        register_fsdp_forward_method(model, method)
     return model
 
 
