@@ -111,16 +111,15 @@ class AttentionSpec:
         return PRESETS[name].replace(**changes)
 
     def with_preset(self, name: str) -> "AttentionSpec":
-        """Preset ``name`` applied on top of this spec: the fields in which it differs from ``baseline`` replace
-        this spec's, so ``l2`` on a NoPE spec is NoPE with p = 2 (compare's variants)."""
-        preset = AttentionSpec.preset(name)
-        return self.replace(**{f: getattr(preset, f) for f in FIELDS if getattr(preset, f) != getattr(BASE, f)})
+        """Preset ``name`` applied on top of this spec (`set_preset`): ``l2`` on a NoPE spec is NoPE with p = 2
+        (compare's variants)."""
+        return resolve_spec(AttentionSpec.set_preset(self.to_dict(), name))
 
     @classmethod
     def set_preset(cls, table: dict[str, Any], name: Any) -> dict[str, Any]:
-        """``--set model.attention.preset=NAME`` on a config's attention table: as `with_preset`, the fields in
-        which the preset differs from ``baseline`` are written over the table's (whatever else the table holds,
-        valid yet or not); an unknown name is set as the table's preset, for the checker to name."""
+        """Preset ``name`` on top of an attention table (``--set model.attention.preset=NAME``, `with_preset`):
+        the fields in which the preset differs from ``baseline`` are written over the table's, whatever else the
+        table holds, valid yet or not; an unknown name is set as the table's preset, for the checker to name."""
         if not isinstance(name, str) or name not in PRESETS:
             return {**table, "preset": name}
         preset = PRESETS[name]
