@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from lengthgen.eval.results import Bucket, Comparison, LengthEval
-from lengthgen.report.tables import chance_level, groups, per_position
+from lengthgen.report.tables import averaged_over, chance_level, groups
 
 import matplotlib
 
@@ -124,7 +124,7 @@ def extrapolation_figure(results: Comparison):
     for ax in (ax for row in panels[len(grouped):] for ax in row):      # the last row's empty slots
         ax.set_visible(False)
     chance = [chance_level(results, metric, n) for n in lengths]
-    over = "mean over positions [L/2, L)" if per_position(results, metric) else "over the length-L sequences"
+    over = averaged_over(results, metric)
     for (group, names), row in zip(grouped.items(), panels):
         ax = row[0]
         for variant in names:

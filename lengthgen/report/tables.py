@@ -149,12 +149,17 @@ def at_length(results: Comparison, name: str) -> str:
     return AT_LENGTH if per_position(results, name) else PER_SEQUENCE
 
 
+def averaged_over(results: Comparison, name: str) -> str:
+    """`at_length` in a few words, for titles and axis labels."""
+    return "mean over positions [L/2, L)" if per_position(results, name) else "over the length-L sequences"
+
+
 def terminal_table(results: Comparison) -> str:
     """The headline metric at each length (mean [min, max] over seeds), the chance level, the rule's verdict
     per length and the conclusion."""
     rows = value_rows(results, results.metric) + verdict_rows(results)
-    over = "mean over positions [L/2, L)" if per_position(results, results.metric) else "over the length-L sequences"
-    title = f"{results.metric} at length L ({over}; training length {results.train_length})"
+    title = (f"{results.metric} at length L ({averaged_over(results, results.metric)}; training length "
+             f"{results.train_length})")
     notes = [f"{AT_CHANCE} = not better than the chance level in every seed"] if any(
         AT_CHANCE in c for row in rows[1:] for c in row[1:]) else []
     return "\n".join([title, *aligned(rows), *notes, conclusion(results).replace("**", "")])
