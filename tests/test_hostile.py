@@ -1083,6 +1083,19 @@ def test_overwrite_refuses_files_lengthgen_did_not_write_inside_its_folders(tmp_
     assert (run / "checkpoints" / "best_keep").is_dir() and (run / "tb" / "NOTES.txt").is_file()
 
 
+def test_overwrite_takes_the_results_files_eval_wrote_into_the_run(tmp_path, capsys, stopped):
+    """``lengthgen eval RUN --out RUN/NAME.json`` wrote a file that --overwrite then refused as not lengthgen's;
+    a JSON file of the user's still is refused."""
+    run = copy(stopped[0], tmp_path)
+    assert cli(capsys, "eval", run, "--lengths", "8", "--tokens", "64", "--out", run / "mine.json")[0] == 0
+    (run / "notes.json").write_text('{"kind": "run", "mine": true}')
+    code, err = cli(capsys, "train", "--out", run, "--overwrite", *sets())
+    assert code == 2 and "holds files lengthgen did not write (notes.json)" in err
+    (run / "notes.json").unlink()
+    assert cli(capsys, "train", "--out", run, "--overwrite", *sets())[0] == 0
+    assert not (run / "mine.json").exists()
+
+
 def test_compare_overwrite_keeps_train_runs_under_runs(tmp_path, capsys):
     """``lengthgen train`` writes runs/<config name> by default; ``compare --out . --overwrite`` in that folder took
     runs/ for a comparison's and deleted the training run (found by a probe). Only NAME-seedN run folders are a

@@ -131,10 +131,23 @@ _INSIDE = {"checkpoints": re.compile(r"step_\d+(\.corrupt.*|\.tmp-.*)?|\..*\.tmp
            "tb": re.compile(r"events\.out\.tfevents\..*")}
 
 
+def _results_file(path: Path) -> bool:
+    """Whether ``path`` is a results file lengthgen wrote under a name of the user's choosing (``lengthgen eval
+    --out RUN/NAME.json``): JSON with the results model's ``schema`` and ``kind``."""
+    if path.suffix != ".json" or not path.is_file():
+        return False
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and "schema" in data and data.get("kind") in ("run", "comparison", "needle")
+
+
 def not_written(folder: Path, where: str = "") -> list[str]:
     """What in ``folder`` lengthgen did not write (paths from ``folder``), which ``--overwrite`` would delete
-    with it: names outside `WRITTEN`, anything in ``checkpoints/`` but checkpoints and in ``tb/`` but event files,
-    and in a comparison's ``runs/`` and ``pretrain/`` anything but its run folders (``NAME-seedN`` or
+    with it: names outside `WRITTEN` (but results files, `_results_file`), anything in ``checkpoints/`` but
+    checkpoints and in ``tb/`` but event files, and in a comparison's ``runs/`` and ``pretrain/`` anything but
+    its run folders (``NAME-seedN`` or
     ``BASE/NAME-seedN``, e.g. not ``lengthgen train``'s default ``runs/<config name>``), each checked the same way,
     as are a retrofit's ``finetune/`` and ``control/``."""
     found = []
@@ -143,7 +156,8 @@ def not_written(folder: Path, where: str = "") -> list[str]:
         if child.name == LOCK:
             continue
         if child.name not in WRITTEN:
-            found.append(path)
+            if not _results_file(child):
+                found.append(path)
         elif child.name in _INSIDE and child.is_dir():
             found += [f"{path}/{g.name}" for g in sorted(child.iterdir()) if not _INSIDE[child.name].fullmatch(g.name)]
         elif child.name in ("finetune", "control") and child.is_dir():
