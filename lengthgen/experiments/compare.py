@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from lengthgen.attention import PRESETS, resolve_spec
+from lengthgen.attention import PRESETS
 from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, leaves, option
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
 from lengthgen.experiments.jobs import Job, Runner
@@ -144,12 +144,11 @@ def check_metric(source, metric: str | None) -> str:
 
 
 def apply_variant(cfg: RunConfig, name: str, changes: dict[str, Any] | None, key: str) -> RunConfig:
-    """``cfg`` with a variant's change table applied key by key (`RunConfig.changed`), or (``changes`` None)
-    the attention preset ``name`` applied by `AttentionSpec.with_preset`. Errors name ``key``
-    (``compare.variants.<name>``)."""
+    """``cfg`` with a variant's change table applied key by key (`RunConfig.changed`); ``changes`` None is the
+    attention preset ``name`` on top of the config's attention (``model.attention.preset = name``, as `set_key`
+    applies it). Errors name ``key`` (``compare.variants.<name>``)."""
     if changes is None:
-        return dataclasses.replace(cfg, model=cfg.model.replace(
-            attention=resolve_spec(cfg.model.attention).with_preset(name)))
+        changes = {"model": {"attention": {"preset": name}}}
     try:
         return cfg.changed(leaves(changes))
     except ConfigError as err:
