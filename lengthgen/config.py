@@ -345,13 +345,13 @@ def parse_value(raw: str) -> Any:
         return raw
 
 
-def parse_assignment(assignment: str) -> tuple[str, Any]:
-    """``"a.b=value"`` -> ``("a.b", parse_value("value"))``."""
+def parse_assignment(assignment: str) -> tuple[tuple[str, ...], Any]:
+    """``"a.b=value"`` -> ``(("a", "b"), parse_value("value"))`` (the key's parts by `key_path`)."""
     key, sep, raw = assignment.partition("=")
-    key = key.strip()
-    if not sep or not all(part.strip() for part in key.split(".")):
+    parts = key_path(key.strip())
+    if not sep or not all(part.strip() for part in parts):
         raise ConfigError(f"override {assignment!r} is not valid; write key=value, e.g. train.steps=100")
-    return key, parse_value(raw.strip())
+    return parts, parse_value(raw.strip())
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
