@@ -104,7 +104,11 @@ def test_a_task_may_headline_another_metric_it_reports():
     """Tomita's headline became the ROC AUC; its accuracy, still reported, can be a comparison's headline."""
     from lengthgen.experiments.compare import check_metric
     tomita = make_task("tomita")
-    assert check_metric(tomita, None) == "roc_auc" and check_metric(tomita, "accuracy") == "accuracy"
+    assert check_metric(tomita, None) == ("roc_auc", True) and check_metric(tomita, "accuracy") == ("accuracy", True)
+    assert check_metric(tomita, "loss") == ("loss", False)
+    dyck = make_task("dyck")
+    assert check_metric(dyck, None) == ("tvd", False)
+    assert check_metric(dyck, "legal_accuracy") == ("legal_accuracy", True)
     with pytest.raises(ValueError, match="choose loss, roc_auc, accuracy"):
         check_metric(tomita, "score")
 
@@ -116,9 +120,14 @@ def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path
     assert cfg.data.task == "dyck" and default_metric(cfg) == "loss"
     cfg = cfg.override("compare.eval_lengths=[8, 16]", "compare.eval_tokens=32",
                        f"compare.metric={default_metric(cfg)}")
-    run_compare(cfg, tmp_path, variants=["baseline"], progress=False, log=lambda _: None)
-    text = (tmp_path / "report.md").read_text()
-    assert "## loss at length L" in text and "## legal_accuracy at length L" in text
+    results = run_compare(cfg, tmp_path / "loss", variants=["baseline"], progress=False, log=lambda _: None)
+    text = (tmp_path / "loss" / "report.md").read_text()
+    assert "## loss at length L" in text and "## tvd at length L" in text and "## legal_accuracy at length L" in text
+    assert results.metric == "loss" and not results.higher_is_better
+    # a metric that is not the task's headline keeps its own direction (legal_accuracy: higher is better)
+    cfg = cfg.override("compare.metric=legal_accuracy")
+    results = run_compare(cfg, tmp_path / "legal", variants=["baseline"], progress=False, log=lambda _: None)
+    assert results.metric == "legal_accuracy" and results.higher_is_better
 
 
 def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):

@@ -44,7 +44,8 @@ def test_chunked_loss_and_metrics_equal_the_whole_forward(name, tmp_path, monkey
     assert len(list(model.logit_chunks(torch.zeros(3, length, 16)))) == -(-length // 7)
     with torch.no_grad():
         chunked, whole = measure_gpt(model, source, batch), whole_forward(model, source, batch)
-    assert chunked.keys() == whole.keys() == ({"loss"} if name == "text" else {"loss", source.metric})
+    reported = {"loss"} if name == "text" else {"loss", source.metric, *source.also_reported}
+    assert chunked.keys() == whole.keys() == reported
     for key in whole:
         torch.testing.assert_close(chunked[key], whole[key], rtol=1e-5, atol=1e-6, equal_nan=True)
 

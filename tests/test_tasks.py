@@ -289,6 +289,37 @@ def test_dyck_visits_every_depth_and_metric():
         assert (task.metrics(output, batch)["legal_accuracy"] == expected).all()
 
 
+@pytest.mark.parametrize("num_types, max_depth", [(1, 2), (2, 3), (3, 1)])
+def test_dyck_next_token_law_is_the_samplers(num_types, max_depth):
+    """Grouped by its legal set and stack top (the sampler's state), the next token's frequencies match
+    `next_token_law` within 5 standard errors; the law sums to 1 over the legal tokens."""
+    task = make_task("dyck", num_types=num_types, max_depth=max_depth)
+    batch = task.sample(4000, 30, gen(0))
+    law = task.next_token_law(batch.extra["legal"])
+    torch.testing.assert_close(law.sum(-1), torch.ones(law.shape[:2]))
+    assert ((law > 0) == batch.extra["legal"]).all()
+    states, group = batch.extra["legal"].flatten(0, 1).unique(dim=0, return_inverse=True)
+    observed = torch.nn.functional.one_hot(batch.targets.flatten(), task.vocab_size).double()
+    for g in range(len(states)):
+        rows = group == g
+        p = law.flatten(0, 1)[rows][0].double()
+        freq = observed[rows].mean(0)
+        stderr = (p * (1 - p) / rows.sum()).sqrt()
+        assert ((freq - p).abs() <= 5 * stderr + 1e-12).all(), (states[g], freq, p)
+
+
+def test_dyck_tvd_is_zero_for_the_law_and_one_off_it():
+    task = make_task("dyck", num_types=2, max_depth=3)
+    batch = task.sample(8, 50, gen(1))
+    law = task.next_token_law(batch.extra["legal"])
+    assert task.metrics(law.log(), batch)["tvd"].abs().max() < 1e-6          # softmax(log p) = p
+    always_bos = torch.nn.functional.one_hot(torch.full_like(batch.tokens, task.bos), task.vocab_size).float()
+    torch.testing.assert_close(task.metrics(always_bos * 1e4, batch)["tvd"], torch.ones(8, 50))
+    # uniform over the vocabulary: 1 - sum(min(p, 1/V)), by hand
+    expected = 1 - law.clamp(max=1 / task.vocab_size).sum(-1)
+    torch.testing.assert_close(task.metrics(torch.zeros_like(law), batch)["tvd"], expected)
+
+
 # ------------------------------------------------------------------ Tomita
 
 def tomita_reference(grammar: int, s: str) -> bool:

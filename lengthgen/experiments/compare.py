@@ -14,8 +14,8 @@ own process (`lengthgen.experiments.jobs`), with the results of a sequential com
 The embedded default needs no download and no GPU: next-token prediction on a Dyck language (2 bracket types,
 depth <= 8; the formal-language setting of "Post-Norm can Resharpen Attention", seed 003), trained at 64
 tokens and evaluated to 16x that, small enough for 2 CPU cores. Its headline is the per-token loss (seed
-000's measure): the task's own ``legal_accuracy`` can be gamed at long lengths by always predicting an opening
-bracket (legal everywhere below the maximum depth), so it is reported beside the loss, not as the headline.
+000's measure); the task's ``tvd`` (to the next token's law, seed 003's measure) and ``legal_accuracy`` are
+reported beside it.
 At this scale counting, passkey, set complement and MQAR showed no difference between variants (every variant
 fails alike beyond the training length, or none learns the task in a few hundred CPU steps).
 """
@@ -132,15 +132,14 @@ def parse_variants(text: str | list[str] | tuple[str, ...], defined: dict[str, A
     return names
 
 
-def check_metric(source, metric: str | None) -> str:
-    """The headline metric: ``metric`` if the source reports it (``loss`` always), else ValueError; None: the
-    source's own."""
-    if metric is None:
-        return source.metric
-    choices = ("loss", source.metric, *getattr(source, "also_reported", ()))
-    if metric not in choices:
-        raise ValueError(f"metric {metric!r} is not reported by {source.name!r}; choose {', '.join(choices)}")
-    return metric
+def check_metric(source, metric: str | None) -> tuple[str, bool]:
+    """The headline metric and whether higher is better: ``metric`` if the source reports it (``loss`` always),
+    else ValueError; None: the source's own."""
+    directions = {"loss": False, source.metric: source.higher_is_better, **getattr(source, "also_reported", {})}
+    metric = source.metric if metric is None else metric
+    if metric not in directions:
+        raise ValueError(f"metric {metric!r} is not reported by {source.name!r}; choose {', '.join(directions)}")
+    return metric, directions[metric]
 
 
 def apply_variant(cfg: RunConfig, name: str, changes: dict[str, Any] | None, key: str) -> RunConfig:
@@ -221,7 +220,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         check_length(source, key, length)
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
-    metric = check_metric(source, cc.metric)
+    metric, higher_is_better = check_metric(source, cc.metric)
     folders = {(name, seed): f"{name}-seed{seed}" for name in runs.runs for seed in cc.seeds}   # under out/runs
     with lock(out), Runner(cc.workers, log) as runner:
         if resume:
@@ -243,7 +242,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         source_name = getattr(source, "name", cfg.data.task)
         comparison = Comparison(
             title=f"lengthgen compare: {source_name}", source=source_name, metric=metric,
-            higher_is_better=source.higher_is_better if metric == source.metric else False,
+            higher_is_better=higher_is_better,
             train_length=train_length, eval_lengths=eval_lengths, config=cfg.to_dict(),
             provenance=results[next(iter(results))][0].provenance,
             specs={key: evals[0].config["model"]["attention"] for key, evals in results.items()}, variants=results,

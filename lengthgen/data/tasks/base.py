@@ -60,7 +60,8 @@ class Task:
     head: str = "lm"
     num_classes: int = 0
     metric: str = "loss"
-    also_reported: tuple[str, ...] = ()    # other metrics a comparison may take as its headline (compare.metric)
+    #: other metrics a comparison may take as its headline (compare.metric), each with whether higher is better
+    also_reported: dict[str, bool] = {}
     higher_is_better: bool = False
     max_length: int | None = None   # longest length the task can generate (None: unbounded)
 

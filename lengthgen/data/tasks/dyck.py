@@ -24,14 +24,17 @@ class DyckTask(Task):
     are the next token at every position.
 
     ``extra["legal"]``: (B, L, vocab_size) bool, the legal next tokens after each prefix: every
-    opener if depth < m, the closer matching the top of the stack if depth > 0.
+    opener if depth < m, the closer matching the top of the stack if depth > 0. With these the law
+    of the next token is known exactly (`next_token_law`), and the headline metric is the total
+    variation distance of the model's prediction to it, the seed's metric of distribution quality.
     """
 
     name = "dyck"
     head = "lm"
-    metric = "legal_accuracy"
+    metric = "tvd"
+    also_reported = {"legal_accuracy": True}
     min_length = 1
-    higher_is_better = True
+    higher_is_better = False
     max_length = None
 
     def __init__(self, *, num_types: int = 2, max_depth: int = 8):
@@ -68,24 +71,54 @@ class DyckTask(Task):
         return Batch(tokens, brackets, torch.ones_like(tokens, dtype=torch.bool),
                      extra={"legal": legal}, position_extras=("legal",))
 
+    def next_token_law(self, legal: torch.Tensor) -> torch.Tensor:
+        """(..., vocab_size) float: the sampler's law of the next token given its legal set (``legal``, the
+        ``extra["legal"]`` mask): at depth 0 each opener 1/k, at depth m the matching closer 1, in between the
+        matching closer 1/2 and each opener 1/(2k)."""
+        legal = legal.float()
+        k = self.num_types
+        openers, closer = legal[..., :k].sum(-1, keepdim=True), legal[..., k:].sum(-1, keepdim=True)
+        p_close = torch.where(openers == 0, 1.0, closer / 2)
+        is_opener = torch.arange(self.vocab_size, device=legal.device) < k
+        return legal * torch.where(is_opener, (1 - p_close) / openers.clamp(min=1), p_close)
+
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """``legal_accuracy``: (B, L), whether the argmax prediction is a legal next token."""
-        legal = batch.extra["legal"].gather(-1, output.argmax(-1, keepdim=True))[..., 0]
-        return {"legal_accuracy": legal.float()}
+        """Per position (B, L): ``tvd``, the total variation distance between the softmax over the whole
+        vocabulary and the next token's law (`next_token_law`; mass on BOS counts as error); ``legal_accuracy``,
+        whether the argmax prediction is a legal next token."""
+        legal = batch.extra["legal"]
+        probs = output.float().softmax(-1)
+        tvd = 0.5 * (probs - self.next_token_law(legal)).abs().sum(-1)
+        return {"tvd": tvd, "legal_accuracy": legal.gather(-1, output.argmax(-1, keepdim=True))[..., 0].float()}
 
     def chance(self, metric: str, length: int) -> torch.Tensor | None:
         """From the law of the depth d at each position (`depth_law`; opener types and the stack top are
-        uniform over the k types, independent of d): ``legal_accuracy`` of the best fixed guess is
-        max(P(d < m), P(d > 0) / k) (always an opener, or always one closer); ``loss`` is the entropy of the
-        next bracket, H(P(open)) + log k with P(open) = P(d = 0) + P(0 < d < m) / 2."""
-        if metric not in ("legal_accuracy", "loss"):
+        uniform over the k types, independent of d):
+
+        - ``legal_accuracy`` of the best fixed guess is max(P(d < m), P(d > 0) / k) (always an opener, or
+          always one closer);
+        - ``loss`` is the entropy of the next bracket, H(P(open)) + log k with P(open) = P(d = 0) + P(0 < d <
+          m) / 2;
+        - ``tvd`` of the best fixed distribution: by symmetry and convexity one that puts a / k on each opener
+          and (1 - a) / k on each closer, whose expected tvd (1 - sum of min(p, q)) is P(d = 0) (1 - a) +
+          P(d = m) (1 - (1 - a) / k) + P(0 < d < m) (1 - min(1/2, a) - min(1/2, (1 - a) / k)); it is
+          piecewise linear in a, so its minimum is at a break point: a in {0, 1/2, 1, 1 - k/2}.
+        """
+        if metric not in ("legal_accuracy", "loss", "tvd"):
             return None
         law = self.depth_law(length)
         empty, full = law[:, 0], law[:, -1]
+        middle, k = 1 - empty - full, self.num_types
         if metric == "legal_accuracy":
-            return torch.maximum(1 - full, (1 - empty) / self.num_types)
-        opens = empty + (1 - empty - full) / 2
-        return torch.special.entr(opens) + torch.special.entr(1 - opens) + math.log(self.num_types)
+            return torch.maximum(1 - full, (1 - empty) / k)
+        if metric == "tvd":
+            a = torch.tensor([0.0, 0.5, 1.0, 1 - k / 2], dtype=torch.float64).clamp(0, 1)[:, None]
+            half = torch.tensor(0.5, dtype=torch.float64)
+            tvd = (empty * (1 - a) + full * (1 - (1 - a) / k)
+                   + middle * (1 - torch.minimum(half, a) - torch.minimum(half, (1 - a) / k)))
+            return tvd.min(0).values
+        opens = empty + middle / 2
+        return torch.special.entr(opens) + torch.special.entr(1 - opens) + math.log(k)
 
     def depth_law(self, length: int) -> torch.Tensor:
         """(length, m + 1) float64: P(depth = d) at each position (after that many brackets). The sampler's

@@ -99,7 +99,7 @@ class TomitaTask(Task):
     head = "classify"
     num_classes = 2
     metric = "roc_auc"
-    also_reported = ("accuracy",)
+    also_reported = {"accuracy": True}
     higher_is_better = True
     max_length = None
     vocab_size = 4
