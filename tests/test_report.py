@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import pytest
 
@@ -55,16 +56,36 @@ def comparison(seeds: dict[str, list[float]], chance: float | None = 0.1, dense:
 
 def test_separated_seeds_name_a_winner_with_the_permutation_p():
     found = verdict({"a": [0.80, 0.85, 0.90], "b": [0.50, 0.60, 0.70], "c": [0.2, 0.3, 0.4]}, True, chance=0.1)
-    assert found.status == "separated" and found.winner == "a" and found.p == pytest.approx(1 / 20)
-    assert "runner-up b" in found.reason and found.short() == "a (p = 0.05)"
-    four = verdict({"a": [0.8, 0.9, 0.9, 0.9], "b": [0.5, 0.6, 0.7]}, True)       # 1 / C(7, 4) = 1/35
-    assert four.winner == "a" and four.p == pytest.approx(1 / 35)
+    assert found.status == "separated" and found.winner == "a" and found.p == pytest.approx(3 / 84)   # 3 / C(9, 3)
+    assert "if none of the 3 variants differed" in found.reason and found.short() == "a (p = 0.036)"
+    four = verdict({"a": [0.8, 0.9, 0.9, 0.9], "b": [0.5, 0.6, 0.7, 0.7]}, True)   # 2 / C(8, 4)
+    assert four.winner == "a" and four.p == pytest.approx(2 / 70)
 
 
 def test_separated_with_too_few_seeds_names_no_winner():
     two = verdict({"a": [0.8, 0.9], "b": [0.5, 0.6]}, True)
-    assert two.status == "too few seeds" and two.winner is None and two.p == pytest.approx(1 / 6)
-    assert "p = 0.17 against the runner-up b, above 0.05" in two.reason and two.short() == "too few seeds"
+    assert two.status == "too few seeds" and two.winner is None and two.p == pytest.approx(2 / 6)
+    assert "p = 0.33, the probability" in two.reason and "above 0.05" in two.reason
+    assert two.short() == "too few seeds"
+    three = verdict({"a": [0.8, 0.9, 0.9], "b": [0.5, 0.6, 0.7]}, True)           # either could separate: 2 / 20
+    assert three.status == "too few seeds" and three.p == pytest.approx(0.1)
+    unequal = verdict({"a": [0.8, 0.9, 0.9, 0.9], "b": [0.5, 0.6, 0.7]}, True)     # 1 / C(7, 4) + 1 / C(7, 3)
+    assert unequal.status == "too few seeds" and unequal.p == pytest.approx(2 / 35)
+
+
+@pytest.mark.parametrize("variants, seeds", [(2, 3), (3, 3), (2, 4), (3, 2)])
+def test_p_is_the_rate_of_separations_when_no_variant_differs(variants, seeds):
+    """Exchangeable runs (every variant the same): the rule finds a separated variant (named or too few seeds)
+    at the rate p, within 4 standard errors."""
+    rng = random.Random(0)
+    trials, found, p = 10000, 0, None
+    for _ in range(trials):
+        values = {f"v{i}": [rng.random() for _ in range(seeds)] for i in range(variants)}
+        outcome = verdict(values, True)
+        if outcome.status in ("separated", "too few seeds"):
+            found, p = found + 1, outcome.p
+    rate = found / trials
+    assert abs(rate - p) <= 4 * math.sqrt(p * (1 - p) / trials), (rate, p)
 
 
 def test_overlapping_seeds_name_no_winner():
@@ -88,17 +109,21 @@ def test_no_winner_at_or_below_chance():
     # separated, but one seed of the best is at the chance level
     found = verdict({"a": [0.50, 0.52], "b": [0.30, 0.40]}, True, chance=0.50)
     assert found.status == "at chance" and found.winner is None and found.at_chance == ["a", "b"]
-    assert verdict({"a": [0.51, 0.52, 0.53], "b": [0.3, 0.4, 0.4]}, True, chance=0.50).winner == "a"
+    assert verdict({"a": [0.51, 0.52, 0.53, 0.52], "b": [0.3, 0.4, 0.4, 0.3]}, True, chance=0.50).winner == "a"
     # lower is better: a loss at or above the chance loss is at chance
     assert verdict({"a": [1.0, 1.1], "b": [2.0, 2.1]}, False, chance=1.05).status == "at chance"
-    assert verdict({"a": [1.0, 1.1, 1.1], "b": [2.0, 2.1, 2.2]}, False, chance=1.2).winner == "a"
+    assert verdict({"a": [1.0, 1.1, 1.1, 1.0], "b": [2.0, 2.1, 2.2, 2.0]}, False, chance=1.2).winner == "a"
     assert above_chance([0.2, 0.3], 0.1, True) and not above_chance([0.2, math.nan], 0.1, True)
 
 
-def test_nan_seeds_cannot_win_and_a_lone_variant_is_not_compared():
-    assert verdict({"a": [math.nan, 0.9], "b": [0.5, 0.6]}, True).status == "not separated"
-    found = verdict({"a": [math.nan, 0.4, 0.3, 0.2], "b": [0.5, 0.6, 0.7]}, True)    # a's NaN seed is ignored
-    assert found.winner == "b" and found.p == pytest.approx(1 / 20) and found.at_chance == ["a"]
+def test_nan_seeds_cannot_be_ranked_and_a_lone_variant_is_not_compared():
+    assert verdict({"a": [math.nan, 0.9], "b": [0.5, 0.6]}, True).status == "NaN seeds"
+    # b is separated from a's finite seeds, but a's NaN seed could be anywhere: no winner
+    found = verdict({"a": [math.nan, 0.4, 0.3, 0.2], "b": [0.5, 0.6, 0.7, 0.8]}, True)
+    assert found.status == "NaN seeds" and found.winner is None and found.best == "b" and found.at_chance == ["a"]
+    assert "a has seeds without a value" in found.reason
+    # an infinite loss is a value (the worst): the other variant can be named
+    assert verdict({"a": [1.0, 1.1, 1.2, 1.1], "b": [2.0, math.inf, 2.2, 2.1]}, False).winner == "a"
     assert verdict({"a": [math.nan], "b": [math.nan]}, True).status == "no value"
     assert verdict({"a": [0.5, 0.6]}, True).status == "one variant"
 
@@ -107,16 +132,24 @@ def test_nan_seeds_cannot_win_and_a_lone_variant_is_not_compared():
 
 
 def test_report_names_the_winner_only_when_separated():
-    separated = comparison({"a": [0.80, 0.85, 0.90], "b": [0.50, 0.60, 0.70]})
+    separated = comparison({"a": [0.80, 0.85, 0.90, 0.85], "b": [0.50, 0.60, 0.70, 0.60]})
     text = markdown_report(separated)
     assert "At 64 tokens (4x the training length) **a** has the highest accuracy" in text
-    assert "| best (rule) | not separated | not separated | a (p = 0.05) |" in text   # 0.9 for all at 16 and 32
+    assert "| best (rule) | not separated | not separated | a (p = 0.029) |" in text   # 0.9 for all at 16 and 32
     assert "| a | 0.9 [0.9, 0.9] (1x) |" in text and "0.85 [0.8, 0.9] (0.944x)" in text
     assert "| chance | 0.1 | 0.1 | 0.1 |" in text
     assert terminal_table(separated).splitlines()[-1].startswith("At 64 tokens (4x the training length) a has")
     overlapping = comparison({"a": [0.60, 0.95], "b": [0.70, 0.80]})
     assert "no variant is named best (not separated)" in markdown_report(overlapping)
     assert "no variant is named best (not separated)" in terminal_table(overlapping)
+
+
+def test_nan_seeds_are_counted_in_cells_and_listed_last():
+    results = comparison({"c": [math.nan] * 3, "a": [0.5, math.nan, math.nan], "b": [0.8, 0.9, 0.7]})
+    text = markdown_report(results)
+    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.5 (1 of 3 seeds)° (0.556x) |" in text
+    assert "no variant is named best (NaN seeds): c, a have seeds without a value" in text
+    assert text.count("Means: b 0.8, a 0.5.") == 1
 
 
 def test_report_with_one_seed_says_why_there_is_no_winner():
@@ -240,8 +273,8 @@ def test_per_query_metrics_are_plotted_by_length_only():
 
 
 def test_with_bases_the_rule_compares_each_bases_variants_apart():
-    results = comparison({"a/x": [0.80, 0.85, 0.90], "a/y": [0.5, 0.6, 0.7],
-                          "b/x": [0.82, 0.60, 0.95], "b/y": [0.3, 0.4, 0.5]})
+    results = comparison({"a/x": [0.80, 0.85, 0.90, 0.85], "a/y": [0.5, 0.6, 0.7, 0.6],
+                          "b/x": [0.82, 0.60, 0.95, 0.82], "b/y": [0.3, 0.4, 0.5, 0.4]})
     assert groups(results) == {"a": ["a/x", "a/y"], "b": ["b/x", "b/y"]}
     assert verdicts(results)[64].winner is None                        # a/x and b/x overlap across the bases
     assert verdicts(results, groups(results)["a"])[64].winner == "a/x"

@@ -6,16 +6,18 @@ seeds holds both training and evaluation noise. At one evaluated length, given e
 
 1. A variant is *above chance* when every seed is strictly better than the chance level (no chance level:
    always).
-2. The variant with the best mean is named the *winner* only when every variant has at least two seeds, it is
-   above chance, it is *separated* -- its worst seed is better than every seed of every other variant (the
-   min-max ranges over seeds do not overlap) -- and separation is significant: p <= `ALPHA` below.
-3. Otherwise no winner is named, and the verdict says why: one seed, at chance, not separated, or too few
-   seeds (separated, but p > `ALPHA`).
+2. The variant with the best mean is named the *winner* only when every variant has at least two seeds and a
+   value in each (NaN: the metric is undefined there, so the seeds cannot be ranked), it is above chance, it is
+   *separated* -- its worst seed is better than every seed of every other variant (the min-max ranges over
+   seeds do not overlap) -- and separation is significant: p <= `ALPHA` below.
+3. Otherwise no winner is named, and the verdict says why: one seed, NaN seeds, at chance, not separated, or too
+   few seeds (separated, but p > `ALPHA`).
 
-p is the exact one-sided permutation test of complete separation (Mann-Whitney U = 0): if the seeds of the
-winner and the runner-up (n and m seeds) were exchangeable, every one of the winner's would beat every one of
-the runner-up's with probability 1 / C(n + m, n): 1/6 for 2 seeds each, 1/20 for 3, 1/70 for 4. So at least 3
-seeds per variant are needed to name a winner.
+p is the exact permutation probability that the rule would find *some* separated variant if no variant differed
+(all N runs exchangeable): variant i's n_i seeds are the best n_i of the N runs with probability 1 / C(N, n_i),
+and these events exclude each other, so p = sum_i 1 / C(N, n_i). With 3 seeds each that is 2/20 = 0.1 for 2
+variants (too few: run 4 seeds, 2/70 = 0.029), 3/84 = 0.036 for 3 and 5/455 = 0.011 for 5. Each length is a test
+of its own, not corrected for the several lengths of a table; a report's conclusion reads the longest.
 """
 
 from __future__ import annotations
@@ -26,19 +28,21 @@ from dataclasses import dataclass, field
 #: the largest p at which a separated variant is named the winner
 ALPHA = 0.05
 #: the rule in one sentence, for reports
-RULE = ("a variant is named best at a length only when every variant has at least two seeds, every seed of it "
-        "is better than the chance level, and its worst seed beats every seed of every other variant "
-        "(non-overlapping min-max ranges over seeds) with p = 1 / C(n + m, n) <= 0.05, the probability of such a "
-        "separation between exchangeable seeds (n and m seeds of it and the runner-up: 3 seeds each give 0.05)")
+RULE = ("a variant is named best at a length only when every variant has at least two seeds, each with a value, "
+        "every seed of it is better than the chance level, and its worst seed beats every seed of every other "
+        "variant (non-overlapping min-max ranges over seeds) with p <= 0.05, p being the exact probability that "
+        "the seeds of some variant would beat all the others' if no variant differed (sum over the variants of "
+        "1 / C(N, n), N runs in all, n of the variant: with 3 seeds each 0.1 for 2 variants, 0.036 for 3, 0.011 "
+        "for 5); each length is tested on its own")
 
 
 @dataclass
 class Verdict:
     """The rule's outcome at one length. ``status``: ``separated`` (a winner is named), ``one seed``,
-    ``at chance``, ``not separated``, ``too few seeds``, ``one variant`` or ``no value``; ``best``: the variant
-    with the best mean over finite seeds; ``winner``: ``best`` when separated; ``reason``: one sentence; ``p``:
-    1 / C(n + m, n) against the runner-up when the seeds are separated; ``at_chance``: the variants not above
-    chance."""
+    ``NaN seeds``, ``at chance``, ``not separated``, ``too few seeds``, ``one variant`` or ``no value``; ``best``:
+    the variant with the best mean over finite seeds; ``winner``: ``best`` when separated; ``reason``: one
+    sentence; ``p``: the probability of a separation if no variant differed (module docstring), when the seeds are
+    separated; ``at_chance``: the variants not above chance."""
     status: str
     best: str | None
     reason: str
@@ -81,26 +85,27 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool, chance: floa
                else f"{', '.join(single)} {'has' if len(single) == 1 else 'have'}")
         return Verdict("one seed", best, f"{who} a single seed, so the seed spread is unknown and no variant is "
                        "named best (run several seeds)", at_chance=at_chance)
+    undefined = [name for name, v in values.items() if any(math.isnan(x) for x in v)]
+    if undefined:
+        who = f"{', '.join(undefined)} {'has' if len(undefined) == 1 else 'have'}"
+        return Verdict("NaN seeds", best, f"{who} seeds without a value (NaN: the metric is undefined there), so the "
+                       "seeds cannot be ranked and no variant is named best", at_chance=at_chance)
     if best in at_chance:
         return Verdict("at chance", best, f"{best}, the best mean, is not better than the chance level "
                        f"({chance:.4g}) in every seed, so no variant is named best", at_chance=at_chance)
     worst = (min if higher_is_better else max)(values[best])
     overlapping = [name for name, v in values.items()
-                   if name != best and not all(better(worst, x, higher_is_better) for x in v if not math.isnan(x))]
+                   if name != best and not all(better(worst, x, higher_is_better) for x in v)]
     if overlapping:
         return Verdict("not separated", best, f"{best} has the best mean, but its seeds overlap those of "
                        f"{', '.join(overlapping)}", at_chance=at_chance)
-    others = {name: [x for x in v if not math.isnan(x)] for name, v in values.items() if name != best}
-    others = {name: sum(v) / len(v) for name, v in others.items() if v}
-    runner_up = (max if higher_is_better else min)(others, key=others.get, default=None)
-    if runner_up is None:
-        return Verdict("not separated", best, f"{best} is the only variant with a value", at_chance=at_chance)
-    seeds = sum(not math.isnan(x) for x in values[runner_up])
-    p = 1 / math.comb(len(values[best]) + seeds, len(values[best]))
-    separated = f"every seed of {best} beats every seed of every other variant (p = {p:.2g} against the runner-up " \
-                f"{runner_up}"
+    runs = sum(len(v) for v in values.values())
+    p = sum(1 / math.comb(runs, len(v)) for v in values.values())
+    separated = (f"every seed of {best} beats every seed of every other variant (p = {p:.2g}, the probability "
+                 f"that some variant's seeds would beat all the others' if none of the {len(values)} variants "
+                 "differed")
     if p > ALPHA:
-        return Verdict("too few seeds", best, f"{separated}, above {ALPHA}: too few seeds to tell)",
+        return Verdict("too few seeds", best, f"{separated}; above {ALPHA}: too few seeds to tell)",
                        p=p, at_chance=at_chance)
     return Verdict("separated", best, f"{separated})", p=p, at_chance=at_chance)
 

@@ -72,11 +72,14 @@ def mean(values: list[float]) -> float:
 
 
 def cell(values: list[float], chance: float | None = None, higher_is_better: bool = True) -> str:
-    """``mean`` (one seed) or ``mean [min, max]`` over seeds; ``°`` when not above chance in every seed."""
+    """``mean`` (one seed) or ``mean [min, max]`` over seeds, and how many seeds have a value when some are NaN;
+    ``°`` when not above chance in every seed."""
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
         return "n/a"
-    text = f"{mean(finite):.4g}" + (f" [{min(finite):.4g}, {max(finite):.4g}]" if len(values) > 1 else "")
+    text = f"{mean(finite):.4g}" + (f" [{min(finite):.4g}, {max(finite):.4g}]" if len(finite) > 1 else "")
+    if len(finite) < len(values):
+        text += f" ({len(finite)} of {len(values)} seeds)"
     return text + (AT_CHANCE if chance is not None and not above_chance(values, chance, higher_is_better) else "")
 
 
@@ -124,9 +127,10 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
     longest, metric = results.eval_lengths[-1], results.metric
     found = verdicts(results, names)[longest]
     where = f"{prefix} {longest} tokens ({longest / results.train_length:g}x the training length)"
-    means = sorted(((mean(v), name) for name, v in seed_values(results, metric, longest).items() if name in names),
+    means = {name: mean(v) for name, v in seed_values(results, metric, longest).items() if name in names}
+    order = sorted((name for name in means if not math.isnan(means[name])), key=means.get,
                    reverse=results.higher_is_better)
-    listed = ", ".join(f"{name} {m:.4g}" for m, name in means if not math.isnan(m))
+    listed = ", ".join(f"{name} {means[name]:.4g}" for name in order)
     direction = "highest" if results.higher_is_better else "lowest"
     if found.winner:
         text = f"{where} **{found.winner}** has the {direction} {metric}: {found.reason}."
