@@ -10,7 +10,7 @@ import torch
 from lengthgen.attention import Attention, AttentionSpec, attend
 from lengthgen.data.tasks import make_task
 from lengthgen.data.tasks.base import Batch
-from lengthgen.eval import LongDocuments, eval_generator, evaluate
+from lengthgen.eval import LongDocuments, eval_generator, evaluate, measure_gpt
 from lengthgen.eval.buckets import bucket_edges, bucket_means, prefix_means
 from lengthgen.eval.diagnostics import attention_stats, model_diagnostics
 from lengthgen.model import GPT, GPTConfig
@@ -93,6 +93,25 @@ def test_evaluate_tiny_model_by_length():
     assert again.eval_seed == 3 and again.provenance.device == "cpu"
     other = evaluate(model, task, [32], tokens_per_length=64, seed=4, diagnostics=False).lengths[0]
     assert other.at_length != last.at_length
+
+
+def test_a_non_finite_output_counts_as_an_infinite_loss_not_as_unscored():
+    """NaN marks unscored positions; a model whose output is NaN on some sequences must not vanish from the mean."""
+    task = make_task("set_complement", num_tokens=16)
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2))
+
+    def nan_on_first_rows(model, source, batch):
+        values = measure_gpt(model, source, batch)
+        values["loss"][:2] = values["loss"][:2] + math.nan       # two sequences' logits overflowed
+        return values
+
+    clean = evaluate(model, task, [8], tokens_per_length=64, diagnostics=False).lengths[0]
+    assert math.isfinite(clean.at_length["loss"]) and math.isfinite(clean.mean["loss"])
+    with pytest.warns(UserWarning, match="not finite at 16 scored positions: their loss counts as inf"):
+        failed = evaluate(model, task, [8], tokens_per_length=64, diagnostics=False,
+                          measure=nan_on_first_rows).lengths[0]
+    assert failed.at_length["loss"] == math.inf and failed.mean["loss"] == math.inf
+    assert failed.buckets["loss"][-1].mean == math.inf
 
 
 def test_evaluate_rejects_lengths_beyond_the_task():

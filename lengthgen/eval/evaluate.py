@@ -6,7 +6,9 @@ previous mode is restored), without gradients. Every caller uses it: the trainer
 evaluations, ``lengthgen compare``, ``lengthgen retrofit``, ``lengthgen eval`` and `lengthgen.hf.evaluate_hf`.
 
 For each length L one batch of ``tokens_per_length // L`` sequences (at least one) is drawn and every
-per-position quantity is averaged in power-of-2 position buckets (seed 000). The value "at length L" of a
+per-position quantity is averaged in power-of-2 position buckets (seed 000). NaN marks what is not scored (outside
+the loss mask, or where a metric is undefined); a NaN loss where it is scored (a model whose output is not finite)
+becomes +inf, with a warning, so that it is never left out of a mean. The value "at length L" of a
 per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket): how the model does at
 positions only that length reaches; its ``mean`` is over all positions ``[0, L)``. Per-sequence metrics (classify
 tasks) are averaged over the batch; a task's `batch_metrics` (Tomita's ROC AUC) are one value for the whole
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -108,6 +111,17 @@ def _measure(model, source, batch: Batch, device, context, measure: Measure, for
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
+def _failed_as_inf(loss: torch.Tensor, batch: Batch, length: int) -> torch.Tensor:
+    """The loss with +inf where a scored position's (or sequence's) loss is NaN: the model's output was not finite
+    there, which the NaN of unscored positions would otherwise hide from every mean (with a warning)."""
+    failed = loss.isnan() & (batch.loss_mask if loss.dim() == 2 else True)
+    if not bool(failed.any()):
+        return loss
+    warnings.warn(f"at length {length} the model's output is not finite at {int(failed.sum())} scored "
+                  f"{'positions' if loss.dim() == 2 else 'sequences'}: their loss counts as inf", stacklevel=2)
+    return loss.masked_fill(failed, math.inf)
+
+
 def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: int, seed: int,
                      context: Callable[[], Any], measure: Measure, forward_tokens: int | None,
                      diagnostics: bool) -> LengthEval:
@@ -116,6 +130,8 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     device = _device(model)
     batch = source.sample(batch_size, length, eval_generator(seed, length))
     values = _measure(model, source, batch, device, context, measure, forward_tokens)
+    if "loss" in values:
+        values["loss"] = _failed_as_inf(values["loss"], batch, length)
     if hasattr(source, "batch_metrics"):
         values.update({name: torch.tensor([value]) for name, value in source.batch_metrics(values, batch).items()})
     per_position = {name: v for name, v in values.items() if v.dim() == 2}
