@@ -64,6 +64,9 @@ def test_unknown_kwarg_names_the_valid_ones():
     ("tomita", {"near_miss": 1.5}, "near_miss"),
     ("mqar", {"vocab_size": 3}, "vocab_size"),
     ("passkey", {"num_digits": True}, "num_digits"),
+    ("counting", {"vocab_size": 10**12}, "vocab_size"),
+    ("set_complement", {"num_tokens": 10**9 * 3}, "num_tokens"),
+    ("dyck", {"max_depth": 2**40}, "max_depth"),
 ])
 def test_bad_kwarg_values(name, kwargs, bad):
     with pytest.raises(ConfigError, match=rf"^{name}\.{bad}={kwargs[bad]!r} is not valid; it must be "):
@@ -276,6 +279,14 @@ def test_dyck_prefixes_and_legal_mask_match_a_stack(num_types, max_depth, length
             else:
                 assert stack.pop() == nxt - num_types
             assert 0 <= len(stack) <= max_depth
+
+
+def test_dyck_depth_bound_beyond_the_length_costs_nothing():
+    """Only depths a prefix can reach are walked: a huge max_depth samples as fast as the length allows, and a
+    depth bound never reached gives the same brackets as any other unreached bound."""
+    huge = make_task("dyck", max_depth=2**31 - 1).sample(4, 64, gen(0))
+    reached_never = make_task("dyck", max_depth=64).sample(4, 64, gen(0))
+    assert torch.equal(huge.tokens, reached_never.tokens) and torch.equal(huge.targets, reached_never.targets)
 
 
 def test_dyck_visits_every_depth_and_metric():

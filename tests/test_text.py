@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lengthgen.config import ConfigError
+from lengthgen.data.config import DataConfig, make_source
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.text import (BIN_MAGIC, ByteTokenizer, CorpusError, FileCorpus,
                                  HFTokenizer, ResourceUnavailableError, ShardFormatError,
@@ -262,8 +263,16 @@ def test_bad_missing_and_empty_sources_give_clear_errors(tmp_path):
 def test_make_corpus_rejects_unknown_forms_and_options(monkeypatch):
     with pytest.raises(ValueError, match=r"unknown corpus 'wikitext'.*stdlib.*bin:.*hf:"):
         make_corpus("wikitext")
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['separator'\]"):
+    with pytest.raises(ConfigError, match=r"^corpus\.separator is not a valid key \(corpus 'stdlib'\); valid keys: "
+                                          r"include_tests, root, val_fraction$"):
         make_corpus("stdlib", separator="\n")
+    # through a config: the key under data.text, make_text_data's own keys listed first
+    with pytest.raises(ConfigError, match=r"^data\.text\.bos_align is not a valid key \(corpus 'stdlib'\); valid keys: "
+                                          r"corpus, tokenizer, .*bos_aligned, .* and, for a stdlib corpus, "):
+        make_source(DataConfig(kind="text", text={"bos_align": True}))
+    # a flag is a bool: the string "false" would have turned BOS alignment on
+    with pytest.raises(ConfigError, match=r"^data\.text\.bos_aligned='false' is not valid; it must be true or false$"):
+        make_source(DataConfig(kind="text", text={"bos_aligned": "false"}))
     with pytest.raises(ConfigError, match=r"StdlibCorpus\.split='test' is not valid; it must be one of train, val"):
         make_corpus("stdlib", "test")
     monkeypatch.setitem(sys.modules, "datasets", None)
@@ -297,7 +306,6 @@ def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
         make_text_data(**both, split="all")
     with pytest.raises(ValueError, match="a Hugging Face dataset has its own validation split"):
         make_text_data(**{**both, "val_corpus": "hf:some/dataset"}, split="val")
-    from lengthgen.data.config import DataConfig, make_source
     from lengthgen.eval.sources import eval_source
     cfg = DataConfig(kind="text", text=both)
     rows = eval_source(cfg, make_source(cfg)).sample(2, 256, gen(0)).tokens

@@ -11,7 +11,7 @@ import math
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.config import check_value
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.data.tasks.common import check_sample_args
 
 
@@ -30,7 +30,7 @@ class CountingTask(Task):
     max_length = None
 
     def __init__(self, *, vocab_size: int = 32):
-        self.vocab_size = check_value(f"{self.name}.vocab_size", vocab_size, int, ge=2)
+        self.vocab_size = check_value(f"{self.name}.vocab_size", vocab_size, int, ge=2, le=MAX_SIZE)
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         check_sample_args(self, batch_size, length)

@@ -10,7 +10,7 @@ import math
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.config import check_value
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.data.tasks.common import check_sample_args
 
 
@@ -38,8 +38,8 @@ class DyckTask(Task):
     max_length = None
 
     def __init__(self, *, num_types: int = 2, max_depth: int = 8):
-        self.num_types = check_value(f"{self.name}.num_types", num_types, int, ge=1)
-        self.max_depth = check_value(f"{self.name}.max_depth", max_depth, int, ge=1)
+        self.num_types = check_value(f"{self.name}.num_types", num_types, int, ge=1, le=MAX_SIZE)
+        self.max_depth = check_value(f"{self.name}.max_depth", max_depth, int, ge=1, le=MAX_SIZE)
         self.bos = 2 * num_types
         self.vocab_size = 2 * num_types + 1
 
@@ -57,7 +57,7 @@ class DyckTask(Task):
         # The top of the stack after j brackets is the last opener at level depth[j] up to j.
         index = torch.arange(length + 1, device=device).expand_as(depth)
         top_index = torch.zeros_like(depth)
-        for level in range(1, m + 1):
+        for level in range(1, min(m, length) + 1):      # a prefix of L brackets is at most L deep
             last_open = torch.where(opens & (depth == level), index, -1).cummax(1).values
             top_index = torch.where(depth == level, last_open, top_index)
         top_type = types.gather(1, top_index)                        # meaningless where depth == 0

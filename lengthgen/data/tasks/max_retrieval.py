@@ -10,7 +10,7 @@ import math
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.config import check_value
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.data.tasks.common import chance_at, check_sample_args, masked_accuracy
 
 
@@ -30,8 +30,8 @@ class MaxRetrievalTask(Task):
     min_length = 3
 
     def __init__(self, *, num_keys: int = 512, num_values: int = 16):
-        self.num_keys = check_value(f"{self.name}.num_keys", num_keys, int, ge=1)
-        self.num_values = check_value(f"{self.name}.num_values", num_values, int, ge=2)
+        self.num_keys = check_value(f"{self.name}.num_keys", num_keys, int, ge=1, le=MAX_SIZE)
+        self.num_values = check_value(f"{self.name}.num_values", num_values, int, ge=2, le=MAX_SIZE)
         self.query = num_keys + num_values
         self.pad = self.query + 1
         self.vocab_size = self.pad + 1

@@ -11,7 +11,7 @@ import math
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.config import check_value
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.data.tasks.common import chance_at, check_needle, check_sample_args, masked_accuracy
 
 
@@ -32,7 +32,7 @@ class MQARTask(Task):
     min_length = 4
 
     def __init__(self, *, vocab_size: int = 256):
-        self.vocab_size = check_value(f"{self.name}.vocab_size", vocab_size, int, ge=4)
+        self.vocab_size = check_value(f"{self.name}.vocab_size", vocab_size, int, ge=4, le=MAX_SIZE)
         self.num_keys = vocab_size // 2
         self.max_length = 4 * self.num_keys + 3
         self.answer_tokens = 1

@@ -11,7 +11,7 @@ import math
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.config import check_value
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.data.tasks.common import chance_at, check_needle, check_sample_args, masked_accuracy
 
 
@@ -36,8 +36,8 @@ class PasskeyTask(Task):
     query = 11
 
     def __init__(self, *, num_digits: int = 5, num_filler: int = 16):
-        self.num_digits = check_value(f"{self.name}.num_digits", num_digits, int, ge=1)
-        self.num_filler = check_value(f"{self.name}.num_filler", num_filler, int, ge=1)
+        self.num_digits = check_value(f"{self.name}.num_digits", num_digits, int, ge=1, le=MAX_SIZE)
+        self.num_filler = check_value(f"{self.name}.num_filler", num_filler, int, ge=1, le=MAX_SIZE)
         self.vocab_size = 12 + num_filler
         self.min_length = 2 * num_digits + 1
         self.answer_tokens = num_digits

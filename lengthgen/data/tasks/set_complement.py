@@ -10,7 +10,7 @@ import math
 import torch
 
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.config import check_value
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.data.tasks.common import check_sample_args
 
 
@@ -33,7 +33,7 @@ class SetComplementTask(Task):
     higher_is_better = False
 
     def __init__(self, *, num_tokens: int = 64):
-        self.num_tokens = check_value(f"{self.name}.num_tokens", num_tokens, int, ge=2)
+        self.num_tokens = check_value(f"{self.name}.num_tokens", num_tokens, int, ge=2, le=MAX_SIZE)
         self.bos = num_tokens
         self.vocab_size = num_tokens + 1
         self.max_length = num_tokens

@@ -40,11 +40,12 @@ _OPTIONS = {
 }
 
 
-def _check_options(kind: str, spec: str, options: dict) -> None:
+def _check_options(kind: str, spec: str, options: dict, keys: tuple[str, ...]) -> None:
     bad = sorted(set(options) - _OPTIONS[kind])
     if bad:
-        raise ConfigError(f"corpus {spec!r}: unknown option(s) {bad}; a {kind} corpus takes "
-                          f"{sorted(_OPTIONS[kind])}")
+        listed = f"{', '.join(keys)} and, for a {kind} corpus, " if keys else ""
+        raise ConfigError(f"corpus.{bad[0]} is not a valid key (corpus {spec!r}); valid keys: {listed}"
+                          f"{', '.join(sorted(_OPTIONS[kind]))}", f"corpus.{bad[0]}")
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -54,10 +55,11 @@ def _looks_like_path(spec: str) -> bool:
 
 
 def make_corpus(spec: str | os.PathLike | Corpus, split: str = "train", *, tokenizer=None,
-                **options) -> Corpus:
+                keys: tuple[str, ...] = (), **options) -> Corpus:
     """A corpus from its spec: ``"stdlib"``, a file/directory/glob path, ``"bin:<glob>"`` or
     ``"hf:<dataset>[:config]"``. ``tokenizer`` gives ``bin:`` corpora their BOS id and vocabulary
-    size. A ``Corpus`` is returned as is (``split`` and ``options`` are then ignored)."""
+    size. A ``Corpus`` is returned as is (``split`` and ``options`` are then ignored). An unknown option is a
+    `ConfigError` listing the corpus's options after the caller's own ``keys``."""
     if isinstance(spec, Corpus):
         return spec
     if isinstance(spec, os.PathLike):
@@ -66,23 +68,23 @@ def make_corpus(spec: str | os.PathLike | Corpus, split: str = "train", *, token
         raise ValueError(f"corpus must be a non-empty string or a Corpus, got {spec!r}; valid forms: "
                          f"{'; '.join(CORPUS_FORMS)}")
     if spec == "stdlib":
-        _check_options("stdlib", spec, options)
+        _check_options("stdlib", spec, options, keys)
         return StdlibCorpus(split, **options)
     if spec.startswith("bin:"):
-        _check_options("bin", spec, options)
+        _check_options("bin", spec, options, keys)
         if not spec[4:]:
             raise ValueError("corpus 'bin:' needs a file, directory or glob, e.g. 'bin:data/*.bin'")
         return BinCorpus(spec[4:], split, bos_id=getattr(tokenizer, "bos_id", None),
                          vocab_size=getattr(tokenizer, "vocab_size", None),
                          tokenizer_name=getattr(tokenizer, "name", ""), **options)
     if spec.startswith("hf:"):
-        _check_options("hf", spec, options)
+        _check_options("hf", spec, options, keys)
         name, _, config = spec[3:].partition(":")
         if not name:
             raise ValueError("corpus 'hf:' needs a dataset name: 'hf:<dataset>[:config]'")
         return HFCorpus(name, config or None, split, **options)
     if _looks_like_path(spec):
-        _check_options("files", spec, options)
+        _check_options("files", spec, options, keys)
         return FileCorpus(spec, split, **options)
     raise ValueError(f"unknown corpus {spec!r}: not 'stdlib', not an existing path and no known prefix; "
                      f"valid forms: {'; '.join(CORPUS_FORMS)}")

@@ -9,6 +9,7 @@ tasks, with ``doc_ids`` for document masking.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -225,7 +226,7 @@ class TextData(Task):
         self.tokenizer = tokenizer
         self.vocab_size = stream.vocab_size
         self.bos_id = stream.bos_id
-        self.bos_aligned = bool(bos_aligned)
+        self.bos_aligned = check_value("TextData.bos_aligned", bos_aligned, bool)
         self.name = name or f"text:{stream.name}"
         is_start = np.zeros(stream.num_tokens, dtype=bool)
         is_start[stream.starts] = True
@@ -348,6 +349,7 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
             raise ValueError(f"val_corpus {val_corpus!r}: a Hugging Face dataset has its own validation split "
                              "(hf_split); leave val_corpus unset")
         corpus, split = (val_corpus, "all") if split == "val" else (corpus, "all")
+    check_value("make_text_data.bos_aligned", bos_aligned, bool)     # before the corpus is read
     max_documents = check_value("make_text_data.max_documents", max_documents, int | None, ge=1)
     max_tokens = check_value("make_text_data.max_tokens", max_tokens, int | None, ge=1)
     tok = make_tokenizer(tokenizer)
@@ -355,7 +357,8 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
             and max_tokens is None:
         raise ValueError(f"corpus {corpus!r} is streamed: pass max_documents= or max_tokens= to bound "
                          f"how much of it is tokenized")
-    c = make_corpus(corpus, split, tokenizer=tok, **options)
+    keys = tuple(name for name in inspect.signature(make_text_data).parameters if name != "options")
+    c = make_corpus(corpus, split, tokenizer=tok, keys=keys, **options)
     t0 = time.perf_counter()
     stream = pretokenize(c, tok, max_documents=max_documents, max_tokens=max_tokens, cache=cache,
                          cache_dir=cache_dir)
