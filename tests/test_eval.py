@@ -209,9 +209,10 @@ class FakeText:
 def test_long_documents_prefer_the_first_split_with_a_long_document():
     val, train = FakeText([40, 10]), FakeText([100, 90, 80])
     source = LongDocuments([("val split", val), ("train split", train)], train)
-    assert source.describe(4, 32) == "1 long documents (val split)"
+    assert source.describe(4, 32) == "1 long document (val split; all there are, the same for every seed)"
     assert source.sample(4, 32, torch.Generator().manual_seed(0)).tokens.shape == (1, 32)
-    assert source.describe(4, 64) == "3 long documents (train split)"
+    assert source.describe(4, 64) == "3 long documents (train split; all there are, the same for every seed)"
+    assert source.describe(2, 64) == "2 long documents (train split)"
     batch = source.sample(4, 128, torch.Generator().manual_seed(0))
     assert source.describe(4, 128) == "4 packed rows (no document of 128 tokens)"
     assert batch.tokens.shape == (4, 128) and int(batch.tokens[0, 0]) == 2

@@ -152,6 +152,21 @@ def test_nan_seeds_are_counted_in_cells_and_listed_last():
     assert text.count("Means: b 0.8, a 0.5.") == 1
 
 
+def test_report_lists_each_lengths_documents_for_text():
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    assert "per length 256 tokens (at 64: 4 sampled sequences)" in markdown_report(results)
+    described = {16: "4 long documents (val split)", 32: "2 long documents (val split; all there are, the same for "
+                 "every seed)", 64: "1 long document (train split, which the run trained on; all there are, the same "
+                 "for every seed)"}
+    for runs in results.variants.values():
+        for run in runs:
+            for row in run.lengths:
+                row.batch = described[row.length]
+    text = markdown_report(results)
+    assert ("batches by length (seed 0): 16: 4 long documents (val split); 32: 2 long documents (val split; all "
+            "there are, the same for every seed); 64: 1 long document (train split, which the run trained on") in text
+
+
 def test_report_with_one_seed_says_why_there_is_no_winner():
     text = markdown_report(comparison({"a": [0.9], "b": [0.2]}))
     assert "no variant is named best (one seed): every variant has a single seed" in text

@@ -13,6 +13,7 @@ import torch
 
 from lengthgen.config import ConfigError
 from lengthgen.data.config import DataConfig, make_source
+from lengthgen.eval.sources import eval_source
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.text import (BIN_MAGIC, ByteTokenizer, CorpusError, FileCorpus,
                                  HFTokenizer, ResourceUnavailableError, ShardFormatError,
@@ -306,7 +307,6 @@ def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
         make_text_data(**both, split="all")
     with pytest.raises(ValueError, match="a Hugging Face dataset has its own validation split"):
         make_text_data(**{**both, "val_corpus": "hf:some/dataset"}, split="val")
-    from lengthgen.eval.sources import eval_source
     cfg = DataConfig(kind="text", text=both)
     rows = eval_source(cfg, make_source(cfg)).sample(2, 256, gen(0)).tokens
     assert all(BYTE.decode(row[1:].tolist()).startswith("val document") for row in rows)
@@ -475,3 +475,11 @@ def test_hf_corpus_with_a_stand_in_datasets_module(monkeypatch):
     assert [BYTE.decode(data.stream.document(i)) for i in range(2)] == ["alpha", "beta"]
     with pytest.raises(CorpusError, match=r"example 0 has no 'body' field \(found \['text'\]\)"):
         make_text_data("hf:org/name", "byte", max_tokens=10, text_field="body")
+    # hf_split names the training text: its val split would be the same documents, so it is refused, and a run's
+    # long documents come from its training text, labelled as such, with a warning
+    with pytest.raises(ValueError, match=r"hf_split='train' names the split the run trains on"):
+        make_text_data("hf:org/name", "byte", split="val", max_documents=2, hf_split="train")
+    cfg = DataConfig(kind="text", text={"corpus": "hf:org/name", "hf_split": "train", "max_documents": 3})
+    with pytest.warns(UserWarning, match="no validation split to read: long documents are evaluated on the text"):
+        source = eval_source(cfg, make_source(cfg))
+    assert source.describe(1, 4) == "1 long document (train split, which the run trained on)"

@@ -2,13 +2,15 @@
 
 Text data is trained on packed rows (documents back to back), but loss by position needs position p to have
 p tokens of context: `LongDocuments` gives rows that are each *one* document (BOS + its first L tokens), from
-the validation split first, then the training split, and packed rows only where no document is that long.
+the validation split first, then the training split (its label says the run trained on it), and packed rows only
+where no document is that long.
 Synthetic tasks generate any length, so they are evaluated on themselves (`eval_source`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -45,26 +47,30 @@ class LongDocuments:
             h.update(f"{label} {data.digest()};".encode())
         return h.hexdigest()
 
-    def _pick(self, count: int, length: int) -> tuple[str, Any, int] | None:
+    def _pick(self, count: int, length: int) -> tuple[str, Any, int, int] | None:
+        """(label, data, rows, available) of the first candidate with a document of ``length`` tokens."""
         for label, data in self.candidates:
             available = int(np.count_nonzero(data.stream.doc_lengths >= length))
             if available:
-                return label, data, min(count, available)
+                return label, data, min(count, available), available
         return None
 
     def describe(self, count: int, length: int) -> str:
-        """What ``sample(count, length, ...)`` returns, e.g. ``"2 long documents (val split)"``."""
+        """What ``sample(count, length, ...)`` returns, e.g. ``"2 long documents (val split)"``; when it takes
+        every document that long, it says that every seed then evaluates the same ones."""
         picked = self._pick(count, length)
         if picked is None:
             return f"{count} packed rows (no document of {length} tokens)"
-        return f"{picked[2]} long documents ({picked[0]})"
+        label, _, rows, available = picked
+        every = "; all there are, the same for every seed" if rows == available else ""
+        return f"{rows} long document{'s' if rows != 1 else ''} ({label}{every})"
 
     def sample(self, count: int, length: int, generator: torch.Generator) -> Batch:
         seed = int(torch.randint(2 ** 62, (1,), generator=generator))
         picked = self._pick(count, length)
         if picked is None:
             return self.fallback.sample(count, length, torch.Generator().manual_seed(seed))
-        _, data, rows = picked
+        _, data, rows, _ = picked
         return data.long_batch(length, rows, seed)
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
@@ -90,12 +96,17 @@ def validation_text(data_cfg: Any) -> Any:
 
 def eval_source(data_cfg: Any, source: Any) -> Any:
     """The source to evaluate a run on: `LongDocuments` of its corpus for text data (the validation split
-    first, `validation_text`), else ``source`` itself."""
+    first, `validation_text`; its training text after, labelled as such, with a warning when a validation split
+    was expected but cannot be read), else ``source`` itself."""
     if data_cfg.kind != "text" or not hasattr(source, "long_batch"):
         return source
     val = validation_text(data_cfg)
     split = data_cfg.text.get("split", "train")
-    return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)], source)
+    if val is None and split != "all":
+        warnings.warn(f"corpus {data_cfg.text.get('corpus', 'stdlib')!r} has no validation split to read: long "
+                      "documents are evaluated on the text the run trains on", stacklevel=2)
+    trained = (f"{split} split, which the run trained on", source)
+    return LongDocuments(([("val split", val)] if val is not None else []) + [trained], source)
 
 
 __all__ = ["LongDocuments", "eval_source", "validation_text"]

@@ -84,7 +84,6 @@ def setup(results: Comparison) -> list[str]:
     tokens_per_step = train.get("tokens_per_step") or train.get("batch_size", 0) * results.train_length
     seeds = sorted({run.seed for run in runs if run.seed is not None})
     lengths = results.eval_lengths
-    longest = runs[0].at(lengths[-1])
     commit = results.provenance.git_commit
     lines = [f"- **Task**: `{results.source}`" + (f" ({kwargs})" if kwargs else "") + f"; headline `{results.metric}`"
              + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
@@ -101,14 +100,23 @@ def setup(results: Comparison) -> list[str]:
              f"{train.get('warmup_steps')} warmup steps",
              f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
              f"- **Evaluation**: lengths {', '.join(length_label(n, results.train_length) for n in lengths)}; "
-             f"per length {longest.batch_size * longest.length:,} tokens (at {lengths[-1]}: {longest.batch}), "
-             "seeded by each run's seed",
+             f"{_batches(runs[0], lengths)}, seeded by each run's seed",
              f"- **Compute**: {results.provenance.device}; per run {_seconds([r.train_seconds for r in runs])} "
              f"training, {_seconds([r.eval_seconds for r in runs])} evaluation",
              f"- **Code**: lengthgen {results.provenance.lengthgen}"
              + (f" (git {commit[:10]})" if commit else "") + f", torch {results.provenance.torch}, "
              f"{results.provenance.date}"]
     return lines
+
+
+def _batches(run: RunEval, lengths: list[int]) -> str:
+    """What a run is evaluated on: the tokens per length and the longest length's batch for sampled sequences;
+    each length's batch otherwise (text's long documents: from which split, and whether every seed sees the same)."""
+    batches = {n: run.at(n).batch for n in lengths}
+    if all(batch.endswith("sampled sequences") for batch in batches.values()):
+        longest = run.at(lengths[-1])
+        return f"per length {longest.batch_size * longest.length:,} tokens (at {lengths[-1]}: {longest.batch})"
+    return f"batches by length (seed {run.seed}): " + "; ".join(f"{n}: {batch}" for n, batch in batches.items())
 
 
 def _by_variant(results: Comparison, attr: str, unit: str) -> str:

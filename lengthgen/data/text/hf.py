@@ -12,7 +12,8 @@ from lengthgen.optional import require
 class HFCorpus(Corpus):
     """A Hugging Face ``datasets`` dataset read with ``load_dataset(dataset, config, split=hf_split,
     streaming=streaming)``; documents are ``example[text_field]``. ``hf_split`` defaults to
-    ``train`` for split ``train``/``all`` and ``validation`` for ``val``. Streams are long: bound
+    ``train`` for split ``train``/``all`` and ``validation`` for ``val``; one given is what the run trains on, so
+    split ``val`` is then refused (ValueError: no held-out text). Streams are long: bound
     them with ``max_documents`` / ``max_tokens`` when tokenizing. Contacts the Hub unless the
     dataset is in the local HF cache (``HF_DATASETS_OFFLINE=1`` to forbid)."""
 
@@ -23,6 +24,9 @@ class HFCorpus(Corpus):
             raise ValueError("hf corpus: empty dataset name; use 'hf:<dataset>[:config]'")
         self.dataset, self.config = dataset, config
         self.split = check_value("HFCorpus.split", split, Split)
+        if hf_split is not None and split == "val":      # the split read for training: no held-out text
+            raise ValueError(f"hf_split={hf_split!r} names the split the run trains on, so it has no validation "
+                             "text of its own")
         self.hf_split = hf_split or {"train": "train", "val": "validation", "all": "train"}[split]
         self.text_field, self.streaming = text_field, streaming
         self.name = f"hf:{dataset}{':' + config if config else ''}/{self.hf_split}"
