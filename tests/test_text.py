@@ -135,6 +135,9 @@ def test_hf_tokenizer_round_trip_and_cached_stream(tmp_path):
     assert np.array_equal(d1.stream.tokens, d2.stream.tokens)
     assert np.array_equal(d1.stream.starts, d2.stream.starts)
     assert tok.decode(d1.stream.document(1)) == "x = 1\n"
+    # a special token's text inside a document is ordinary text: no BOS in the middle of a document
+    inside = tok.encode("a <|endoftext|> b")
+    assert tok.bos_id not in inside and tok.decode(inside) == "a <|endoftext|> b"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -227,6 +227,9 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"HFTokenizer: could not read {p} as a tokenizers tokenizer.json: "
                              f"{type(e).__name__}: {e}") from e
         self.path = p
+        # a special token's text inside a document is text (tiktoken's encode_ordinary): a BOS (<s>,
+        # <|endoftext|>) only where lengthgen puts one, at a document's start
+        self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self._base = max(vocab.values()) + 1 if vocab else 0
         self.name = f"hf:{p}"
@@ -252,7 +255,7 @@ class HFTokenizer(Tokenizer):
     @property
     def cache_key(self) -> str:
         digest = hashlib.sha1(self.path.read_bytes()).hexdigest()[:16]
-        return f"hf:{digest}:bos{self.bos_id}"
+        return f"hf:{digest}:bos{self.bos_id}:ordinary"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
