@@ -14,7 +14,7 @@ from lengthgen.eval.buckets import bucket_edges
 from lengthgen.report import markdown_report, terminal_table, verdict, verdicts, write_report
 from lengthgen.report.plots import diagnostics_figure, extrapolation_figure, variant_styles
 from lengthgen.report.stats import above_chance
-from lengthgen.report.tables import groups
+from lengthgen.report.tables import groups, position_table
 
 LENGTHS = [16, 32, 64]
 
@@ -315,3 +315,22 @@ def test_with_bases_each_base_has_its_panels_and_a_variant_one_style_across_them
     fig = extrapolation_figure(sparse)                                   # by length only: 4 panels to a row
     assert [ax.get_title()[0] for ax in fig.axes if ax.get_visible()] == list("abcde")
     assert len(fig.axes) == 8 and fig.axes[0].get_ylim() == fig.axes[4].get_ylim()
+
+
+def test_position_table_shows_a_cut_last_bucket_in_the_row_where_it_starts():
+    run = _run(0, {24: 0.5, 64: 0.8}, chance=None)
+    text = position_table(run.lengths, "accuracy", train_length=24)
+    rows = {line.split("  ")[0].strip(): line.split() for line in text.splitlines()[2:]}
+    assert rows["[16, 32) *"][-2:] == ["0.5000", "0.8000"]     # length 24's last bucket is [16, 24)
+    assert rows["[8, 16)"][-2:] == ["0.5000", "0.8000"] and "[32, 64) *" in rows
+    assert "* = the bucket reaches beyond the training length 24" in text
+
+
+def test_an_infinite_seed_is_a_cross_at_the_top_not_a_mean():
+    results = comparison({"a": [0.8, 0.9, 0.85], "b": [0.5, math.inf, 0.6]})
+    fig = extrapolation_figure(results)
+    crosses = [line for line in fig.axes[0].get_lines() if line.get_gid() == "infinite"]   # by length
+    assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [64]                   # b at the longest length
+    assert 64 not in list(_lines(fig)["b"][0].get_xdata())                             # no finite-looking mean there
+    assert "a seed's value is infinite" in [t.get_text() for t in fig.legends[0].get_texts()]
+    _assert_readable(fig)

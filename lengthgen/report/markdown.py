@@ -213,7 +213,7 @@ def runs_table(results: Comparison) -> list[str]:
     for variant, runs in results.variants.items():
         for run in runs:
             rows.append([variant, _or_na(run.seed), _or_na(run.parameters, ","), _or_na(run.final_train_loss, ".4g"),
-                         _or_na(run.train_seconds), _or_na(run.eval_seconds)])
+                         _or_na(run.train_seconds, ".1f"), _or_na(run.eval_seconds, ".1f")])
     return ["## Runs", "", *table(rows)]
 
 

@@ -25,6 +25,8 @@ from matplotlib.patches import Patch  # noqa: E402
 MARKERS = "osD^vP*Xh<>p"
 CHANCE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.2}
 TRAIN_STYLE = {"color": "grey", "linestyle": ":", "linewidth": 1.5}
+#: where a seed's value is infinite: a cross at the top edge of the panel, in the variant's color
+INF_STYLE = {"marker": "x", "linestyle": "none", "markersize": 8, "markeredgewidth": 2, "gid": "infinite"}
 
 
 def variant_styles(variants) -> dict[str, dict]:
@@ -38,10 +40,15 @@ def variant_styles(variants) -> dict[str, dict]:
 
 
 def _draw(ax, xs: list[float], per_x: list[list[float]], style: dict, **extra) -> None:
-    """Mean over seeds at each x, and the min-max band when there are several seeds (NaN values dropped);
+    """Mean over seeds at each x, and the min-max band when there are several seeds (NaN values dropped); where a
+    seed's value is infinite (a model whose output was not finite), no mean but a cross at the top edge (`INF`);
     ``extra``: more line properties (``gid`` names the curve)."""
     points = [(x, [v for v in vs if not math.isnan(v)]) for x, vs in zip(xs, per_x)]
-    points = [(x, vs) for x, vs in points if vs]
+    infinite = [x for x, vs in points if any(math.isinf(v) for v in vs)]
+    if infinite:
+        ax.plot(infinite, [1.0] * len(infinite), **{**INF_STYLE, "color": style["color"]},
+                transform=ax.get_xaxis_transform(), clip_on=False)
+    points = [(x, vs) for x, vs in points if vs and x not in infinite]
     if not points:
         return
     x = [p[0] for p in points]
@@ -76,6 +83,8 @@ def _suptitle(fig, text: str) -> None:
 
 def _legend(fig, results: Comparison, styles: dict[str, dict], extra: list) -> None:
     handles = [Line2D([], [], **style, label=name) for name, style in styles.items()] + extra
+    if any(line.get_gid() == "infinite" for ax in fig.axes for line in ax.get_lines()):
+        handles.append(Line2D([], [], **{**INF_STYLE, "color": "black"}, label="a seed's value is infinite"))
     seeds = max(len(runs) for runs in results.variants.values())
     if seeds > 1:
         handles.append(Patch(color="grey", alpha=0.3, label=f"min-max over seeds (up to {seeds})"))
@@ -149,7 +158,7 @@ def extrapolation_figure(results: Comparison):
             if chance_rows:
                 ax.plot([b.hi for b in chance_rows], [b.mean for b in chance_rows], **CHANCE_STYLE)
             _log2_axis(ax, train_length,
-                       f"position in a length-{longest} sequence\n(bucket [2^(k-1), 2^k) drawn at 2^k)")
+                       f"position in a length-{longest} sequence\n(each bucket [lo, hi) drawn at hi)")
             ax.set_ylabel(f"{metric}, mean over the bucket")
             ax.set_title(_titled(group, f"{metric} by position at length {longest}"))
     arrow = "higher is better" if results.higher_is_better else "lower is better"
@@ -192,7 +201,7 @@ def diagnostics_figure(results: Comparison):
                     _draw(ax, *_by_bucket([_layer_mean(run.at(longest), "rms_post") for run in runs]),
                           styles[variant], linestyle="--", gid=f"{variant} after out-norm")
             _log2_axis(ax, results.train_length, f"query position in a length-{longest} sequence\n"
-                                                 "(bucket [2^(k-1), 2^k) drawn at 2^k)")
+                                                 "(each bucket [lo, hi) drawn at hi)")
             ax.set_ylabel(label)
             ax.set_title(_titled(group, label.split(" (")[0] + " by position"))
         row[0].set_yscale("log")

@@ -177,8 +177,9 @@ def aligned(lines: list[list[str]], right: bool = False) -> list[str]:
 
 
 def position_table(rows: list[LengthEval], metric: str = "loss", *, train_length: int | None = None) -> str:
-    """``metric`` by position bucket (rows) and evaluated length (columns), then its value at each length;
-    ``*`` marks buckets beyond the training length."""
+    """``metric`` by position bucket (rows: the longest length's buckets; a shorter length's last bucket, cut at
+    that length, in the row where it starts) and evaluated length (columns), then its value at each length; ``*``
+    marks buckets that reach beyond the training length."""
     rows = [r for r in rows if metric in r.buckets]
     if not rows:
         return ""
@@ -190,13 +191,13 @@ def position_table(rows: list[LengthEval], metric: str = "loss", *, train_length
         cells = []
         for r in rows:
             own = r.buckets[metric]
-            value = own[i].mean if i < len(own) and own[i].hi == bucket.hi else math.nan
+            value = own[i].mean if i < len(own) and own[i].lo == bucket.lo else math.nan
             cells.append("" if math.isnan(value) else f"{value:.4f}")
         body.append([label, *cells])
     body.append([f"at length L ({metric})", *(f"{r.at_length.get(metric, math.nan):.4f}" for r in rows)])
     body.append([f"all positions ({metric})", *(f"{r.mean.get(metric, math.nan):.4f}" for r in rows)])
     title = (f"{metric} by position (columns: eval length)"
-             + (f"; * = positions beyond the training length {train_length}" if train_length else ""))
+             + (f"; * = the bucket reaches beyond the training length {train_length}" if train_length else ""))
     header = ["positions", *(str(r.length) for r in rows)]
     return "\n".join([title, *aligned([header, *body], right=True),
                       *(f"  length {r.length}: {r.batch}" for r in rows)])
