@@ -182,7 +182,8 @@ def test_bad_task_and_kwargs_fail_before_training(tmp_path):
 
     for assignment, message in (
             ("data.task_kwargs.colour=1", "data.task_kwargs.colour is not a valid key; valid keys: vocab_size"),
-            ("data.task_kwargs.vocab_size=3", "data.task_kwargs.vocab_size=3 is not valid; it must be an integer in [4, 2147483647]"),
+            ("data.task_kwargs.vocab_size=3",
+             "data.task_kwargs.vocab_size=3 is not valid; it must be an integer in [4, 2147483647]"),
             ("data.length=100000", "data.length: length 100000 exceeds the data's maximum length")):
         cfg = load_config(ROOT / "configs" / "mqar.toml", [assignment])
         with pytest.raises(ConfigError) as info:

@@ -10,7 +10,7 @@ import torch
 from lengthgen.attention import Attention, AttentionSpec, attend
 from lengthgen.data.tasks import make_task
 from lengthgen.data.tasks.base import Batch
-from lengthgen.eval import LongDocuments, eval_generator, evaluate, measure_gpt
+from lengthgen.eval import LongDocuments, eval_generator, evaluate
 from lengthgen.eval.buckets import bucket_edges, bucket_means, prefix_means
 from lengthgen.eval.diagnostics import attention_stats, model_diagnostics
 from lengthgen.model import GPT, GPTConfig
@@ -95,23 +95,29 @@ def test_evaluate_tiny_model_by_length():
     assert other.at_length != last.at_length
 
 
-def test_a_non_finite_output_counts_as_an_infinite_loss_not_as_unscored():
-    """NaN marks unscored positions; a model whose output is NaN on some sequences must not vanish from the mean."""
-    task = make_task("set_complement", num_tokens=16)
-    model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2))
-
-    def nan_on_first_rows(model, source, batch):
-        values = measure_gpt(model, source, batch)
-        values["loss"][:2] = values["loss"][:2] + math.nan       # two sequences' logits overflowed
-        return values
-
-    clean = evaluate(model, task, [8], tokens_per_length=64, diagnostics=False).lengths[0]
-    assert math.isfinite(clean.at_length["loss"]) and math.isfinite(clean.mean["loss"])
-    with pytest.warns(UserWarning, match="not finite at 16 scored positions: their loss counts as inf"):
-        failed = evaluate(model, task, [8], tokens_per_length=64, diagnostics=False,
-                          measure=nan_on_first_rows).lengths[0]
+@pytest.mark.parametrize("name, kwargs, metric, worst", [
+    ("counting", {}, "abs_error", math.inf), ("dyck", {"num_types": 8}, "tvd", math.inf),
+    ("dyck", {"num_types": 8}, "legal_accuracy", -math.inf)])
+def test_a_non_finite_output_counts_as_the_worst_value_not_as_unscored(name, kwargs, metric, worst):
+    """NaN marks unscored positions; a model whose output is NaN on some sequences must not vanish from the means
+    of the loss or of any metric whose direction the task states."""
+    task = make_task(name, **kwargs)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2, head=task.head,
+                          tie_embeddings=False))
+    poison = 1 if name == "counting" else 7                          # a token some sequences hold, others not
+    clean = evaluate(model, task, [16], tokens_per_length=128, diagnostics=False).lengths[0]
+    assert math.isfinite(clean.at_length["loss"]) and math.isfinite(clean.at_length[metric])
+    with torch.no_grad():
+        model.embed.weight[poison] = math.nan      # a sequence holding it is NaN (0 * NaN in the masked matmul)
+    batch = task.sample(8, 16, eval_generator(0, 16))
+    seen = (batch.tokens == poison).any(1, keepdim=True) & batch.loss_mask
+    assert 0 < int(seen.sum()) < seen.numel()
+    with pytest.warns(UserWarning, match=f"not finite at {int(seen.sum())} scored positions: .*{metric}.* count as "
+                                         r"their worst value \(\+-inf\) there"):
+        failed = evaluate(model, task, [16], tokens_per_length=128, diagnostics=False).lengths[0]
     assert failed.at_length["loss"] == math.inf and failed.mean["loss"] == math.inf
-    assert failed.buckets["loss"][-1].mean == math.inf
+    assert failed.at_length[metric] == worst and failed.buckets[metric][-1].mean == worst
 
 
 def test_evaluate_rejects_lengths_beyond_the_task():
@@ -211,8 +217,9 @@ def test_long_documents_prefer_the_first_split_with_a_long_document():
     source = LongDocuments([("val split", val), ("train split", train)], train)
     assert source.describe(4, 32) == "1 long document (val split; all there are, the same for every seed)"
     assert source.sample(4, 32, torch.Generator().manual_seed(0)).tokens.shape == (1, 32)
-    assert source.describe(4, 64) == "3 long documents (train split; all there are, the same for every seed)"
-    assert source.describe(2, 64) == "2 long documents (train split)"
+    assert source.describe(4, 64) == ("3 long documents (train split, which the run trained on; all there are, the "
+                                      "same for every seed)")
+    assert source.describe(2, 64) == "2 long documents (train split, which the run trained on)"
     batch = source.sample(4, 128, torch.Generator().manual_seed(0))
     assert source.describe(4, 128) == "4 packed rows (no document of 128 tokens)"
     assert batch.tokens.shape == (4, 128) and int(batch.tokens[0, 0]) == 2

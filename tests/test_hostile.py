@@ -368,8 +368,8 @@ def test_report_refuses_to_merge_evaluations_of_other_tokens(tmp_path, capsys, t
     other = _compare(tmp_path / "d", seeds=(1,), tokens=32)
     assert [row.batch_size for row in other.variants["baseline"][0].lengths] == [4, 2]
     code, err = cli(capsys, "report", a, tmp_path / "d", "--out", tmp_path / "m")
-    assert code == 2 and "evaluated at length 8 on 4 sequences (4 sampled sequences), here on 2; cannot merge " \
-        "evaluations of other tokens (compare --eval-tokens)" in err
+    assert code == 2 and "evaluated at length 8 on 4 sampled sequences, here on 2 sampled sequences; cannot merge " \
+        "evaluations of other text or of another number of sequences (compare --eval-tokens)" in err
     assert not (tmp_path / "m" / "report.md").exists()
 
 

@@ -120,7 +120,7 @@ def test_nan_seeds_cannot_be_ranked_and_a_lone_variant_is_not_compared():
     assert verdict({"a": [math.nan, 0.9], "b": [0.5, 0.6]}, True).status == "NaN seeds"
     # b is separated from a's finite seeds, but a's NaN seed could be anywhere: no winner
     found = verdict({"a": [math.nan, 0.4, 0.3, 0.2], "b": [0.5, 0.6, 0.7, 0.8]}, True)
-    assert found.status == "NaN seeds" and found.winner is None and found.best == "b" and found.at_chance == ["a"]
+    assert found.status == "NaN seeds" and found.winner is None and found.best == "b" and found.at_chance == []
     assert "a has seeds without a value" in found.reason
     # an infinite loss is a value (the worst): the other variant can be named
     assert verdict({"a": [1.0, 1.1, 1.2, 1.1], "b": [2.0, math.inf, 2.2, 2.1]}, False).winner == "a"
@@ -147,9 +147,10 @@ def test_report_names_the_winner_only_when_separated():
 def test_nan_seeds_are_counted_in_cells_and_listed_last():
     results = comparison({"c": [math.nan] * 3, "a": [0.5, math.nan, math.nan], "b": [0.8, 0.9, 0.7]})
     text = markdown_report(results)
-    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.5 (1 of 3 seeds)° (0.556x) |" in text
+    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.5 (1 of 3 seeds) (0.556x) |" in text
     assert "no variant is named best (NaN seeds): c, a have seeds without a value" in text
-    assert text.count("Means: b 0.8, a 0.5.") == 1
+    assert text.count("Means: b 0.8, a 0.5 (1 of 3 seeds).") == 1
+    assert "Not better than chance" not in text         # a's seed with a value beats chance; c has none
 
 
 def test_report_lists_each_lengths_documents_for_text():

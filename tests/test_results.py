@@ -100,3 +100,14 @@ def test_files_without_the_chance_and_size_fields_still_load(tmp_path):
     run = old.variants["baseline"][0]
     assert run.parameters is None and run.train_tokens is None and run.lengths[0].chance == {}
     assert run.lengths[0].chance_buckets == {} and run.lengths[0].at_length == {"loss": 1.5}
+
+
+def test_merge_compares_what_a_batch_holds_not_its_wording():
+    from lengthgen.eval.results import _batch_kind
+
+    old, new = "28 long documents (val split)", "28 long documents (val split; all there are, the same for every seed)"
+    assert _batch_kind(old) == _batch_kind(new) == "val"
+    assert _batch_kind("1 long document (train split, which the run trained on)") == "train"
+    assert _batch_kind("4 packed rows (no document of 128 tokens)") == "packed rows"
+    assert _batch_kind("4 sampled sequences") == "sampled sequences"
+    assert _batch_kind("2 long documents (val split)") != _batch_kind("2 long documents (train split)")

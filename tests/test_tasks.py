@@ -284,9 +284,12 @@ def test_dyck_prefixes_and_legal_mask_match_a_stack(num_types, max_depth, length
 def test_dyck_depth_bound_beyond_the_length_costs_nothing():
     """Only depths a prefix can reach are walked: a huge max_depth samples as fast as the length allows, and a
     depth bound never reached gives the same brackets as any other unreached bound."""
-    huge = make_task("dyck", max_depth=2**31 - 1).sample(4, 64, gen(0))
-    reached_never = make_task("dyck", max_depth=64).sample(4, 64, gen(0))
-    assert torch.equal(huge.tokens, reached_never.tokens) and torch.equal(huge.targets, reached_never.targets)
+    huge, reached_never = make_task("dyck", max_depth=2**31 - 1), make_task("dyck", max_depth=64)
+    assert torch.equal(huge.sample(4, 64, gen(0)).tokens, reached_never.sample(4, 64, gen(0)).tokens)
+    # its law and chance levels too: the same as any bound the length never reaches (a huge one allocated 2m)
+    torch.testing.assert_close(huge.depth_law(64), reached_never.depth_law(64))
+    for metric in ("tvd", "legal_accuracy", "loss"):
+        torch.testing.assert_close(huge.chance(metric, 64), reached_never.chance(metric, 64))
 
 
 def test_dyck_visits_every_depth_and_metric():

@@ -84,8 +84,9 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tokens", type=positive_int, help="tokens per evaluated length (sets compare.eval_tokens)")
     p.add_argument("--workers", type=positive_int, help="runs at once, each in its own process with train.threads "
                                                         "CPU threads (sets compare.workers)")
-    p.add_argument("--metric", help="the report's headline: loss or the source's metric (default: the source's; "
-                                    "loss for the embedded default; sets compare.metric)")
+    p.add_argument("--metric", help="the report's headline: loss, the source's metric or one it also reports, "
+                                    "e.g. Dyck's legal_accuracy, each ranked in its own direction (default: the "
+                                    "source's; loss for the embedded default; sets compare.metric)")
     p.add_argument("--out", "-o", default="runs/compare", help="report folder (default runs/compare); it must be "
                                                                  "empty unless --resume or --overwrite")
     p.add_argument("--resume", action="store_true", help="continue an interrupted comparison in --out: reuse its "

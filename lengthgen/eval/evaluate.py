@@ -7,8 +7,9 @@ evaluations, ``lengthgen compare``, ``lengthgen retrofit``, ``lengthgen eval`` a
 
 For each length L one batch of ``tokens_per_length // L`` sequences (at least one) is drawn and every
 per-position quantity is averaged in power-of-2 position buckets (seed 000). NaN marks what is not scored (outside
-the loss mask, or where a metric is undefined); a NaN loss where it is scored (a model whose output is not finite)
-becomes +inf, with a warning, so that it is never left out of a mean. The value "at length L" of a
+the loss mask, or where a metric is undefined). Where a scored position's loss is NaN (the model's output was not
+finite), the loss and every metric whose direction the source states take their worst value, +inf or -inf, with a
+warning, so that a failure is never left out of a mean. The value "at length L" of a
 per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket): how the model does at
 positions only that length reaches; its ``mean`` is over all positions ``[0, L)``. Per-sequence metrics (classify
 tasks) are averaged over the batch; a task's `batch_metrics` (Tomita's ROC AUC) are one value for the whole
@@ -111,15 +112,22 @@ def _measure(model, source, batch: Batch, device, context, measure: Measure, for
     return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
 
 
-def _failed_as_inf(loss: torch.Tensor, batch: Batch, length: int) -> torch.Tensor:
-    """The loss with +inf where a scored position's (or sequence's) loss is NaN: the model's output was not finite
-    there, which the NaN of unscored positions would otherwise hide from every mean (with a warning)."""
+def _failed(values: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor | None:
+    """Where a scored position's (or sequence's) loss is NaN: the model's output was not finite there. None when
+    nothing failed (or no loss is measured)."""
+    loss = values.get("loss")
+    if loss is None:
+        return None
     failed = loss.isnan() & (batch.loss_mask if loss.dim() == 2 else True)
-    if not bool(failed.any()):
-        return loss
-    warnings.warn(f"at length {length} the model's output is not finite at {int(failed.sum())} scored "
-                  f"{'positions' if loss.dim() == 2 else 'sequences'}: their loss counts as inf", stacklevel=2)
-    return loss.masked_fill(failed, math.inf)
+    return failed if bool(failed.any()) else None
+
+
+def _worst(source: Any) -> dict[str, float]:
+    """The worst value of each quantity whose direction the source states: +inf for the loss and lower-is-better
+    metrics, -inf for higher-is-better ones."""
+    directions = {"loss": False, getattr(source, "metric", "loss"): getattr(source, "higher_is_better", False),
+                  **getattr(source, "also_reported", {})}
+    return {name: -math.inf if higher else math.inf for name, higher in directions.items()}
 
 
 def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: int, seed: int,
@@ -130,10 +138,18 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     device = _device(model)
     batch = source.sample(batch_size, length, eval_generator(seed, length))
     values = _measure(model, source, batch, device, context, measure, forward_tokens)
-    if "loss" in values:
-        values["loss"] = _failed_as_inf(values["loss"], batch, length)
+    failed = _failed(values, batch)
     if hasattr(source, "batch_metrics"):
         values.update({name: torch.tensor([value]) for name, value in source.batch_metrics(values, batch).items()})
+    if failed is not None:      # never left out of a mean as if unscored: the worst value there
+        worst = _worst(source)
+        warnings.warn(f"at length {length} the model's output is not finite at {int(failed.sum())} scored "
+                      f"{'positions' if failed.dim() == 2 else 'sequences'}: {', '.join(sorted(worst))} count "
+                      "as their worst value (+-inf) there", stacklevel=2)
+        for name in set(values) & set(worst):
+            v = values[name]
+            values[name] = v.masked_fill(failed, worst[name]) if v.shape == failed.shape else torch.full_like(
+                v, worst[name])          # a batch metric (ROC AUC) of a batch with a failed sequence
     per_position = {name: v for name, v in values.items() if v.dim() == 2}
     describe = getattr(source, "describe", None)
     chance, chance_buckets = _chance(source, values, length)

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import re
 import subprocess
 import types
 import typing
@@ -237,12 +238,13 @@ class Comparison:
             if getattr(other, field_name) != getattr(self, field_name):
                 raise ResultsError(f"{name}: its {field_name} {getattr(other, field_name)!r} differs from "
                                    f"{getattr(self, field_name)!r}; cannot merge")
-        batches = {r.length: (r.batch_size, r.batch) for runs in self.variants.values() for r in runs[0].lengths}
+        batches = {r.length: r for runs in self.variants.values() for r in runs[0].lengths}
         for row in (r for runs in other.variants.values() for run in runs for r in run.lengths):
-            if batches.setdefault(row.length, (row.batch_size, row.batch)) != (row.batch_size, row.batch):
-                raise ResultsError(f"{name}: evaluated at length {row.length} on {row.batch_size} sequences "
-                                   f"({row.batch}), here on {batches[row.length][0]}; cannot merge evaluations of "
-                                   "other tokens (compare --eval-tokens)")
+            mine = batches.setdefault(row.length, row)
+            if (mine.batch_size, _batch_kind(mine.batch)) != (row.batch_size, _batch_kind(row.batch)):
+                raise ResultsError(f"{name}: evaluated at length {row.length} on {row.batch}, here on {mine.batch}; "
+                                   "cannot merge evaluations of other text or of another number of sequences "
+                                   "(compare --eval-tokens)")
         for variant, runs in other.variants.items():
             mine = self.variants.get(variant, [])
             found = differences(self.specs.get(variant), other.specs.get(variant), "spec") if mine else []
@@ -270,6 +272,13 @@ class Comparison:
     @classmethod
     def load(cls, path: str | Path) -> "Comparison":
         return _load(cls, "comparison", path)
+
+
+def _batch_kind(description: str) -> str:
+    """What an evaluation batch holds, from its description, whatever the wording of the version that wrote it:
+    the split of its long documents ("val", "train"), else e.g. "sampled sequences" or "packed rows"."""
+    split = re.search(r"\((\w+) split", description)
+    return split.group(1) if split else description.split(" ", 1)[-1].split(" (")[0]
 
 
 def _unseeded(config: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,8 @@ class LongDocuments:
     """A source whose ``sample(count, length, generator)`` returns single long documents.
 
     ``candidates``: (label, TextData) tried in order; the first with at least one document of ``length``
-    tokens gives ``min(count, available)`` rows. ``fallback`` (a TextData, packed rows) is sampled when none
-    has one. `describe` says which.
+    tokens gives ``min(count, available)`` rows. ``fallback`` (the run's training TextData, packed rows) is
+    sampled when none has one. `describe` says which, and when it is the text the run trained on.
     """
 
     head = "lm"
@@ -61,9 +61,10 @@ class LongDocuments:
         picked = self._pick(count, length)
         if picked is None:
             return f"{count} packed rows (no document of {length} tokens)"
-        label, _, rows, available = picked
+        label, data, rows, available = picked
+        trained = ", which the run trained on" if data is self.fallback else ""
         every = "; all there are, the same for every seed" if rows == available else ""
-        return f"{rows} long document{'s' if rows != 1 else ''} ({label}{every})"
+        return f"{rows} long document{'s' if rows != 1 else ''} ({label}{trained}{every})"
 
     def sample(self, count: int, length: int, generator: torch.Generator) -> Batch:
         seed = int(torch.randint(2 ** 62, (1,), generator=generator))
@@ -105,8 +106,7 @@ def eval_source(data_cfg: Any, source: Any) -> Any:
     if val is None and split != "all":
         warnings.warn(f"corpus {data_cfg.text.get('corpus', 'stdlib')!r} has no validation split to read: long "
                       "documents are evaluated on the text the run trains on", stacklevel=2)
-    trained = (f"{split} split, which the run trained on", source)
-    return LongDocuments(([("val split", val)] if val is not None else []) + [trained], source)
+    return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)], source)
 
 
 __all__ = ["LongDocuments", "eval_source", "validation_text"]

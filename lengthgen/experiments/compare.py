@@ -72,8 +72,8 @@ class CompareConfig:
     eval_lengths: list[int] = option([], "evaluation lengths (default: the training length x 1, 2, 4, 8, 16)",
                                      ge=1, le=MAX_SIZE)
     eval_tokens: int = option(8192, "tokens per evaluated length", ge=1, le=MAX_SIZE)
-    metric: str | None = option(None, "the report's headline: loss or the source's metric (default: the "
-                                "source's)")
+    metric: str | None = option(None, "the report's headline: loss, the source's metric or one it also reports "
+                                "(default: the source's)")
     needle_depths: list[float] = option([], "retrieval maps at these needle depths and the eval lengths, e.g. [0, "
                                         "0.5, 1] (passkey, mqar, text; empty: none)", ge=0, le=1)
     needle_samples: int = option(100, "sequences per retrieval-map cell", ge=1)

@@ -100,7 +100,7 @@ def setup(results: Comparison) -> list[str]:
              f"{train.get('warmup_steps')} warmup steps",
              f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
              f"- **Evaluation**: lengths {', '.join(length_label(n, results.train_length) for n in lengths)}; "
-             f"{_batches(runs[0], lengths)}, seeded by each run's seed",
+             f"{_batches(runs[0], lengths)}",
              f"- **Compute**: {results.provenance.device}; per run {_seconds([r.train_seconds for r in runs])} "
              f"training, {_seconds([r.eval_seconds for r in runs])} evaluation",
              f"- **Code**: lengthgen {results.provenance.lengthgen}"
@@ -115,8 +115,10 @@ def _batches(run: RunEval, lengths: list[int]) -> str:
     batches = {n: run.at(n).batch for n in lengths}
     if all(batch.endswith("sampled sequences") for batch in batches.values()):
         longest = run.at(lengths[-1])
-        return f"per length {longest.batch_size * longest.length:,} tokens (at {lengths[-1]}: {longest.batch})"
-    return f"batches by length (seed {run.seed}): " + "; ".join(f"{n}: {batch}" for n, batch in batches.items())
+        return (f"per length {longest.batch_size * longest.length:,} tokens (at {lengths[-1]}: {longest.batch}), "
+                "seeded by each run's seed")
+    return (f"batches by length (seed {run.seed}): " + "; ".join(f"{n}: {batch}" for n, batch in batches.items())
+            + "; each run draws its documents with its own seed, except where a length takes all there are")
 
 
 def _by_variant(results: Comparison, attr: str, unit: str) -> str:

@@ -16,8 +16,9 @@ seeds holds both training and evaluation noise. At one evaluated length, given e
 p is the exact permutation probability that the rule would find *some* separated variant if no variant differed
 (all N runs exchangeable): variant i's n_i seeds are the best n_i of the N runs with probability 1 / C(N, n_i),
 and these events exclude each other, so p = sum_i 1 / C(N, n_i). With 3 seeds each that is 2/20 = 0.1 for 2
-variants (too few: run 4 seeds, 2/70 = 0.029), 3/84 = 0.036 for 3 and 5/455 = 0.011 for 5. Each length is a test
-of its own, not corrected for the several lengths of a table; a report's conclusion reads the longest.
+variants (too few: run 4 seeds, 2/70 = 0.029), 3/84 = 0.036 for 3 and 5/455 = 0.011 for 5. Each length, and each
+base of a comparison with bases, is a test of its own, not corrected for the several lengths and bases of a table;
+a report's conclusion reads the longest length.
 """
 
 from __future__ import annotations
@@ -33,16 +34,16 @@ RULE = ("a variant is named best at a length only when every variant has at leas
         "variant (non-overlapping min-max ranges over seeds) with p <= 0.05, p being the exact probability that "
         "the seeds of some variant would beat all the others' if no variant differed (sum over the variants of "
         "1 / C(N, n), N runs in all, n of the variant: with 3 seeds each 0.1 for 2 variants, 0.036 for 3, 0.011 "
-        "for 5); each length is tested on its own")
+        "for 5); each length and each base is tested on its own, without a correction for the others")
 
 
 @dataclass
 class Verdict:
     """The rule's outcome at one length. ``status``: ``separated`` (a winner is named), ``one seed``,
     ``NaN seeds``, ``at chance``, ``not separated``, ``too few seeds``, ``one variant`` or ``no value``; ``best``:
-    the variant with the best mean over finite seeds; ``winner``: ``best`` when separated; ``reason``: one
-    sentence; ``p``: the probability of a separation if no variant differed (module docstring), when the seeds are
-    separated; ``at_chance``: the variants not above chance."""
+    the variant with the best mean among those finite in every seed; ``winner``: ``best`` when separated;
+    ``reason``: one sentence; ``p``: the probability of a separation if no variant differed (module docstring), when
+    the seeds are separated; ``at_chance``: the variants whose seeds with a value are not all above chance."""
     status: str
     best: str | None
     reason: str
@@ -73,7 +74,8 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool, chance: floa
     """Apply the rule (module docstring) to ``values``: variant -> its seeds' values at one length."""
     finite = {name: v for name, v in values.items() if v and all(math.isfinite(x) for x in v)}
     means = {name: sum(v) / len(v) for name, v in finite.items()}
-    at_chance = [name for name, v in values.items() if not above_chance(v, chance, higher_is_better)]
+    known = {name: [x for x in v if not math.isnan(x)] for name, v in values.items()}   # NaN: undefined there
+    at_chance = [name for name, v in known.items() if v and not above_chance(v, chance, higher_is_better)]
     if not means:
         return Verdict("no value", None, "no variant has a finite value in every seed", at_chance=at_chance)
     best = (max if higher_is_better else min)(means, key=means.get)

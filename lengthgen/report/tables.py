@@ -73,14 +73,19 @@ def mean(values: list[float]) -> float:
 
 def cell(values: list[float], chance: float | None = None, higher_is_better: bool = True) -> str:
     """``mean`` (one seed) or ``mean [min, max]`` over seeds, and how many seeds have a value when some are NaN;
-    ``°`` when not above chance in every seed."""
+    ``°`` when not above chance in every seed with a value."""
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
         return "n/a"
     text = f"{mean(finite):.4g}" + (f" [{min(finite):.4g}, {max(finite):.4g}]" if len(finite) > 1 else "")
-    if len(finite) < len(values):
-        text += f" ({len(finite)} of {len(values)} seeds)"
-    return text + (AT_CHANCE if chance is not None and not above_chance(values, chance, higher_is_better) else "")
+    text += _seeds_with_value(values)
+    return text + (AT_CHANCE if chance is not None and not above_chance(finite, chance, higher_is_better) else "")
+
+
+def _seeds_with_value(values: list[float]) -> str:
+    """`` (k of n seeds)`` when only k of the n seeds have a value (not NaN), else nothing."""
+    k = sum(not math.isnan(v) for v in values)
+    return f" ({k} of {len(values)} seeds)" if k < len(values) else ""
 
 
 def table(rows: list[list[str]]) -> list[str]:
@@ -95,8 +100,8 @@ def length_label(length: int, train_length: int) -> str:
 
 def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: bool = False) -> list[list[str]]:
     """Header, one row per variant and the chance row of ``name`` by length; headline values not above chance
-    are marked (the direction of other metrics is not recorded); ``ratio``: each mean's ratio to the variant's
-    mean at the training length."""
+    are marked (a comparison records the headline's direction only); ``ratio``: each mean's ratio to the variant's
+    mean at the training length, where that is finite."""
     lengths, train_length = results.eval_lengths, results.train_length
     chance = {n: chance_level(results, name, n) if field == "at_length" else None for n in lengths}
     rows = [["variant", *(length_label(n, train_length) for n in lengths)]]
@@ -107,7 +112,7 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
         for n in lengths:
             text = cell(by_length[n][variant], chance[n] if name == results.metric else None,
                         results.higher_is_better)
-            if ratio and base and not math.isnan(base):
+            if ratio and base and math.isfinite(base):
                 text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
             cells.append(text)
         rows.append([variant, *cells])
@@ -127,10 +132,11 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
     longest, metric = results.eval_lengths[-1], results.metric
     found = verdicts(results, names)[longest]
     where = f"{prefix} {longest} tokens ({longest / results.train_length:g}x the training length)"
-    means = {name: mean(v) for name, v in seed_values(results, metric, longest).items() if name in names}
+    values = {name: v for name, v in seed_values(results, metric, longest).items() if name in names}
+    means = {name: mean(v) for name, v in values.items()}
     order = sorted((name for name in means if not math.isnan(means[name])), key=means.get,
                    reverse=results.higher_is_better)
-    listed = ", ".join(f"{name} {means[name]:.4g}" for name in order)
+    listed = ", ".join(f"{name} {means[name]:.4g}" + _seeds_with_value(values[name]) for name in order)
     direction = "highest" if results.higher_is_better else "lowest"
     if found.winner:
         text = f"{where} **{found.winner}** has the {direction} {metric}: {found.reason}."

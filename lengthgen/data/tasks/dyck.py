@@ -107,7 +107,8 @@ class DyckTask(Task):
         if metric not in ("legal_accuracy", "loss", "tvd"):
             return None
         law = self.depth_law(length)
-        empty, full = law[:, 0], law[:, -1]
+        empty = law[:, 0]
+        full = law[:, -1] if law.shape[1] == self.max_depth + 1 else torch.zeros_like(empty)   # m never reached
         middle, k = 1 - empty - full, self.num_types
         if metric == "legal_accuracy":
             return torch.maximum(1 - full, (1 - empty) / k)
@@ -121,10 +122,11 @@ class DyckTask(Task):
         return torch.special.entr(opens) + torch.special.entr(1 - opens) + math.log(k)
 
     def depth_law(self, length: int) -> torch.Tensor:
-        """(length, m + 1) float64: P(depth = d) at each position (after that many brackets). The sampler's
-        free +-1 walk modulo 2m is propagated exactly, then folded; once it repeats with period 2 (the walk
-        is periodic) to 1e-16 the rest is filled in by that period."""
-        m = self.max_depth
+        """(length, min(m, length) + 1) float64: P(depth = d) at each position (after that many brackets), for d
+        up to m, or up to the length when m is larger (fewer than L brackets are never L deep, so the bound then
+        changes nothing). The sampler's free +-1 walk modulo 2m is propagated exactly, then folded; once it
+        repeats with period 2 (the walk is periodic) to 1e-16 the rest is filled in by that period."""
+        m = min(self.max_depth, length)
         walk = torch.zeros(2 * m, dtype=torch.float64)
         walk[0] = 1.0
         rows: list[torch.Tensor] = []

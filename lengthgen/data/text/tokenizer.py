@@ -227,8 +227,9 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"HFTokenizer: could not read {p} as a tokenizers tokenizer.json: "
                              f"{type(e).__name__}: {e}") from e
         self.path = p
-        # a special token's text inside a document is text (tiktoken's encode_ordinary): a BOS (<s>,
-        # <|endoftext|>) only where lengthgen puts one, at a document's start
+        # a special token's text inside a document is text (tiktoken's encode_ordinary), so a BOS (<s>,
+        # <|endoftext|>) marked special comes only where lengthgen puts one, at a document's start (an added token
+        # not marked special still matches its text: `tokenizers` applies this to special tokens only)
         self._tok.encode_special_tokens = True
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self._base = max(vocab.values()) + 1 if vocab else 0
