@@ -214,7 +214,7 @@ class FakeText:
 
 def test_long_documents_prefer_the_first_split_with_a_long_document():
     val, train = FakeText([40, 10]), FakeText([100, 90, 80])
-    source = LongDocuments([("val split", val), ("train split", train)], train)
+    source = LongDocuments([("val split", val), ("train split", train)], train, trained_on=train)
     assert source.describe(4, 32) == "1 long document (val split; all there are, the same for every seed)"
     assert source.sample(4, 32, torch.Generator().manual_seed(0)).tokens.shape == (1, 32)
     assert source.describe(4, 64) == ("3 long documents (train split, which the run trained on; all there are, the "

@@ -24,8 +24,8 @@ class LongDocuments:
     """A source whose ``sample(count, length, generator)`` returns single long documents.
 
     ``candidates``: (label, TextData) tried in order; the first with at least one document of ``length``
-    tokens gives ``min(count, available)`` rows. ``fallback`` (the run's training TextData, packed rows) is
-    sampled when none has one. `describe` says which, and when it is the text the run trained on.
+    tokens gives ``min(count, available)`` rows. ``fallback`` (a TextData, packed rows) is sampled when none
+    has one. `describe` says which, and when it is ``trained_on``, the text the run trained on.
     """
 
     head = "lm"
@@ -34,8 +34,8 @@ class LongDocuments:
     max_length = None
     min_length = 1
 
-    def __init__(self, candidates: list[tuple[str, Any]], fallback: Any) -> None:
-        self.candidates, self.fallback = candidates, fallback
+    def __init__(self, candidates: list[tuple[str, Any]], fallback: Any, trained_on: Any = None) -> None:
+        self.candidates, self.fallback, self.trained_on = candidates, fallback, trained_on
         self.vocab_size = fallback.vocab_size
         self.name = getattr(fallback, "name", "text")
 
@@ -62,7 +62,7 @@ class LongDocuments:
         if picked is None:
             return f"{count} packed rows (no document of {length} tokens)"
         label, data, rows, available = picked
-        trained = ", which the run trained on" if data is self.fallback else ""
+        trained = ", which the run trained on" if data is self.trained_on else ""
         every = "; all there are, the same for every seed" if rows == available else ""
         return f"{rows} long document{'s' if rows != 1 else ''} ({label}{trained}{every})"
 
@@ -106,7 +106,8 @@ def eval_source(data_cfg: Any, source: Any) -> Any:
     if val is None and split != "all":
         warnings.warn(f"corpus {data_cfg.text.get('corpus', 'stdlib')!r} has no validation split to read: long "
                       "documents are evaluated on the text the run trains on", stacklevel=2)
-    return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)], source)
+    return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)], source,
+                         trained_on=source)
 
 
 __all__ = ["LongDocuments", "eval_source", "validation_text"]
