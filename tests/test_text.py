@@ -495,3 +495,12 @@ def test_hf_corpus_with_a_stand_in_datasets_module(monkeypatch):
     with pytest.warns(UserWarning, match="no validation split to read: long documents are evaluated on the text"):
         source = eval_source(cfg, make_source(cfg))
     assert source.describe(1, 4) == "1 long document (train split, which the run trained on)"
+    # val_fraction holds out examples of the one split by a hash of their index: disjoint, together all of it
+    calls.clear()
+    parts = {split: make_text_data("hf:org/name", "byte", split=split, max_documents=3, hf_split="train",
+                                   val_fraction=0.5) for split in ("train", "val", "all")}
+    texts = {split: {BYTE.decode(d.stream.document(i)) for i in range(d.stream.num_documents)}
+             for split, d in parts.items()}
+    assert texts["train"] and texts["val"] and not texts["train"] & texts["val"]
+    assert texts["train"] | texts["val"] == texts["all"] == {"alpha", "beta", "gamma"}
+    assert {call[2] for call in calls} == {"train"}

@@ -36,7 +36,7 @@ _OPTIONS = {
     "stdlib": {"val_fraction", "include_tests", "root"},
     "files": {"val_fraction", "separator", "text_field"},
     "bin": {"val_fraction"},
-    "hf": {"text_field", "hf_split", "streaming"},
+    "hf": {"text_field", "hf_split", "streaming", "val_fraction"},
 }
 
 

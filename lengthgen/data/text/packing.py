@@ -334,7 +334,7 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
     ``corpus``: ``"stdlib"`` (default; options ``val_fraction``, ``include_tests``, ``root``), a
     ``.txt``/``.jsonl``/``.parquet`` file, directory or glob (``separator``, ``text_field``,
     ``val_fraction``), ``"bin:<glob>"`` (``val_fraction``; usually ``split="all"``) or
-    ``"hf:<dataset>[:config]"`` (``text_field``, ``hf_split``, ``streaming``; needs
+    ``"hf:<dataset>[:config]"`` (``text_field``, ``hf_split``, ``streaming``, ``val_fraction``; needs
     ``max_documents`` or ``max_tokens``). ``tokenizer``: see ``make_tokenizer``. ``split``:
     ``train | val | all``. ``val_corpus``: a validation corpus of its own (modded-nanogpt's
     ``bin:fineweb_val_*.bin``; not ``hf:``): the val split is all of it, the train split all of ``corpus``. ``cache`` /
