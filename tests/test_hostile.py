@@ -221,6 +221,7 @@ def test_more_steps_need_extend_and_the_extension_is_recorded(tmp_path, stopped,
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 6
 
 
+@pytest.mark.filterwarnings("ignore:corpus .* has no validation split")      # a one-file corpus: expected
 def test_resume_on_edited_corpus_files_is_refused(tmp_path):
     """Resuming after the corpus files changed trained on, and silently mixed in, other data."""
     corpus = tmp_path / "corpus.txt"
