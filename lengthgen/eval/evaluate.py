@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from lengthgen.data.config import step_generator
-from lengthgen.data.tasks.base import Batch
+from lengthgen.data.tasks.base import Batch, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
 from lengthgen.eval.results import Bucket, LengthEval, Provenance, RunEval
@@ -125,9 +125,7 @@ def _failed(values: dict[str, torch.Tensor], batch: Batch) -> torch.Tensor | Non
 def _worst(source: Any) -> dict[str, float]:
     """The worst value of each quantity whose direction the source states: +inf for the loss and lower-is-better
     metrics, -inf for higher-is-better ones."""
-    directions = {"loss": False, getattr(source, "metric", "loss"): getattr(source, "higher_is_better", False),
-                  **getattr(source, "also_reported", {})}
-    return {name: -math.inf if higher else math.inf for name, higher in directions.items()}
+    return {name: -math.inf if higher else math.inf for name, higher in metric_directions(source).items()}
 
 
 def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: int, seed: int,

@@ -31,6 +31,7 @@ import torch
 
 from lengthgen.attention import PRESETS
 from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, leaves, option
+from lengthgen.data.tasks.base import metric_directions
 from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
 from lengthgen.experiments.jobs import Job, Runner
 from lengthgen.experiments.needle import needle_filler
@@ -135,7 +136,7 @@ def parse_variants(text: str | list[str] | tuple[str, ...], defined: dict[str, A
 def check_metric(source, metric: str | None) -> tuple[str, bool]:
     """The headline metric and whether higher is better: ``metric`` if the source reports it (``loss`` always),
     else ValueError; None: the source's own."""
-    directions = {"loss": False, source.metric: source.higher_is_better, **getattr(source, "also_reported", {})}
+    directions = metric_directions(source)
     metric = source.metric if metric is None else metric
     if metric not in directions:
         raise ValueError(f"metric {metric!r} is not reported by {source.name!r}; choose {', '.join(directions)}")

@@ -51,6 +51,13 @@ class Batch:
                        extra={k: cut(v) if k in self.position_extras else v for k, v in self.extra.items()})
 
 
+def metric_directions(source) -> dict[str, bool]:
+    """Whether higher is better, for each quantity whose direction a source (a `Task`, or any object with
+    ``metric`` and ``higher_is_better``) states: the loss, its headline metric and those it also reports."""
+    return {"loss": False, getattr(source, "metric", "loss"): getattr(source, "higher_is_better", False),
+            **getattr(source, "also_reported", {})}
+
+
 class Task:
     """Base class. Subclasses set ``name``, ``vocab_size``, ``head`` (``lm | regress | classify``),
     ``num_classes`` (classify only), ``metric`` (the headline metric's name) and ``higher_is_better``."""
