@@ -122,8 +122,10 @@ def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path
                        f"compare.metric={default_metric(cfg)}")
     results = run_compare(cfg, tmp_path / "loss", variants=["baseline"], progress=False, log=lambda _: None)
     text = (tmp_path / "loss" / "report.md").read_text()
-    assert "## loss at length L" in text and "## tvd at length L" in text and "## legal_accuracy at length L" in text
+    assert "## loss at length L (lower is better)" in text and "## tvd at length L (lower is better)" in text
+    assert "## legal_accuracy at length L (higher is better)" in text
     assert results.metric == "loss" and not results.higher_is_better
+    assert results.directions == {"loss": False, "tvd": False, "legal_accuracy": True}
     # a metric that is not the task's headline keeps its own direction (legal_accuracy: higher is better)
     cfg = cfg.override("compare.metric=legal_accuracy")
     results = run_compare(cfg, tmp_path / "legal", variants=["baseline"], progress=False, log=lambda _: None)

@@ -335,3 +335,14 @@ def test_an_infinite_seed_is_a_cross_at_the_top_not_a_mean():
     assert 64 not in list(_lines(fig)["b"][0].get_xdata())                             # no finite-looking mean there
     assert "a seed's value is infinite" in [t.get_text() for t in fig.legends[0].get_texts()]
     _assert_readable(fig)
+
+
+def test_other_metrics_are_marked_where_their_direction_is_recorded():
+    results = comparison({"a": [0.8, 0.9], "b": [0.05, 0.6]})
+    results.metric, results.directions = "loss", {"loss": False, "accuracy": True}
+    text = markdown_report(results)
+    assert "## accuracy at length L (higher is better)" in text
+    assert "| b | 0.9 [0.9, 0.9] | 0.9 [0.9, 0.9] | 0.325 [0.05, 0.6]° |" in text   # a seed at 0.05 <= chance 0.1
+    results.directions = {}                                  # a file written before directions were kept
+    text = markdown_report(results)
+    assert "## accuracy at length L\n" in text and "°" not in text.split("## accuracy at length L")[1]

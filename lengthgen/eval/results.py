@@ -213,9 +213,11 @@ class RunEval:
 @dataclass
 class Comparison:
     """Variants (name -> one `RunEval` per seed) trained on one source at ``train_length`` and evaluated at
-    ``eval_lengths``. ``metric`` is the headline; ``specs`` each variant's attention spec; ``config`` the
-    shared config. ``title`` and ``description`` (markdown) head the report; ``retrofit`` holds a
-    retrofit's checkpoint, config changes, steps and added parameters."""
+    ``eval_lengths``. ``metric`` is the headline; ``directions`` whether higher is better for each quantity
+    whose direction the source states (`metric_directions`; empty in files written before it was kept);
+    ``specs`` each variant's attention spec; ``config`` the shared config. ``title`` and ``description``
+    (markdown) head the report; ``retrofit`` holds a retrofit's checkpoint, config changes, steps and added
+    parameters."""
     title: str
     source: str
     metric: str
@@ -228,6 +230,11 @@ class Comparison:
     variants: dict[str, list[RunEval]] = field(default_factory=dict)
     description: str = ""
     retrofit: dict[str, Any] | None = None
+    directions: dict[str, bool] = field(default_factory=dict)
+
+    def higher_is_better_for(self, name: str) -> bool | None:
+        """Whether higher values of ``name`` are better (None: not recorded)."""
+        return self.higher_is_better if name == self.metric else self.directions.get(name)
 
     def merge(self, other: "Comparison", name: str = "another comparison") -> None:
         """Add ``other``'s runs: new variants, and new seeds of a variant both hold. `ResultsError` (naming

@@ -243,7 +243,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         source_name = getattr(source, "name", cfg.data.task)
         comparison = Comparison(
             title=f"lengthgen compare: {source_name}", source=source_name, metric=metric,
-            higher_is_better=higher_is_better,
+            higher_is_better=higher_is_better, directions=metric_directions(source),
             train_length=train_length, eval_lengths=eval_lengths, config=cfg.to_dict(),
             provenance=results[next(iter(results))][0].provenance,
             specs={key: evals[0].config["model"]["attention"] for key, evals in results.items()}, variants=results,

@@ -33,6 +33,7 @@ from lengthgen.report import write_report
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import load_run, train
 from lengthgen.data.config import make_source
+from lengthgen.data.tasks.base import metric_directions
 from lengthgen.train.config import RunConfig
 from lengthgen.train.run_folder import RunFolderError, check_fresh, load_newest, lock
 from lengthgen.train.setup import autocast_dtype, check_length, device_type
@@ -106,7 +107,8 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
                      "after": cfg.model.attention}
         results = Comparison(
             title=f"lengthgen retrofit: {name}", source=name, metric=source.metric,
-            higher_is_better=source.higher_is_better, train_length=train_length, eval_lengths=eval_lengths,
+            higher_is_better=source.higher_is_better, directions=metric_directions(source),
+            train_length=train_length, eval_lengths=eval_lengths,
             config=cfg.to_dict(), provenance=after.provenance,
             specs={variant: spec.to_dict() for variant, spec in attention.items()},
             variants={"before": [before], "control": [control], "after": [after]},

@@ -40,7 +40,9 @@ def markdown_report(results: Comparison) -> str:
                   f"The same runs over every position of each length ({ALL_POSITIONS}, not only [L/2, L)).", "",
                   *table(value_rows(results, metric, field="mean"))]
     for name in metric_names(results)[1:]:
-        lines += ["", f"## {name} at length L", "", f"{at_length(results, name)}.", "",
+        higher = results.higher_is_better_for(name)
+        direction = "" if higher is None else f" ({'higher' if higher else 'lower'} is better)"
+        lines += ["", f"## {name} at length L{direction}", "", f"{at_length(results, name)}.", "",
                   *table(value_rows(results, name))]
     if results.retrofit:
         lines += ["", *retrofit_section(results)]

@@ -99,19 +99,19 @@ def length_label(length: int, train_length: int) -> str:
 
 
 def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: bool = False) -> list[list[str]]:
-    """Header, one row per variant and the chance row of ``name`` by length; headline values not above chance
-    are marked (a comparison records the headline's direction only); ``ratio``: each mean's ratio to the variant's
-    mean at the training length, where that is finite."""
+    """Header, one row per variant and the chance row of ``name`` by length; values not above chance are marked
+    where the comparison records ``name``'s direction; ``ratio``: each mean's ratio to the variant's mean at the
+    training length, where that is finite."""
     lengths, train_length = results.eval_lengths, results.train_length
     chance = {n: chance_level(results, name, n) if field == "at_length" else None for n in lengths}
     rows = [["variant", *(length_label(n, train_length) for n in lengths)]]
     by_length = {n: seed_values(results, name, n, field) for n in lengths}
+    higher = results.higher_is_better_for(name)
     for variant in results.variants:
         base = mean(by_length[train_length][variant]) if train_length in by_length else math.nan
         cells = []
         for n in lengths:
-            text = cell(by_length[n][variant], chance[n] if name == results.metric else None,
-                        results.higher_is_better)
+            text = cell(by_length[n][variant], chance[n] if higher is not None else None, bool(higher))
             if ratio and base and math.isfinite(base):
                 text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
             cells.append(text)
