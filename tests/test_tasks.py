@@ -385,8 +385,16 @@ def test_tomita_labels_and_balance(grammar, length, batch_size):
     else:
         assert len(strings[0]) == length - 1
     assert [tomita_reference(grammar, s) for s in strings] == batch.targets.bool().tolist()
-    assert 0.3 < batch.targets.float().mean() < 0.7
+    assert int(batch.targets.sum()) == batch_size // 2                  # half of every batch, in random order
+    assert 0 < int(batch.targets[: batch_size // 2].sum()) < batch_size // 2
     assert batch.loss_mask.all()
+
+
+def test_tomita_odd_batches_hold_both_classes_and_half_positives_on_average():
+    task = make_task("tomita", grammar=4)
+    counts = [int(task.sample(3, 10, gen(seed)).targets.sum()) for seed in range(200)]
+    assert set(counts) == {1, 2}                                       # both classes in every batch of 3
+    assert abs(sum(counts) / len(counts) - 1.5) < 4 * 0.5 / math.sqrt(len(counts))   # 1 or 2, each half the time
 
 
 @pytest.mark.parametrize("grammar", [1, 2, 5, 6])

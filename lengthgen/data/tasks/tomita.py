@@ -87,7 +87,9 @@ class TomitaTask(Task):
 
     Token ids: 0, 1, BOS = 2, PAD = 3. n = L-1 unless no string of that length has both labels
     (e.g. grammars 2 and 5 at odd n), then n = L-2 and one PAD follows BOS, for every sequence.
-    Labels are balanced: positives are uniform over accepted strings of length n (sampled exactly
+    Labels are balanced in every batch: half its strings, in random order, are positives (for an odd batch one
+    more or one fewer, at random), so that a batch of two or more holds both classes (its ROC AUC is defined)
+    and a constant guess scores 1/2. Positives are uniform over accepted strings of length n (sampled exactly
     by counting paths in the DFA); a fraction ``near_miss`` of the negatives are a positive with one
     symbol flipped, at a position drawn uniformly among those where the flip makes the DFA reject;
     the other negatives are uniform over rejected strings (also the fallback for a positive that no
@@ -121,7 +123,9 @@ class TomitaTask(Task):
         check_sample_args(self, batch_size, length)
         device = generator.device
         n = next(n for n in range(length - 1, 0, -1) if self._both_labels(n))
-        positive = torch.rand(batch_size, generator=generator, device=device) < 0.5
+        ranks = torch.rand(batch_size, generator=generator, device=device).argsort()
+        offset = torch.randint(2, (1,), generator=generator, device=device)
+        positive = (ranks + offset) % 2 == 0
         near = ~positive & (torch.rand(batch_size, generator=generator, device=device) < self.near_miss)
         # Rows 0..B-1 sample their own label; the extra rows are positives to perturb for `near`.
         classes = torch.cat([positive, torch.ones(int(near.sum()), dtype=torch.bool, device=device)])
@@ -177,6 +181,6 @@ class TomitaTask(Task):
         return {"roc_auc": roc_auc(values["score"], batch.targets)}
 
     def chance(self, metric: str, length: int) -> float | None:
-        """Labels are balanced (accepted with probability 1/2 at every length): ``accuracy`` and ``roc_auc`` 1/2
+        """Labels are balanced (half of every batch accepted): ``accuracy`` and ``roc_auc`` 1/2
         (any score that ignores the string), ``loss`` (cross-entropy of the label) log 2."""
         return {"accuracy": 0.5, "roc_auc": 0.5, "loss": math.log(2)}.get(metric)
