@@ -55,3 +55,27 @@ def test_a_corpus_without_documents_in_the_split_is_one_line(tiny_llama_dir, tmp
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"lengthgen {command}: error: --corpus: corpus {tmp_path / 'a.txt'}/val has no documents")
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_hf_starts_rows_with_the_bos_token_the_folder_declares(tmp_path):
+    """The folder's own BOS, not the first usual name its vocabulary holds (here <|endoftext|>, its EOS); a
+    folder that declares none and has no usual name gets a warning."""
+    import json
+
+    from lengthgen.hf.eval import _tokenizer
+
+    vocab = {"a": 0, "b": 1, "<|startoftext|>": 2, "<|endoftext|>": 3, "<unk>": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    for name, bos in (("declared", "<|startoftext|>"), ("by_id", None)):
+        folder = tmp_path / name
+        transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="<|endoftext|>",
+                                             unk_token="<unk>").save_pretrained(folder)
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": 2}))
+        assert _tokenizer(folder, None).bos_id == 2
+    plain = {"a": 0, "b": 1, "<unk>": 2}
+    bare = tmp_path / "bare"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(
+        plain, unk_token="<unk>")), unk_token="<unk>").save_pretrained(bare)
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.warns(UserWarning, match="names no BOS token: every row starts with id 3, past its vocabulary"):
+        assert _tokenizer(bare, None).bos_id == 3

@@ -247,3 +247,21 @@ def test_eval_hf_refuses_a_tokenizer_larger_than_the_model(tmp_path, capsys):
     lhf.export_run(run, tmp_path / "hf")
     assert main(["eval", "--hf", str(tmp_path / "hf"), "--tokenizer", "byte", "--lengths", "32"]) == 2
     assert f"'byte' has 259 ids but the model at '{tmp_path / 'hf'}' embeds only {VOCAB}" in capsys.readouterr().err
+
+
+def test_eval_of_an_export_masks_documents_in_packed_rows_as_the_run_did(tmp_path):
+    """Packed rows (no document long enough) carry document ids: an exported doc-masking run must get them."""
+    from lengthgen.data.tasks.base import Batch
+
+    run = written_run(tmp_path / "run", {"attention": {"doc_masking": True}})
+    lhf.export_run(run, tmp_path / "hf")
+    _, native = load_run(run)
+    ids = tokens(length=25)
+    doc_ids = (torch.arange(24) >= 10).long().expand(2, -1)              # a document boundary at position 10
+    batch = Batch(ids[:, :-1], ids[:, 1:], torch.ones(2, 24, dtype=torch.bool), doc_ids)
+    with torch.no_grad():
+        want = measure_gpt(native, None, batch)["loss"]
+        got = lhf.measure_hf(lhf.load_local_model(tmp_path / "hf"), None, batch)["loss"]
+        across = measure_gpt(native, None, Batch(batch.tokens, batch.targets, batch.loss_mask))["loss"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want[:, 10:], across[:, 10:])             # the masking matters here

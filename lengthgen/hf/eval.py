@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from lengthgen.config import ConfigError
 from lengthgen.eval import DEPTHS, LongDocuments, NeedleMap, RunEval, answer_scores, evaluate, needle_map
-from lengthgen.hf.registry import register, require_transformers
+from lengthgen.hf.registry import NAME, register, require_transformers
 from lengthgen.hf.retrofit import from_pretrained
 
 # Causal LMs whose logits are exactly lm_head(final hidden states): `token_losses` can chunk the vocabulary matmul.
@@ -76,12 +77,13 @@ def _plain_lm(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 @torch.no_grad()
 def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_logits: int = 1 << 26) -> torch.Tensor:
+                 max_logits: int = 1 << 26, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token next-token NLL, float32 (B, L-1): column j is -log p(tokens[:, j+1] | tokens[:, :j+1]).
 
     ``attention_mask`` (B, L), 1 = token: targets that are padding get NaN. For plain decoder LMs (Llama,
     Mistral, Qwen2/3) the vocabulary projection runs in chunks of at most ``max_logits`` logits, so long
-    sequences do not materialize (B, L, V) at once.
+    sequences do not materialize (B, L, V) at once. ``doc_ids`` (B, L), for an exported lengthgen model
+    (`LengthgenForCausalLM`), masks attention across documents as its run did (other models take none).
     """
     device = next(model.parameters()).device
     tokens = tokens.to(device)
@@ -100,7 +102,8 @@ def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.T
                                                            targets[:, i:i + step], reduction="none")
                          for i in range(0, n, step)], dim=1)
     else:
-        logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+        extra = {} if doc_ids is None else {"doc_ids": doc_ids.to(device)}
+        logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False, **extra).logits[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
     if attention_mask is not None:
         nll = nll.masked_fill(attention_mask[:, 1:] == 0, float("nan"))
@@ -109,9 +112,13 @@ def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.T
 
 def measure_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Tensor]:
     """The evaluator's adapter (`lengthgen.eval.Measure`) for a causal LM: ``loss`` per position from
-    `token_losses` on the batch's tokens followed by its last target (NaN outside the loss mask)."""
+    `token_losses` on the batch's tokens followed by its last target (NaN outside the loss mask). Packed rows'
+    document ids go to an exported lengthgen model (its document masking); other models attend across them."""
     tokens = torch.cat([batch.tokens, batch.targets[:, -1:]], dim=1)
-    return {"loss": token_losses(model, tokens).masked_fill(~batch.loss_mask, float("nan"))}
+    doc_ids = None
+    if batch.doc_ids is not None and getattr(model.config, "model_type", None) == NAME:
+        doc_ids = torch.cat([batch.doc_ids, batch.doc_ids[:, -1:]], dim=1)
+    return {"loss": token_losses(model, tokens, doc_ids=doc_ids).masked_fill(~batch.loss_mask, float("nan"))}
 
 
 def measure_needle_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Tensor]:
@@ -125,20 +132,46 @@ def measure_needle_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, to
     return answer_scores(logits, batch)
 
 
+def _declared_bos(folder: Path) -> str | None:
+    """The BOS token a model folder declares: ``tokenizer_config.json``'s ``bos_token``, else the token of
+    ``config.json``'s ``bos_token_id`` in its ``tokenizer.json``; None if it declares none."""
+    tokenizer_config = folder / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        bos = json.loads(tokenizer_config.read_text()).get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        if isinstance(bos, str):
+            return bos
+    bos_id = json.loads((folder / "config.json").read_text()).get("bos_token_id")
+    if isinstance(bos_id, int):
+        import tokenizers
+        return tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).id_to_token(bos_id)
+    return None
+
+
 def _tokenizer(path: str | os.PathLike, name: str | None) -> Any:
-    """The lengthgen tokenizer ``name``, or the model folder's own ``tokenizer.json`` when ``name`` is None."""
+    """The lengthgen tokenizer ``name``, or the model folder's own ``tokenizer.json`` when ``name`` is None, with
+    the BOS token the folder declares (`_declared_bos`; a warning when it declares none and the tokenizer has no
+    usual BOS name either, so that rows start with an id the model never saw)."""
     from lengthgen.data.text import ResourceUnavailableError, make_tokenizer
 
+    options: dict[str, Any] = {}
     if name is None:
-        if not (model_folder(path) / "tokenizer.json").is_file():
+        folder = model_folder(path)
+        if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"HF model folder {str(path)!r} has no tokenizer.json: save the model's tokenizer "
                                     "there (tokenizer.save_pretrained) or name one (lengthgen eval --tokenizer byte, "
                                     "gpt2 or hf:PATH)")
-        name = f"hf:{path}"
+        name, bos = f"hf:{path}", _declared_bos(folder)
+        if bos is not None:
+            options["bos_token"] = bos
     try:
-        return make_tokenizer(name)
+        tok = make_tokenizer(name, **options)
     except (ValueError, ResourceUnavailableError) as err:
         raise ConfigError(f"tokenizer: {err}", "tokenizer") from None
+    if getattr(tok, "bos_added", False):
+        warnings.warn(f"tokenizer {tok.name!r} names no BOS token: every row starts with id {tok.bos_id}, past its "
+                      "vocabulary (declare bos_token in the folder's tokenizer_config.json)", stacklevel=2)
+    return tok
 
 
 def _text_and_model(path: str | os.PathLike, tokenizer: str | None, corpus: str, split: str

@@ -254,6 +254,11 @@ class HFTokenizer(Tokenizer):
         self.pad_id = find(_PAD_CANDIDATES)
 
     @property
+    def bos_added(self) -> bool:
+        """Whether BOS is an id appended past the tokenizer's vocabulary (it names no BOS token)."""
+        return self.bos_id >= self._base
+
+    @property
     def cache_key(self) -> str:
         digest = hashlib.sha1(self.path.read_bytes()).hexdigest()[:16]
         return f"hf:{digest}:bos{self.bos_id}:ordinary"
