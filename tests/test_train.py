@@ -340,6 +340,18 @@ def test_qk_clip_with_qk_norm_scales_norm_weights():
     assert attention_max_logits(attn).max() <= 2.0 * (1 + 1e-4)
 
 
+def test_qk_clip_with_grad_accum_sees_the_whole_batch(tmp_path):
+    """The max logit is over every micro-batch, as one full-batch forward sees it: the same clip for k = 1 and 4."""
+    runs = {k: train(config("train.steps=3", "train.qk_clip=0.05", "train.log_every=1", f"train.grad_accum={k}"),
+                     tmp_path / f"k{k}", progress=False) for k in (1, 4)}
+    logged = {k: [json.loads(line).get("max_logit") for line in (tmp_path / f"k{k}" / "metrics.jsonl").open()]
+              for k in runs}
+    logged = {k: [m for m in v if m is not None] for k, v in logged.items()}
+    assert len(logged[1]) == 3 and logged[1] == pytest.approx(logged[4], rel=1e-5)
+    for (name, a), b in zip(runs[1].model.state_dict().items(), runs[4].model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # ---------------------------------------------------------------------------------------------------
 # evaluation: the one evaluator under the training context
 

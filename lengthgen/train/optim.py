@@ -151,18 +151,29 @@ def qk_clip_(attn: Attention, max_logits: torch.Tensor, tau: float) -> torch.Ten
 
 
 def capture_logits(attentions: list[Attention]) -> None:
-    """Make every layer keep its q and k in the next forward, for `clip_captured_logits`."""
+    """Make every layer keep its q and k in the next forward, for `captured_max_logits`."""
     for attn in attentions:
         attn.capture = {}
 
 
-def clip_captured_logits(attentions: list[Attention], tau: float, reduce=lambda m: m) -> float:
-    """QK-clip every layer from the q and k it captured (``reduce``: the per-head maxima's maximum over DDP
-    ranks), then stop capturing. Returns the largest max logit before clipping."""
+def captured_max_logits(attentions: list[Attention], before: list[torch.Tensor] | None = None
+                        ) -> list[torch.Tensor]:
+    """Each layer's (H,) max logits from the q and k it captured, the elementwise maximum with ``before`` (the
+    earlier micro-batches' of the step), then stop capturing."""
     maxima = []
-    for attn in attentions:
-        m = reduce(attention_max_logits(attn))
+    for i, attn in enumerate(attentions):
+        m = attention_max_logits(attn)
         attn.capture = None
+        maxima.append(m if before is None else torch.maximum(before[i], m))
+    return maxima
+
+
+def clip_logits(attentions: list[Attention], maxima: list[torch.Tensor], tau: float, reduce=lambda m: m) -> float:
+    """QK-clip every layer from its max logits over the step's batch (``reduce``: their maximum over DDP
+    ranks). Returns the largest max logit before clipping."""
+    largest = []
+    for attn, m in zip(attentions, maxima, strict=True):
+        m = reduce(m)
         qk_clip_(attn, m, tau)
-        maxima.append(float(m.max()))
-    return max(maxima)
+        largest.append(float(m.max()))
+    return max(largest)

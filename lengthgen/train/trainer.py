@@ -45,7 +45,7 @@ from lengthgen.train.bema import BEMA
 from lengthgen.train.config import RunConfig, save_config
 from lengthgen.train.data import split_batch
 from lengthgen.train.log import RunLog
-from lengthgen.train.optim import build_optimizers, capture_logits, clip_captured_logits, set_lr
+from lengthgen.train.optim import build_optimizers, capture_logits, captured_max_logits, clip_logits, set_lr
 from lengthgen.train.schedule import lr_multiplier
 from lengthgen.train.setup import (autocast_dtype, check_backend, check_resume, check_world, device_type,
                                    resolve)
@@ -344,27 +344,31 @@ class Trainer:
                    and [row.length for row in run.lengths] == sorted(set(tc.eval_lengths)) for run in stored)
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _forward_backward(self, batch) -> torch.Tensor:
+    def _forward_backward(self, batch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP / FSDP2
-        synchronize once, in the last one's backward; QK-clip captures the last one's logits). Returns the loss,
-        averaged over ranks, on the device (read after the optimizer step: reading it waits for the GPU)."""
+        synchronize once, in the last one's backward). Returns the loss, averaged over ranks, on the device (read
+        after the optimizer step: reading it waits for the GPU), and with QK-clip each layer's max logits over
+        every micro-batch (as one full-batch forward would see them)."""
         tc = self.config.train
         self.model.train()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         parts = split_batch(batch, tc.grad_accum)
         total = torch.zeros((), device=self.device)
+        maxima = None
         for i, (micro, weight) in enumerate(parts):
             last = i == len(parts) - 1
-            if last and tc.qk_clip is not None:
+            if tc.qk_clip is not None:
                 capture_logits(self.model.attentions)
             with distributed.gradient_sync(self.parallel, enabled=last):
                 with self._autocast():
                     output = self.forward_model(micro.tokens, micro.doc_ids)
+                if tc.qk_clip is not None:
+                    maxima = captured_max_logits(self.model.attentions, maxima)
                 loss, _ = self.loss_fn(output, micro)
                 (loss * weight).backward()
             total += loss.detach() * weight
-        return distributed.all_reduce_mean(total)
+        return distributed.all_reduce_mean(total), maxima
 
     def _train_step(self, step: int) -> dict[str, Any]:
         """One optimizer update; returns its log entry (without the step and throughput)."""
@@ -380,7 +384,7 @@ class Trainer:
         multiplier = lr_multiplier(step, total=tc.steps, schedule=tc.schedule, warmup=tc.warmup_steps,
                                    cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio, restart=restart)
         set_lr(self.optimizers, multiplier)
-        loss = self._forward_backward(batch)
+        loss, max_logits = self._forward_backward(batch)
         entry: dict[str, Any] = {}
         grad_norm = None
         if tc.grad_clip > 0:
@@ -400,7 +404,7 @@ class Trainer:
             if not math.isfinite(entry["grad_norm"]):
                 raise NonFiniteLossError(f"gradient norm is {entry['grad_norm']} at step {step}; stopping{where}")
         if tc.qk_clip is not None:
-            entry["max_logit"] = clip_captured_logits(self.model.attentions, tc.qk_clip, distributed.all_reduce_max)
+            entry["max_logit"] = clip_logits(self.model.attentions, max_logits, tc.qk_clip, distributed.all_reduce_max)
         self.step = step + 1
         if self.bema is not None:
             self.bema.update(self.step)
