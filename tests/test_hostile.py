@@ -486,6 +486,19 @@ def test_a_damaged_checkpoint_falls_back_to_the_older_one(tmp_path, stopped, dam
     assert (run / "checkpoints" / "step_00000003.corrupt" / damaged).is_file()
 
 
+def test_a_checkpoint_missing_its_started_bema_falls_back_to_the_older_one(tmp_path):
+    """BEMA restarted silently from the current weights when bema.safetensors was gone."""
+    bema = ("train.bema.enabled=true", "train.checkpoint_every=1")
+    full = train(config(*bema), tmp_path / "full", progress=False)
+    train(config(*bema), tmp_path / "run", progress=False, stop_at=3)
+    (tmp_path / "run" / "checkpoints" / "step_00000003" / "bema.safetensors").unlink()
+    with pytest.warns(RunFolderWarning, match=r"bema.safetensors is unreadable \(missing: BEMA had started, step 3"):
+        result = train(config(*bema), tmp_path / "run", progress=False, resume=True)
+    assert result.history == full.history
+    for a, b in zip(result.trainer.bema_state_dict().values(), full.trainer.bema_state_dict().values()):
+        assert torch.equal(a, b)
+
+
 def test_a_checkpoint_rotated_away_while_read_reads_the_new_one(tmp_path, stopped):
     """eval of a run that is training (keep_checkpoints=1) failed with 'no readable checkpoint' when the writer
     replaced the checkpoint being read."""

@@ -170,9 +170,18 @@ def load_tensors(ckpt: Path, name: str, device: str | torch.device = "cpu") -> d
         return load_file(str(path), device=str(device))
 
 
-def load_bema_tensors(ckpt: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor] | None:
-    """BEMA's tensors; None when the checkpoint has none (BEMA off, or not started: step < tau)."""
-    return load_tensors(ckpt, "bema.safetensors", device) if (Path(ckpt) / "bema.safetensors").exists() else None
+def load_bema_tensors(ckpt: Path, meta: dict[str, Any] | None, device: str | torch.device = "cpu"
+                      ) -> dict[str, torch.Tensor] | None:
+    """BEMA's tensors; None when the checkpoint has none (BEMA off, or not started: step < tau). ``meta``: the
+    checkpoint's BEMA record (`BEMA.meta`); a started BEMA without its file is a `CheckpointError` (resuming
+    would restart the average from the current weights)."""
+    path = Path(ckpt) / "bema.safetensors"
+    if path.exists():
+        return load_tensors(ckpt, "bema.safetensors", device)
+    if meta is not None and meta.get("step", -1) >= meta.get("tau", 0):
+        raise CheckpointError(f"{path} is unreadable (missing: BEMA had started, step {meta['step']} >= tau "
+                              f"{meta['tau']})")
+    return None
 
 
 def read_optimizers(ckpt: Path, device: str | torch.device = "cpu") -> list[dict[str, Any]]:

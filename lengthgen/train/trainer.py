@@ -189,7 +189,8 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):      # building the copy must not move the run's RNG
             full = GPT(self.config.model)
         ckpt_io.load_weights(full, ckpt)
-        self._read = (state, full.state_dict(), ckpt_io.read_optimizers(ckpt), ckpt_io.load_bema_tensors(ckpt))
+        self._read = (state, full.state_dict(), ckpt_io.read_optimizers(ckpt),
+                      ckpt_io.load_bema_tensors(ckpt, state.get("bema")))
         return state["step"]
 
     def _restore(self, ckpt: Path) -> None:

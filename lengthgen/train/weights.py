@@ -94,7 +94,7 @@ def _load_checkpoint(ckpt: Path, bema: bool, device: str | torch.device) -> tupl
     model.to(device)
     if bema:     # no BEMA tensors: BEMA had not started (step < tau), its weights are the model's
         tracker = BEMA(model, **{k: v for k, v in state.get("bema", {}).items() if k != "step"})
-        tracker.load(ckpt_io.load_bema_tensors(ckpt, device) or {}, state.get("bema", {}))
+        tracker.load(ckpt_io.load_bema_tensors(ckpt, state.get("bema"), device) or {}, state.get("bema", {}))
         model.load_state_dict(tracker.state_dict_for_model())
     return cfg, model.eval()
 
