@@ -1,4 +1,5 @@
-"""Atomic file writes: a temporary file in the target's folder, then ``os.replace``; nothing partial is left."""
+"""Atomic, durable file writes: a temporary file in the target's folder, flushed to disk, then ``os.replace`` and
+the folder flushed too; nothing partial is left, and a power loss after the call cannot lose the file."""
 
 from __future__ import annotations
 
@@ -10,20 +11,36 @@ from typing import Callable
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
-    """Call ``write(tmp_path)`` then ``os.replace(tmp_path, path)``; the temp file is removed on failure."""
+    """Call ``write(tmp_path)``, flush it to disk, then ``os.replace(tmp_path, path)`` and flush the folder; the
+    temp file is removed on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        fsync(tmp)
         os.chmod(tmp, _creation_mode())   # open()'s permissions: mkstemp's (and safetensors') files are private
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    fsync(path.parent)
     return path
+
+
+def fsync(path: str | Path) -> None:
+    """Flush a file, or a folder's entries (renames into it), to disk. Folders are skipped where the platform
+    cannot open them (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (IsADirectoryError, PermissionError):
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _creation_mode() -> int:
@@ -37,6 +54,4 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     def write(tmp: str) -> None:
         with open(tmp, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
     return atomic_write(path, write)

@@ -218,6 +218,37 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir() if "file" in p.name] == ["file.txt"]
 
 
+def test_a_checkpoint_is_on_disk_before_older_ones_are_pruned(tmp_path, monkeypatch):
+    """Every file of the new checkpoint and the folders that hold it are flushed (fsync) before latest.json moves
+    and the older checkpoint is deleted: a power loss then cannot leave empty files and no older checkpoint."""
+    import os
+    import shutil
+
+    import lengthgen.atomic as atomic
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rmtree = os.fsync, shutil.rmtree
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt_io.shutil, "rmtree", lambda p, **k: (events.append(("rmtree", str(p))),
+                                                                    real_rmtree(p, **k)))
+    if not os.path.exists("/proc/self/fd"):
+        pytest.skip("needs /proc to name fsync'd files (Linux)")
+    train(config("train.steps=2", "train.eval_batches=0", "train.checkpoint_every=1", "train.keep_checkpoints=1",
+                 "train.bema.enabled=true"), tmp_path / "run", progress=False)
+    pruned = events.index(("rmtree", str(tmp_path / "run" / "checkpoints" / "step_00000001")))
+    synced = [path for kind, path in events[:pruned] if kind == "fsync"]
+    for name in ("model.safetensors", "bema.safetensors", "optimizer.pt", "state.json"):
+        assert any("step_00000002.tmp-" in p and f"/.{name}." in p for p in synced), name
+    # the renames into the checkpoints folder and the run folder (latest.json's)
+    assert str(tmp_path / "run" / "checkpoints") in synced and str(tmp_path / "run") in synced
+    assert any(p.startswith(str(tmp_path / "run" / ".latest.json.")) for p in synced)
+
+
 # ---------------------------------------------------------------------------------------------------
 # optimizers, QK-clip
 

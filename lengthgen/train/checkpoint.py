@@ -37,7 +37,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from lengthgen.atomic import atomic_write, atomic_write_text
+from lengthgen.atomic import atomic_write, atomic_write_text, fsync
 from lengthgen.config import ConfigError
 from lengthgen.train.config import RunConfig
 
@@ -108,6 +108,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp_dir, final)
+        fsync(root)                      # on disk before latest.json points at it and older ones are pruned
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
