@@ -414,3 +414,14 @@ def test_evaluation_runs_under_the_training_autocast_and_writes_a_run_eval(tmp_p
     assert [r.length for r in saved.lengths] == [16, 32] and saved.final_train_loss == result.history[-1]
     # the periodic evaluation at the last step saw the same batches with the same weights
     assert result.metrics["eval"]["32"] == saved.at(32).mean
+
+
+def test_batch_norm_with_micro_batches_warns_that_it_differs_from_one_pass(tmp_path):
+    from lengthgen.config import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match=r"model.norm='batch' normalizes each micro-batch \(train.grad_accum=2\)"):
+        Trainer(config("model.norm=batch", "train.grad_accum=2"), tmp_path / "a", progress=False).close()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)                  # one pass over the batch: nothing to say
+        Trainer(config("model.norm=batch"), tmp_path / "b", progress=False).close()

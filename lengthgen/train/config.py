@@ -59,7 +59,8 @@ class TrainConfig:
                                 "or constant")
     warmup_steps: int = option(0, "linear warmup steps", ge=0)
     cooldown_frac: float = option(0.2, "wsd: fraction of the steps in the linear cooldown", ge=0, le=1)
-    min_lr_ratio: float = option(0.0, "final lr / peak lr (cosine and wsd)", ge=0, le=1)
+    min_lr_ratio: float = option(0.0, "lr / peak lr the decay reaches at train.steps (cosine and wsd; the last "
+                                 "update, at steps - 1, is one decay step above it)", ge=0, le=1)
     optimizer: Optimizer = option("adamw", "adamw, or muon (Muon for 2-D hidden weights, AdamW for the rest)")
     betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas", ge=0, lt=1)
     eps: float = option(1e-8, "AdamW eps", ge=0)

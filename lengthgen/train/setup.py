@@ -96,6 +96,19 @@ def check_world(cfg: RunConfig, world: int) -> None:
                               "train.batch_size / train.tokens_per_step or train.grad_accum")
 
 
+def split_batch_notes(cfg: RunConfig, world: int) -> list[str]:
+    """What differs from one full-batch pass when the step's batch is split into ``train.grad_accum`` micro-batches
+    or ``world`` ranks (every other computation matches it to float error)."""
+    notes = []
+    if cfg.model.norm == "batch" and (cfg.train.grad_accum > 1 or world > 1):
+        notes.append(f"model.norm='batch' normalizes each micro-batch (train.grad_accum={cfg.train.grad_accum}) and "
+                     f"each rank ({world}) with its own statistics: losses and gradients differ from one pass over "
+                     "the whole batch (no SyncBatchNorm)")
+    if cfg.model.dropout > 0 and world > 1:
+        notes.append(f"model.dropout={cfg.model.dropout}: every rank draws the same dropout masks (one seed)")
+    return notes
+
+
 def check_backend(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> None:
     """`ConfigError` when ``model.attention_backend`` (not ``auto``) cannot train a layer's attention on
     ``device``: found before the run folder is touched, not at the first step."""

@@ -27,6 +27,7 @@ import functools
 import json
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, ConfigWarning
 from lengthgen.data.config import step_generator
 from lengthgen.eval import Provenance, ResultsError, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
@@ -48,7 +49,7 @@ from lengthgen.train.log import RunLog
 from lengthgen.train.optim import build_optimizers, capture_logits, captured_max_logits, clip_logits, set_lr
 from lengthgen.train.schedule import lr_multiplier
 from lengthgen.train.setup import (autocast_dtype, check_backend, check_resume, check_world, device_type,
-                                   resolve)
+                                   resolve, split_batch_notes)
 from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
 from lengthgen.train.weights import load_initial_weights
 
@@ -98,6 +99,9 @@ class Trainer:
         self.device = torch.device(f"cuda:{local_rank}" if kind == "cuda" and self.world > 1 else kind)
         if self.world > 1:
             check_world(cfg, self.world)
+        if self.is_main:
+            for note in split_batch_notes(cfg, self.world):
+                warnings.warn(note, ConfigWarning, stacklevel=2)
         self.autocast_dtype = autocast_dtype(tc, kind)
         if tc.wandb and self.is_main:
             import_wandb(tc.wandb)
