@@ -152,9 +152,12 @@ class Trainer:
             self.bema.update(0)
 
     def close(self) -> None:
-        """Release the run folder's lock."""
+        """Release the run folder's lock, and the DDP wrapper: destroyed after the process group (by whoever
+        still held the trainer), its gloo reducer could deadlock the process at exit."""
         if self.folder is not None:
             self.folder.release()
+        if getattr(self, "parallel", None) is not None:
+            self.parallel, self.forward_model = None, self.model
 
     # -- the run folder and checkpoints --------------------------------------------------------------
     def _open_folder(self, resume: bool, overwrite: bool, extend: bool) -> Path | None:
