@@ -1183,3 +1183,16 @@ def test_text_limits_below_one_are_config_errors(tmp_path, capsys, key):
     code, err = cli(capsys, "train", *sets("data.kind=text", "data.task_kwargs={}", f"data.text.{key}=-1"),
                     "--out", tmp_path / "r")
     assert code == 2 and f"data.text.{key}=-1 is not valid; it must be an integer >= 1, or none" in err
+
+
+def test_a_checkpoint_whose_bytes_changed_falls_back_to_the_older_one(tmp_path, stopped):
+    """A flipped byte in the weights still loads (safetensors checks the header only): the digest catches it."""
+    run = copy(stopped[0], tmp_path)
+    weights = run / "checkpoints" / "step_00000003" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01                                                   # a tensor byte, not the header
+    weights.write_bytes(bytes(data))
+    with pytest.warns(RunFolderWarning, match=r"model.safetensors is unreadable \(its bytes changed since it was "
+                                              r"written.*kept aside as step_00000003.corrupt"):
+        result = resume(run)
+    assert result.history == stopped[1]                                # exact, from step 2

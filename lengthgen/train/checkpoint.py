@@ -10,18 +10,21 @@ A run folder::
         bema.safetensors   BEMA state (theta0.*, ema.*, bema.*), when BEMA is on
         optimizer.pt       optimizer states (torch.save)
         state.json         config, step, RNG states (torch, CUDA, data seed scheme), loss history, metrics
+        digests.json       each file's digest, checked when it is read
 
-Every file is written to a temporary name and moved with ``os.replace``; a checkpoint folder is assembled
-as ``step_N.tmp-*`` and renamed when complete, and only then does ``latest.json`` point at it. A failure
+Every file is written to a temporary name, flushed to disk and moved with ``os.replace``; a checkpoint folder is
+assembled as ``step_N.tmp-*`` and renamed when complete, and only then does ``latest.json`` point at it. A failure
 at any point leaves the previous checkpoint and ``latest.json`` untouched and no partial files behind. So a
 folder named ``step_N`` is a complete checkpoint (`complete_checkpoints`); ``latest.json`` says which is the newest
-for people and other tools. Reading a file that is missing or damaged raises `CheckpointError` naming it.
+for people and other tools. Reading a file that is missing, damaged or whose bytes changed since it was written
+(its digest) raises `CheckpointError` naming it.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import pickle
@@ -42,6 +45,8 @@ from lengthgen.config import ConfigError
 from lengthgen.train.config import RunConfig
 
 LATEST = "latest.json"
+#: a checkpoint's record of each of its files' digest, written last (`file_digest`)
+DIGESTS = "digests.json"
 CHECKPOINTS = "checkpoints"
 #: the name of a complete checkpoint folder (``step_N.tmp-*`` is one being written)
 COMPLETE = re.compile(r"step_\d+")
@@ -105,6 +110,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_
         atomic_write(tmp_dir / "optimizer.pt",
                      lambda p: torch.save({"optimizers": optimizer_states}, p))
         atomic_write_text(tmp_dir / "state.json", json.dumps({"step": step, **state}))
+        atomic_write_text(tmp_dir / DIGESTS, json.dumps({p.name: file_digest(p) for p in sorted(tmp_dir.iterdir())}))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp_dir, final)
@@ -126,11 +132,34 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
 
 
+def file_digest(path: Path) -> str:
+    """The blake2b digest of a file's bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify(path: Path) -> None:
+    """`CheckpointError` when a checkpoint file's bytes differ from the digest its checkpoint recorded when it was
+    written (`DIGESTS`; checkpoints written before it was kept are not checked)."""
+    record = path.parent / DIGESTS
+    want = json.loads(record.read_text()).get(path.name) if record.is_file() else None
+    if want is not None and file_digest(path) != want:
+        raise CheckpointError(f"{path} is unreadable (its bytes changed since it was written: digest "
+                              f"{file_digest(path)[:12]}, recorded {want[:12]})")
+
+
 @contextlib.contextmanager
 def _reading(path: Path) -> Iterator[None]:
-    """Turn a failure to read ``path`` into a one-line `CheckpointError` naming it."""
+    """Turn a failure to read ``path``, or bytes that changed since it was written (`_verify`), into a one-line
+    `CheckpointError` naming it."""
     try:
+        _verify(path)
         yield
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError,
