@@ -145,9 +145,21 @@ def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     run = written_run(tmp_path / "run", {}, data={"kind": "text", "text": {"tokenizer": f"hf:{tmp_path / 'tok'}"}})
-    assert lhf.export_run(run, tmp_path / "hf")[1] == f"tokenizer: {tmp_path / 'tok' / 'tokenizer.json'}"
+    assert lhf.export_run(run, tmp_path / "hf")[1] == (f"tokenizer: {tmp_path / 'tok' / 'tokenizer.json'} (BOS "
+                                                       "'<s>' = id 0, as the run put it)")
     saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert saved("ab ca", add_special_tokens=False)["input_ids"] == HFTokenizer(tmp_path / "tok").encode("ab ca")
+    assert saved.bos_token_id == 0
+    # a tokenizer that names no BOS: the run's appended id is saved as <|bos|>, and eval --hf starts rows with it
+    plain = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    (tmp_path / "plain").mkdir()
+    plain.save(str(tmp_path / "plain" / "tokenizer.json"))
+    run = written_run(tmp_path / "run-plain", {},
+                      data={"kind": "text", "text": {"tokenizer": f"hf:{tmp_path / 'plain'}"}})
+    assert "(BOS '<|bos|>' = id 3, as the run put it)" in lhf.export_run(run, tmp_path / "hf-plain")[1]
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf-plain").bos_token_id == 3
+    from lengthgen.hf.eval import _tokenizer
+    assert _tokenizer(tmp_path / "hf-plain", None).bos_id == 3
     run = written_run(tmp_path / "gpt2", {}, data={"kind": "text", "text": {"tokenizer": "gpt2"}})
     note = lhf.export_run(run, tmp_path / "hf-gpt2")[1]
     assert note.startswith("no tokenizer: 'gpt2' is a tiktoken encoding")

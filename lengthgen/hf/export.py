@@ -3,7 +3,8 @@
 The folder holds ``config.json`` (model type ``"lengthgen"``: `LengthgenConfig` with the run's `GPTConfig`),
 ``model.safetensors`` and ``generation_config.json``, plus the run's tokenizer where transformers can load it:
 the byte tokenizer as a ``tokenizers`` byte-level tokenizer with the same ids (UTF-8 bytes 0..255, then
-``<|bos|>``, ``<|eos|>``, ``<|pad|>`` = 256, 257, 258), an ``hf:`` tokenizer as its own ``tokenizer.json``;
+``<|bos|>``, ``<|eos|>``, ``<|pad|>`` = 256, 257, 258), an ``hf:`` tokenizer as its own ``tokenizer.json`` with
+the BOS the run used (``<|bos|>`` added at the id lengthgen appended when the tokenizer names none);
 tiktoken encodings (``gpt2``) and task runs get none, and the export says why.
 `lengthgen.hf.from_pretrained(DIR)` and ``AutoModelForCausalLM.from_pretrained(DIR)`` (after
 `lengthgen.hf.register`) load it with the native model's logits.
@@ -47,8 +48,14 @@ def _tokenizer(cfg: Any) -> tuple[Any | None, str]:
     if name.startswith("hf:"):
         from transformers import PreTrainedTokenizerFast
 
-        path = make_tokenizer(name).path
-        return PreTrainedTokenizerFast(tokenizer_file=str(path)), f"tokenizer: {path}"
+        trained = make_tokenizer(name)
+        fast = PreTrainedTokenizerFast(tokenizer_file=str(trained.path))
+        # the BOS the run put at each document's start: a token of the vocabulary, or the id lengthgen appended
+        bos = "<|bos|>" if trained.bos_added else fast.convert_ids_to_tokens(trained.bos_id)
+        fast.add_special_tokens({"bos_token": bos})
+        if fast.bos_token_id != trained.bos_id:
+            raise ConfigError(f"{name}: its BOS (id {trained.bos_id}) cannot be saved with the tokenizer", "tokenizer")
+        return fast, f"tokenizer: {trained.path} (BOS {bos!r} = id {trained.bos_id}, as the run put it)"
     return None, (f"no tokenizer: {name!r} is a tiktoken encoding, which transformers cannot load from a model "
                   "folder; save the matching transformers tokenizer there (e.g. GPT-2's for gpt2)")
 
