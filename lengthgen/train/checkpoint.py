@@ -146,9 +146,10 @@ def _verify(path: Path) -> None:
     written (`DIGESTS`; checkpoints written before it was kept are not checked)."""
     record = path.parent / DIGESTS
     want = json.loads(record.read_text()).get(path.name) if record.is_file() else None
-    if want is not None and file_digest(path) != want:
+    got = file_digest(path) if want is not None else None
+    if got != want:
         raise CheckpointError(f"{path} is unreadable (its bytes changed since it was written: digest "
-                              f"{file_digest(path)[:12]}, recorded {want[:12]})")
+                              f"{got[:12]}, recorded {want[:12]})")
 
 
 @contextlib.contextmanager
