@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from lengthgen.config import to_plain
-from lengthgen.eval import RunEval, eval_source, evaluate
+from lengthgen.eval import RunEval, evaluate
 from lengthgen.experiments.needle import needle_filler, run_map
 from lengthgen.train import train
 from lengthgen.train.config import RunConfig
@@ -138,7 +138,7 @@ def evaluate_run(trained, job: Job, sources: dict[str, Any]) -> list[tuple[str, 
     cfg, trainer, lengths = trained.config, trained.trainer, list(job.lengths)
     key = json.dumps(to_plain(cfg.data), sort_keys=True)
     if key not in sources:
-        sources[key] = (eval_source(cfg.data, trainer.source),
+        sources[key] = (trainer.eval_source,      # built once already: the run's checkpoints keep its digest
                         needle_filler(cfg.data, trainer.source) if job.needle_depths else None)
 
     def one(bema: bool) -> RunEval:
