@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from lengthgen.config import ConfigError
 from lengthgen.data.tasks import CountingTask
 from lengthgen.model import GPT
 from lengthgen.train import Trainer, build_optimizers, lr_multiplier, train
@@ -88,3 +89,137 @@ def test_counting_reports_squared_error_whose_prefix_means_are_the_seeds_mse():
     metrics = task.metrics(output, batch)
     torch.testing.assert_close(metrics["sq_error"], (output - batch.targets) ** 2)
     torch.testing.assert_close(metrics["abs_error"], (output - batch.targets).abs())
+
+
+# ---------------------------------------------------------------------------------------------------
+# seed 000's optimizers: NorMuon and cautious weight decay (its train_gpt.py, written out here step by step)
+
+
+def reference_normuon(params, grads, *, lr, lr_mul, wd, momentum=0.95, beta2=0.95):
+    """The seed's NorMuon step on each matrix, one at a time (float32): Nesterov momentum, Newton-Schulz, the
+    per-neuron variance reduction computed as the seed computes it, then cautious decay and the update."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    states = [(torch.zeros_like(p), None) for p in params]
+    for grad_list in grads:
+        for i, (p, g) in enumerate(zip(params, grad_list)):
+            buf, second = states[i]
+            buf.lerp_(g, 1 - momentum)
+            v = _zeropower_via_newtonschulz(g.lerp(buf, momentum), (3.4445, -4.775, 2.0315), 5, 1e-7).float()
+            red_dim = -1 if p.shape[-2] >= p.shape[-1] else -2
+            v_mean = v.square().mean(dim=red_dim, keepdim=True)
+            v_norm = (v_mean.sum() * v.size(red_dim)).sqrt()
+            second = v_mean * (1 - beta2) if second is None else second.lerp(v_mean, 1 - beta2)
+            step_size = second.clamp_min(1e-10).rsqrt()
+            v_norm_new = ((v_mean * v.size(red_dim)) * step_size.square()).sum().sqrt()
+            v = v * step_size * (v_norm / v_norm_new.clamp_min(1e-10))
+            eff_lr = max(1.0, p.shape[-2] / p.shape[-1]) ** 0.5 * lr_mul * lr
+            mask = (v * p) >= 0
+            p.copy_(p - p * mask * (wd * lr) * eff_lr - v * eff_lr)
+            states[i] = (buf, second)
+    return params
+
+
+def test_normuon_with_cautious_decay_matches_the_seeds_step():
+    from lengthgen.train.normuon import NorMuon
+    torch.manual_seed(0)
+    shapes = [(12, 4), (4, 12), (6, 6)]            # per-row statistics, per-column, square (per row)
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    expected = reference_normuon([p.clone() for p in start], grads, lr=0.05, lr_mul=2.0, wd=1.2)
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    opt = NorMuon([{"params": params, "lr": 0.05 * 2.0, "lr_mul": 2.0}], weight_decay=1.2, cautious=True)
+    for grad_list in grads:
+        for p, g in zip(params, grad_list):
+            p.grad = g.clone()
+        opt.step()
+    for p, want, before in zip(params, expected, start):
+        torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(p.detach(), before)
+    # the decay did something, and only where the update had the weight's sign
+    plain = NorMuon([{"params": [torch.nn.Parameter(start[0].clone())], "lr": 0.1, "lr_mul": 2.0}])
+    plain.param_groups[0]["params"][0].grad = grads[0][0].clone()
+    plain.step()
+    params[0].data.copy_(start[0])
+    opt = NorMuon([{"params": [params[0]], "lr": 0.1, "lr_mul": 2.0}], weight_decay=1.2, cautious=True)
+    params[0].grad = grads[0][0].clone()
+    opt.step()
+    decayed = plain.param_groups[0]["params"][0].detach() - params[0].detach()
+    assert (decayed != 0).any() and (decayed == 0).any()
+    torch.testing.assert_close(decayed, start[0] * (decayed != 0) * 1.2 * 0.05 * 0.1 * 3 ** 0.5, rtol=1e-4,
+                               atol=1e-7)
+
+
+def test_normuon_update_has_the_orthogonalized_norm_and_equal_row_scale():
+    """NorMuon's normalization keeps the update's Frobenius norm; with beta2 = 0 every row has the same RMS."""
+    from lengthgen.train.normuon import normalize_per_neuron
+    torch.manual_seed(1)
+    update = torch.randn(8, 3) * torch.linspace(0.1, 3, 8)[:, None]
+    out = normalize_per_neuron(update.clone(), torch.zeros(8, 1), beta2=0.0)
+    torch.testing.assert_close(out.norm(), update.norm())
+    rms = out.square().mean(dim=1)
+    torch.testing.assert_close(rms, rms.mean().expand(8))
+    wide = normalize_per_neuron(update.T.clone(), torch.zeros(1, 8), beta2=0.0)
+    torch.testing.assert_close(wide, out.T)
+
+
+def test_cautious_adamw_matches_the_seeds_distadam_decay():
+    """Seed 000's DistAdam: update += wd lr^2 p [update p > 0] before p -= update (Adam in float64)."""
+    from lengthgen.train.normuon import CautiousAdamW
+    torch.manual_seed(2)
+    start, lr, wd, (b1, b2), eps = torch.randn(5, 4, dtype=torch.float64), 0.3, 0.5, (0.8, 0.95), 1e-10
+    grads = [torch.randn(5, 4, dtype=torch.float64) for _ in range(3)]
+    p, m, v = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
+    for t, g in enumerate(grads, 1):
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        update = lr / (1 - b1 ** t) * m / ((v / (1 - b2 ** t)).sqrt() + eps)
+        p = p - update - wd * lr ** 2 * p * (update * p > 0)
+    param = torch.nn.Parameter(start.clone())
+    opt = CautiousAdamW([{"params": [param], "weight_decay": 0.0, "cautious_decay": wd}], lr=lr, betas=(b1, b2),
+                        eps=eps)
+    plain = torch.nn.Parameter(start.clone())
+    plain_opt = torch.optim.AdamW([plain], lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0)
+    for g in grads:
+        param.grad, plain.grad = g.clone(), g.clone()
+        opt.step()
+        plain_opt.step()
+    torch.testing.assert_close(param.detach(), p, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(param.detach(), plain.detach())
+
+
+def test_weight_decay_mul_and_cautious_groups():
+    cfg = config("model.vocab_size=8", "train.optimizer=normuon", "train.weight_decay=0.01",
+                 "train.weight_decay_on=all", "train.muon_weight_decay=1.2", "train.cautious_weight_decay=true",
+                 "train.weight_decay_mul={\"*\" = 0.0, \"embed.weight\" = 150.0, \"head.weight\" = 150.0}")
+    model = GPT(cfg.model.replace(head="lm", tie_embeddings=False))
+    normuon, adamw = build_optimizers(model, cfg.train)
+    assert type(normuon).__name__ == "NorMuon" and normuon.param_groups[0]["cautious"]
+    assert normuon.param_groups[0]["weight_decay"] == 1.2 and normuon.param_groups[0]["beta2"] == 0.95
+    group_of = {name: g for g in adamw.param_groups for p in g["params"] for name, q in model.named_parameters()
+                if q is p}
+    assert type(adamw).__name__ == "CautiousAdamW"
+    assert group_of["embed.weight"]["cautious_decay"] == pytest.approx(1.5)
+    assert {name for name, g in group_of.items() if g["cautious_decay"]} == {"embed.weight", "head.weight"}
+    assert "final_norm.weight" in group_of
+    assert all(g["weight_decay"] == 0 for g in adamw.param_groups)
+    plain = build_optimizers(model, cfg.override("train.cautious_weight_decay=false").train)[1]
+    assert type(plain) is torch.optim.AdamW
+    assert sorted(g["weight_decay"] for g in plain.param_groups) == pytest.approx([0.0, 1.5])
+
+
+def test_cautious_decay_needs_normuon_or_adamw():
+    with pytest.raises(ConfigError, match=r"train.cautious_weight_decay=True is not valid; it must be false with "
+                                          r"optimizer muon .*set train.optimizer to normuon or adamw"):
+        config("train.optimizer=muon", "train.cautious_weight_decay=true")
+
+
+def test_normuon_cautious_run_resumes_exactly(tmp_path):
+    cfg = config("train.optimizer=normuon", "train.cautious_weight_decay=true", "train.weight_decay=0.1",
+                 "train.muon_weight_decay=1.0", "train.schedule=wsd", "train.cooldown_frac=0.5")
+    full = train(cfg, tmp_path / "full", progress=False)
+    train(cfg, tmp_path / "resumed", progress=False, stop_at=3)
+    resumed = train(cfg, tmp_path / "resumed", progress=False, resume=True)
+    assert resumed.history == full.history
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    muon = full.trainer.optimizers[0]
+    assert all("second_moment" in muon.state[p] for g in muon.param_groups for p in g["params"])

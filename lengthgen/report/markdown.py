@@ -148,8 +148,9 @@ def _optimizer(train: dict) -> str:
     def lr(name: str, key: str, multipliers: str) -> str:
         muls = ", ".join(f"x{m:g} on {pattern}" for pattern, m in (train.get(multipliers) or {}).items())
         return f"{name} lr {train.get(key)}" + (f" ({muls})" if muls else "")
-    adamw = lr("adamw" if train.get("optimizer") == "muon" else str(train.get("optimizer")), "lr", "adam_lr_mul")
-    return adamw if train.get("optimizer") != "muon" else f"{lr('muon', 'muon_lr', 'muon_lr_mul')} + {adamw}"
+    muon = train.get("optimizer") in ("muon", "normuon")
+    adamw = lr("adamw" if muon else str(train.get("optimizer")), "lr", "adam_lr_mul")
+    return f"{lr(train['optimizer'], 'muon_lr', 'muon_lr_mul')} + {adamw}" if muon else adamw
 
 
 def _seed_counts(results: Comparison) -> str:

@@ -23,7 +23,7 @@ from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
 
 Schedule = Literal["cosine", "wsd", "constant"]
-Optimizer = Literal["adamw", "muon"]
+Optimizer = Literal["adamw", "muon", "normuon"]
 MuonAdjust = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16"]
@@ -61,15 +61,22 @@ class TrainConfig:
     cooldown_frac: float = option(0.2, "wsd: fraction of the steps in the linear cooldown", ge=0, le=1)
     min_lr_ratio: float = option(0.0, "lr / peak lr the decay reaches at train.steps (cosine and wsd; the last "
                                  "update, at steps - 1, is one decay step above it)", ge=0, le=1)
-    optimizer: Optimizer = option("adamw", "adamw, or muon (Muon for 2-D hidden weights, AdamW for the rest)")
+    optimizer: Optimizer = option("adamw", "adamw, muon (torch Muon for 2-D hidden weights, AdamW for the rest) or "
+                                  "normuon (Muon with NorMuon's per-neuron normalization, seed 000)")
     betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas", ge=0, lt=1)
     eps: float = option(1e-8, "AdamW eps", ge=0)
     weight_decay: float = option(0.0, "AdamW weight decay (on the parameters weight_decay_on says)", ge=0)
     weight_decay_on: DecayOn = option("matrices", "AdamW decays matrices only (2-D weights, not norms, biases, "
                                       "scalars) or all parameters (seed 001)")
+    weight_decay_mul: dict[str, float] = option({}, "AdamW parameter-name pattern -> multiplier of its weight decay "
+                                                "(modded-nanogpt's wd_mul); later patterns win", ge=0)
+    cautious_weight_decay: bool = option(False, "decay only the entries whose update has their sign, at seed 000's "
+                                         "rates: AdamW wd x lr^2, NorMuon muon_weight_decay x muon_lr x the "
+                                         "matrix's update lr (scheduled; needs adamw or normuon)")
     muon_lr: float = option(0.02, "Muon learning rate", ge=0)
     muon_momentum: float = option(0.95, "Muon momentum", ge=0)
     muon_weight_decay: float = option(0.0, "Muon weight decay", ge=0)
+    muon_beta2: float = option(0.95, "normuon: decay of the per-neuron second moment", ge=0, lt=1)
     muon_adjust_lr: MuonAdjust = option("original", "torch.optim.Muon's adjust_lr_fn")
     muon_lr_mul: dict[str, float] = option({}, "Muon parameter-name pattern (fnmatch, e.g. 'blocks.*.mlp.proj."
                                            "weight') -> learning-rate multiplier (modded-nanogpt's lr_mul); "
@@ -119,6 +126,9 @@ class TrainConfig:
         if steps != sorted(set(steps)) or any(length < 1 for _, length in self.stages):
             raise invalid("TrainConfig.stages", self.stages, "a list of [step, length] pairs with increasing "
                           "steps >= 0 and lengths >= 1, e.g. [[0, 32], [500, 64]]")
+        if self.cautious_weight_decay and self.optimizer == "muon":
+            raise invalid("TrainConfig.cautious_weight_decay", True, "false with optimizer muon (torch Muon decays "
+                          "every entry); set train.optimizer to normuon or adamw")
         if self.wandb is not None and not self.wandb.strip():
             raise invalid("TrainConfig.wandb", self.wandb, "a W&B project name, or none (W&B off)")
 

@@ -1,4 +1,4 @@
-"""Optimizers (AdamW; Muon for 2-D hidden weights + AdamW for the rest) and QK-clip.
+"""Optimizers (AdamW; Muon or NorMuon for 2-D hidden weights + AdamW for the rest) and QK-clip.
 
 Muon (`torch.optim.Muon`) orthogonalizes the update of 2-D weight matrices; it is meant for hidden layers
 only. `muon_param_names` picks the 2-D parameters inside the transformer blocks (attention and MLP
@@ -6,7 +6,8 @@ projections, gates); embeddings, the head, norms, biases and scalars (e.g. learn
 multipliers) go to AdamW. ``train.muon_lr_mul`` and ``train.adam_lr_mul`` scale the learning rate of the
 parameters whose names match a pattern (modded-nanogpt's per-parameter ``lr_mul``), ``train.adam_betas`` sets
 AdamW's betas by pattern (its per-group betas). AdamW decays 2-D weights only, or every parameter
-(``weight_decay_on="all"``, as seed 001's optimizer does).
+(``weight_decay_on="all"``, as seed 001's optimizer does), each at ``weight_decay`` times its
+``train.weight_decay_mul`` multiplier (modded-nanogpt's ``wd_mul``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.config import ConfigError, pattern_matches
+from lengthgen.train.normuon import CautiousAdamW, NorMuon
 
 
 def muon_param_names(model: nn.Module) -> list[str]:
@@ -40,18 +42,20 @@ def by_pattern(key: str, names: list[str], patterns: dict[str, Any], default: An
 
 
 def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [Muon, AdamW] per ``train_cfg.optimizer``. Muon has one group per ``muon_lr_mul`` multiplier
-    (lr ``muon_lr * multiplier``), AdamW one per weight decay, ``adam_lr_mul`` multiplier and ``adam_betas``
-    (decayed groups first). Each group records its peak lr in ``initial_lr``."""
+    """[AdamW] or [Muon or NorMuon, AdamW] per ``train_cfg.optimizer``. Muon has one group per ``muon_lr_mul``
+    multiplier (lr ``muon_lr * multiplier``), AdamW one per weight decay, ``adam_lr_mul`` multiplier and
+    ``adam_betas`` (decayed groups first). With ``cautious_weight_decay``, `CautiousAdamW` and NorMuon decay
+    cautiously (`lengthgen.train.normuon`). Each group records its peak lr in ``initial_lr``."""
     tc = train_cfg
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    muon_names = muon_param_names(model) if tc.optimizer == "muon" else []
+    muon_names = muon_param_names(model) if tc.optimizer in ("muon", "normuon") else []
     if tc.muon_lr_mul and not muon_names:
-        raise ConfigError("train.muon_lr_mul applies only with train.optimizer=muon", "train.muon_lr_mul")
+        raise ConfigError("train.muon_lr_mul applies only with train.optimizer=muon or normuon", "train.muon_lr_mul")
     muon_mul = by_pattern("train.muon_lr_mul", muon_names, tc.muon_lr_mul, 1.0, "Muon parameter")
     adam_names = [name for name in params if name not in muon_mul]
     adam_mul = by_pattern("train.adam_lr_mul", adam_names, tc.adam_lr_mul, 1.0, "AdamW parameter")
     adam_betas = by_pattern("train.adam_betas", adam_names, tc.adam_betas, tuple(tc.betas), "AdamW parameter")
+    decay_mul = by_pattern("train.weight_decay_mul", adam_names, tc.weight_decay_mul, 1.0, "AdamW parameter")
     muon_groups: dict[float, list[nn.Parameter]] = {}
     adam_groups: dict[tuple, list[nn.Parameter]] = {}
     for name, p in params.items():
@@ -59,18 +63,25 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
             muon_groups.setdefault(muon_mul[name], []).append(p)
         else:
             decayed = p.ndim >= 2 or tc.weight_decay_on == "all"
-            adam_groups.setdefault((decayed, adam_mul[name], tuple(adam_betas[name])), []).append(p)
+            decay = tc.weight_decay * decay_mul[name] if decayed else 0.0
+            adam_groups.setdefault((decayed, decay, adam_mul[name], tuple(adam_betas[name])), []).append(p)
     optimizers: list[torch.optim.Optimizer] = []
     if muon_groups:
-        groups = [{"params": ps, "lr": tc.muon_lr * mul} for mul, ps in muon_groups.items()]
-        optimizers.append(torch.optim.Muon(groups, lr=tc.muon_lr, weight_decay=tc.muon_weight_decay,
-                                           momentum=tc.muon_momentum, nesterov=True, adjust_lr_fn=tc.muon_adjust_lr))
+        groups = [{"params": ps, "lr": tc.muon_lr * mul, "lr_mul": mul} for mul, ps in muon_groups.items()]
+        kwargs = dict(lr=tc.muon_lr, weight_decay=tc.muon_weight_decay, momentum=tc.muon_momentum,
+                      adjust_lr_fn=tc.muon_adjust_lr)
+        optimizers.append(NorMuon(groups, beta2=tc.muon_beta2, cautious=tc.cautious_weight_decay, **kwargs)
+                          if tc.optimizer == "normuon" else torch.optim.Muon(groups, nesterov=True, **kwargs))
     if adam_groups:
         ordered = sorted(adam_groups.items(), key=lambda group: not group[0][0])     # decayed groups first
-        groups = [{"params": ps, "weight_decay": tc.weight_decay if decayed else 0.0, "lr": tc.lr * mul,
-                   "betas": betas} for (decayed, mul, betas), ps in ordered]
+        groups = [{"params": ps, "weight_decay": decay, "lr": tc.lr * mul, "betas": betas}
+                  for (_, decay, mul, betas), ps in ordered]
+        if tc.cautious_weight_decay:
+            for group in groups:
+                group["cautious_decay"], group["weight_decay"] = group["weight_decay"], 0.0
         fused = all(p.is_cuda for g in groups for p in g["params"]) or None
-        optimizers.append(torch.optim.AdamW(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, fused=fused))
+        adamw = CautiousAdamW if tc.cautious_weight_decay else torch.optim.AdamW
+        optimizers.append(adamw(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, fused=fused))
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
