@@ -151,7 +151,8 @@ def _seed_row(module, length: int, head_dim: int, p: float) -> dict[str, Any]:
     import triton
 
     from lengthgen.attention import AttentionSpec, attend
-    from lengthgen.experiments.bench import causal_flops, measure
+    from lengthgen.experiments.bench import causal_flops
+    from lengthgen.experiments.timing import measure
 
     for kernel in (module._fwd_kernel, module._bwd_kernel, module._bwd_dq_kernel):
         kernel.configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
@@ -170,7 +171,7 @@ def _seed_row(module, length: int, head_dim: int, p: float) -> dict[str, Any]:
                                max_abs_diff=(outs["lengthgen"] - outs["seed001"]).abs().max().item())
     flops = sum(causal_flops(batch, heads, length, head_dim))
     for name, fn in calls.items():
-        ms = measure(lambda: torch.autograd.grad(fn(), (q, k, v), grad), dev, 3, 10)
+        ms = measure(lambda: torch.autograd.grad(fn(), (q, k, v), grad), dev, 3, 10).median
         row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flops / (ms * 1e-3) / 1e12
     row["ratio"] = row["lengthgen_ms"] / row["seed001_ms"]
     return row

@@ -39,19 +39,23 @@ def test_bench_cpu_rows_and_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["columns"] == list(bench.COLUMNS)
     assert data["meta"]["device"] == "cpu"
-    assert len(data["rows"]) == len(rows) == 1 + 3 * 4
+    assert len(data["rows"]) == len(rows) == 2 + 3 * 4
     for row in data["rows"]:
         assert set(row) == set(bench.COLUMNS)
         assert (row["length"], row["head_dim"], row["batch"], row["heads"], row["dtype"]) == (32, 16, 1, 2, "float32")
     by = {(r["backend"], r["variant"]): r for r in rows}
-    ref = by[("sdpa_flash", "baseline")]
+    ref, default = by[("sdpa_flash", "baseline")], by[("sdpa_default", "baseline")]
     assert ref["status"] == "ok" and ref["ratio_vs_sdpa_flash"] == 1.0 and ref["mode"] == "fwd+bwd"
+    assert default["status"] == "ok" and default["ratio_vs_sdpa_default"] == 1.0
     for name in ("dense", "tiled"):
         for variant in ("baseline", "l2", "doc_l2"):
             row = by[(name, variant)]
             assert row["status"] == "ok" and row["mode"] == "fwd+bwd", row
             assert row["total_ms"] > 0 and row["fwd_ms"] > 0 and row["total_tflops"] > 0
+            assert row["rounds"] == 1 and row["check_error"] < 1e-5       # checked against the dense oracle
+            # one round: the per-round ratio is the ratio of the times
             assert row["ratio_vs_sdpa_flash"] == pytest.approx(row["total_ms"] / ref["total_ms"])
+            assert row["ratio_q1"] == row["ratio_q3"] == row["ratio_vs_sdpa_flash"]
             assert row["peak_mem_mib"] is None                                  # CUDA only
     assert by[("sdpa", "baseline")]["status"] == "ok"
     assert by[("sdpa", "l2")]["status"].startswith("unsupported: softmax_p")
@@ -88,8 +92,13 @@ def test_cli_script_on_cpu(tmp_path):
     assert "x flash" in proc.stdout and str(out) in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [(r["backend"], r["variant"]) for r in rows] == [
-        ("sdpa_flash", "baseline"), ("dense", "baseline"), ("sdpa", "baseline"), ("dense", "alibi"), ("sdpa", "alibi")]
-    assert rows[4]["status"].startswith("unsupported")
+        ("sdpa_flash", "baseline"), ("sdpa_default", "baseline"), ("dense", "baseline"), ("sdpa", "baseline"),
+        ("dense", "alibi"), ("sdpa", "alibi")]
+    assert rows[5]["status"].startswith("unsupported")
+    again = subprocess.run(proc.args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and again.stderr.strip().endswith(f"--out {out} exists; pass --overwrite to "
+                                                                   "replace it, or give another --out")
+    assert json.loads(out.read_text())["rows"] == rows                # untouched
 
 
 @pytest.mark.gpu
@@ -113,23 +122,75 @@ def test_out_of_memory_is_a_row(monkeypatch):
     monkeypatch.setattr(bench, "attend", attend)
     rows = bench.bench_attention(lengths=(16,), head_dims=(16,), variants=("l2", "alibi"), backends=("dense",),
                                  batch=1, heads=2, dtype="float32", device="cpu", warmup=0, reps=1, verbose=False)
-    assert [r["status"] for r in rows] == ["ok", "oom", "error: RuntimeError: shape mismatch"]
+    assert [r["status"] for r in rows] == ["ok", "ok", "oom", "error: RuntimeError: shape mismatch"]
 
 
 def test_time_budget_skips_the_cases_not_started():
     rows = bench.bench_attention(lengths=(16,), head_dims=(16,), variants=("baseline", "l2"), backends=("dense",),
                                  batch=1, heads=2, dtype="float32", device="cpu", warmup=0, reps=1,
                                  time_budget_s=0.0, verbose=False)
-    assert [(r["backend"], r["status"]) for r in rows] == [("sdpa_flash", "ok"), ("dense", "skipped: time budget"),
+    assert [(r["backend"], r["status"]) for r in rows] == [("sdpa_flash", "ok"), ("sdpa_default", "ok"),
+                                                           ("dense", "skipped: time budget"),
                                                            ("dense", "skipped: time budget")]
 
 
 def test_measure_interleaved_alternates_the_calls():
     """Warm-up calls of each, then one call of each per round, so that a slow moment hits every case."""
-    from lengthgen.experiments.bench import measure_interleaved
+    from lengthgen.experiments.timing import measure_interleaved
 
     order = []
     fns = {name: (lambda name=name: order.append(name)) for name in ("a", "b", "c")}
     ms = measure_interleaved(fns, torch.device("cpu"), warmup=1, reps=3)
     assert order == ["a", "b", "c"] + ["a", "b", "c"] * 3
-    assert set(ms) == {"a", "b", "c"} and all(t >= 0 for t in ms.values())
+    assert set(ms) == {"a", "b", "c"} and all(len(t.rounds) == 3 and t.median >= 0 for t in ms.values())
+
+
+def test_timing_ratios_are_per_round():
+    from lengthgen.experiments.timing import Timing
+
+    case, ref = Timing((2.0, 9.0, 4.0, 6.0)), Timing((1.0, 3.0, 4.0, 3.0))
+    assert (case / ref).rounds == (2.0, 3.0, 1.0, 2.0) and (case / ref).median == 2.0
+    assert case.median / ref.median != (case / ref).median        # not the ratio of the medians
+    assert (case / ref).quartiles() == (1.75, 2.25)
+    assert (case - ref).rounds == (1.0, 6.0, 0.0, 3.0)
+    assert Timing((5.0,)).quartiles() == (5.0, 5.0)
+
+
+def test_a_case_that_differs_from_the_oracle_is_an_error_row(monkeypatch):
+    """Each case is checked against the dense oracle before it is timed: a wrong kernel is not reported as fast."""
+    real = bench.attend
+
+    def attend(q, k, v, spec, **kwargs):
+        out = real(q, k, v, spec, **kwargs)
+        return out * 1.1 if kwargs.get("backend") == "tiled" else out
+    monkeypatch.setattr(bench, "attend", attend)
+    rows = bench.bench_attention(lengths=(16,), head_dims=(16,), variants=("l2",), backends=("dense", "tiled"),
+                                 batch=1, heads=2, dtype="float32", device="cpu", warmup=0, reps=1, verbose=False)
+    by = {r["backend"]: r for r in rows}
+    assert by["dense"]["status"] == "ok" and by["dense"]["check_error"] == 0
+    assert by["tiled"]["status"].startswith("error: differs from the dense oracle by 0.1")
+    assert by["tiled"]["total_ms"] is None
+
+
+def test_out_path_is_checked_before_measuring(tmp_path, monkeypatch, capsys):
+    """An existing --out is refused (nothing measured, the file kept) unless --overwrite; the JSON is written
+    after each group, so an interrupted run keeps what it measured."""
+    from lengthgen.cli import main as cli_main
+
+    out = tmp_path / "b.json"
+    out.write_text("keep")
+    monkeypatch.setattr(bench, "bench_attention", lambda *a, **k: pytest.fail("measured before checking --out"))
+    assert cli_main(["bench", "attention", "--device", "cpu", "--out", str(out)]) == 2
+    assert out.read_text() == "keep" and "pass --overwrite" in capsys.readouterr().err
+    monkeypatch.undo()
+    writes = []
+    monkeypatch.setattr(bench, "write_json", lambda rows, path, device: writes.append(len(rows)))
+    bench.bench_attention(lengths=(16, 32), head_dims=(16,), variants=("baseline",), backends=("dense",), batch=1,
+                          heads=2, dtype="float32", out_json=out, device="cpu", warmup=0, reps=1, verbose=False)
+    assert writes == [3, 6]
+
+
+def test_lengths_beyond_max_size_are_a_one_line_error():
+    parser = bench.add_arguments(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lengths", "99999999999999999999"])

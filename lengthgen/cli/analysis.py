@@ -217,7 +217,7 @@ def bench_command(args: argparse.Namespace) -> int:
     """Benchmark attention backends x variants against SDPA (ratios measured in the same run)."""
     from lengthgen.experiments import bench
 
-    with writing(Path(args.out)) if args.out else contextlib.nullcontext():
+    with writing(bench.output_path(args)):
         bench.main(args)
     return 0
 

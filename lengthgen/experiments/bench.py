@@ -1,11 +1,15 @@
-"""Attention benchmark: every backend x variant against ``F.scaled_dot_product_attention`` (flash, p = 1).
+"""Attention benchmark: every backend x variant against ``F.scaled_dot_product_attention`` with p = 1.
 
-For each (length, head_dim, backend, variant) one row: forward and forward+backward time (median of ``reps``
-after ``warmup``; CUDA events on GPU, ``perf_counter`` on CPU), TFLOP/s in the FlashAttention convention
-(causal forward ``4 b s^2 h d / 2``, backward 2.5x forward; masked and p != 1 variants are credited the same
-nominal FLOPs, so their TFLOP/s is "causal-softmax-equivalent"), peak memory (``torch.cuda.max_memory_allocated``
-during one forward+backward, CUDA only) and the time ratio to SDPA's flash kernel with p = 1 on the same shapes,
-measured in the same run and the same mode.
+For each (length, head_dim) group, every case is first checked against the dense oracle (forward and gradients, in
+float32, where its weights fit in `CHECK_MAX_BYTES`; a mismatch is an ``error`` row, not a time), then the group's
+cases and the two references are timed in the same interleaved rounds (`lengthgen.experiments.timing`:
+`torch.utils.benchmark` timers): forward and forward+backward in each round, so the backward is their difference
+within a round. One row per case: median times, TFLOP/s in the FlashAttention convention (causal forward
+``4 b s^2 h d / 2``, backward 2.5x forward; masked and p != 1 variants are credited the same nominal FLOPs, so their
+TFLOP/s is "causal-softmax-equivalent"), peak memory (``torch.cuda.max_memory_allocated`` during one
+forward+backward, CUDA only), and the median and quartiles over rounds of the per-round time ratio to SDPA's flash
+kernel (``sdpa_flash``, the kernel forced) and to SDPA as it dispatches by default (``sdpa_default``: cuDNN or
+flash on an H100), in the same mode.
 
 A backend that cannot train a variant on this device but can run inference (FlexAttention on CPU) is timed
 forward only; its row says ``mode = fwd`` and the table marks it. `add_arguments` + `main` are the CLI
@@ -15,13 +19,13 @@ forward only; its row says ``mode = fwd`` and the table marks it. `add_arguments
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
 import math
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -32,8 +36,9 @@ import torch.nn.functional as F
 from lengthgen.attention import AttentionSpec, attend
 from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import backends as attention_backends
-from lengthgen.config import ConfigError
+from lengthgen.config import MAX_SIZE, ConfigError
 from lengthgen.eval.results import Provenance
+from lengthgen.experiments.timing import measure_interleaved
 from lengthgen.memory import out_of_memory
 
 #: benchmarked variants: name -> (spec, packed documents?). Only attend() is timed (query scaling, distance
@@ -48,16 +53,20 @@ VARIANTS: dict[str, tuple[AttentionSpec, bool]] = {
     "log_bias": (AttentionSpec.preset("log_bias"), False),
     "doc_l2": (AttentionSpec.preset("l2", doc_masking=True), True),
 }
-REFERENCE = "sdpa_flash"
+REFERENCE, DEFAULT_SDPA = "sdpa_flash", "sdpa_default"
 GPU_LENGTHS = (1024, 4096, 16384, 65536)
 CPU_LENGTHS = (256, 512)
 GPU_BACKENDS = ("triton", "flex", "sdpa")
 CPU_BACKENDS = ("dense", "tiled", "sdpa", "cpu_flash", "flex")
 DENSE_MAX_BYTES = 8 << 30          # skip the dense oracle when its (B, H, L, L) fp32 weights exceed this
+CHECK_MAX_BYTES = 1 << 30          # check each case against the dense oracle when its fp32 weights fit in this
+#: largest error of a case against the fp32 dense oracle, relative to the oracle's largest magnitude
+CHECK_TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-3}
 
 COLUMNS = ("device", "backend", "variant", "length", "head_dim", "batch", "heads", "dtype", "mode", "status",
            "fwd_ms", "bwd_ms", "total_ms", "fwd_tflops", "bwd_tflops", "total_tflops", "peak_mem_mib",
-           "ref_ms", "ratio_vs_sdpa_flash")
+           "rounds", "check_error", "ref_ms", "ratio_vs_sdpa_flash", "ratio_q1", "ratio_q3",
+           "ratio_vs_sdpa_default")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -68,51 +77,6 @@ def causal_flops(batch: int, heads: int, length: int, head_dim: int) -> tuple[fl
     """(forward, backward) FLOPs of causal attention, FlashAttention convention."""
     fwd = 4 * batch * length ** 2 * heads * head_dim / 2
     return fwd, 2.5 * fwd
-
-
-def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
-    if device.type == "cuda":
-        def cuda_time(fn: Callable[[], Any]) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end)
-        return cuda_time
-
-    def cpu_time(fn: Callable[[], Any]) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return cpu_time
-
-
-def measure(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn`` after ``warmup`` calls."""
-    timer = _timer(device)
-    for _ in range(warmup):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return statistics.median(timer(fn) for _ in range(max(1, reps)))
-
-
-def measure_interleaved(fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int, reps: int
-                        ) -> dict[str, float]:
-    """Median milliseconds of each of ``fns``, timed in ``reps`` interleaved rounds (one call of each per round,
-    after ``warmup`` calls of each), so that a busy moment of the device slows all of them alike."""
-    timer = _timer(device)
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(max(1, reps)):
-        for name, fn in fns.items():
-            times[name].append(timer(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def packed_doc_ids(batch: int, length: int, device, seed: int = 0) -> torch.Tensor:
@@ -142,42 +106,38 @@ def _inputs(batch, heads, length, head_dim, dtype, device, seed=0):
     return q, k, v, grad
 
 
-def _time_case(forward: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor,
-               train: bool, device: torch.device, warmup: int, reps: int) -> dict:
-    """fwd / bwd / total ms and peak memory of one case."""
-    if not train:
-        with torch.no_grad():
-            fwd = measure(forward, device, warmup, reps)
-        return dict(fwd_ms=fwd, bwd_ms=None, total_ms=fwd, peak_mem_mib=_peak(lambda: forward(), device, False))
-
-    def fwd_bwd():
-        out = forward()
-        torch.autograd.grad(out, inputs, grad)
-
-    fwd = measure(forward, device, warmup, reps)
-    total = measure(fwd_bwd, device, warmup, reps)
-    return dict(fwd_ms=fwd, bwd_ms=max(total - fwd, 0.0), total_ms=total,
-                peak_mem_mib=_peak(fwd_bwd, device, True))
-
-
-def _peak(fn: Callable[[], Any], device: torch.device, train: bool) -> float | None:
+def _peak(fn: Callable[[], Any], device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    if train:
-        fn()
-    else:
-        with torch.no_grad():
-            fn()
+    fn()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) / 2 ** 20
 
 
-def _reference(q, k, v):
+def _sdpa(q, k, v, *, flash: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash else contextlib.nullcontext():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _check(forward: Callable[..., torch.Tensor], spec: AttentionSpec, doc_ids, q, k, v, grad, train: bool
+           ) -> float | None:
+    """The largest error of ``forward`` (and with ``train`` its gradients) against the dense oracle on the same
+    inputs in float32, relative to the oracle's largest magnitude; None when the oracle's weights would not fit in
+    `CHECK_MAX_BYTES`."""
+    b, h, length, _ = q.shape
+    if b * h * length * length * 4 > CHECK_MAX_BYTES:
+        return None
+    ref_inputs = [t.detach().float().requires_grad_(train) for t in (q, k, v)]
+    want = [attend(*ref_inputs, spec, doc_ids=doc_ids, backend="dense")]
+    inputs = [t.detach().requires_grad_(train) for t in (q, k, v)]
+    got = [forward(*inputs)]
+    if train:
+        want += torch.autograd.grad(want[0], ref_inputs, grad.float())
+        got += torch.autograd.grad(got[0], inputs, grad)
+    return max(float((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-30)) for g, w in zip(got, want))
 
 
 def _with_tflops(row: dict, flops: tuple[float, float]) -> dict:
@@ -193,6 +153,14 @@ def _with_tflops(row: dict, flops: tuple[float, float]) -> dict:
 # the benchmark
 
 
+@dataclasses.dataclass
+class _Case:
+    """One row being measured: its forward (taking q, k, v) and whether it trains."""
+    row: dict
+    forward: Callable[..., torch.Tensor] | None = None
+    train: bool = False
+
+
 def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[int] = (64, 128),
                     variants: Iterable[str] | None = None, backends: Iterable[str] | None = None,
                     batch: int | None = None, heads: int | None = None, dtype: str | torch.dtype = "bfloat16",
@@ -203,9 +171,10 @@ def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[in
 
     ``batch`` defaults to ``tokens // length`` (at least 1) and ``heads`` to ``model_dim // head_dim``
     (FlashAttention's benchmark convention); on CPU both default to small values (1 and 4). Rows of
-    unsupported combinations are kept with ``status = "unsupported: <reason>"`` (and ``oom`` / ``skipped``).
-    ``time_budget_s``: cases not started within it are kept as ``skipped: time budget``.
-    ``out_json``: write ``{"meta": ..., "rows": [...]}`` there.
+    unsupported combinations are kept with ``status = "unsupported: <reason>"`` (and ``oom`` / ``skipped`` /
+    ``error: ...``, a mismatch with the dense oracle included). ``time_budget_s``: cases not started within it are
+    kept as ``skipped: time budget``. ``out_json``: rewritten (atomically) after each group with
+    ``{"meta": ..., "rows": [...]}``, so an interrupted run keeps what it measured.
     """
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -230,62 +199,123 @@ def bench_attention(lengths: Iterable[int] | None = None, head_dims: Iterable[in
             h = heads or (max(1, model_dim // head_dim) if on_cuda else 4)
             base = dict(device=str(device), length=length, head_dim=head_dim, batch=b, heads=h,
                         dtype=str(dtype).replace("torch.", ""))
-            flops = causal_flops(b, h, length, head_dim)
             q, k, v, grad = _inputs(b, h, length, head_dim, dtype, device)
-            ref = {}
-            for mode in ("fwd+bwd", "fwd"):
-                try:
-                    ref[mode] = _time_case(functools.partial(_reference, q, k, v), (q, k, v), grad, mode == "fwd+bwd",
-                                           device, warmup, reps)
-                except Exception as err:  # noqa: BLE001 - a row, not a crash
-                    ref[mode] = {"status": "oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"}
-                    _free(device)
-            ref_row = dict(base, backend=REFERENCE, variant="baseline", mode="fwd+bwd",
-                           status=ref["fwd+bwd"].get("status", "ok"), **{k_: v_ for k_, v_ in ref["fwd+bwd"].items()
-                                                                           if k_ != "status"})
-            ref_row.update(ref_ms=ref_row.get("total_ms"), ratio_vs_sdpa_flash=1.0 if "total_ms" in ref_row else None)
-            rows.append(_finish(_with_tflops(ref_row, flops), verbose))
+            cases = [_warm(_Case(dict(base, backend=name, variant="baseline", mode="fwd+bwd"),
+                                 functools.partial(_sdpa, flash=name == REFERENCE), True), (q, k, v), grad, device)
+                     for name in (REFERENCE, DEFAULT_SDPA)]
             for variant in variants:
                 spec, docs = VARIANTS[variant]
                 doc_ids = packed_doc_ids(b, length, device) if docs else None
                 for name in backends:
                     row = dict(base, backend=name, variant=variant)
                     if deadline is not None and time.perf_counter() > deadline:
-                        rows.append(_finish(dict(row, mode="-", status="skipped: time budget"), verbose))
-                        continue
-                    rows.append(_finish(_with_tflops(_bench_one(row, name, spec, doc_ids, q, k, v, grad, ref,
-                                                                device, warmup, reps), flops), verbose))
-            del q, k, v, grad
+                        cases.append(_Case(dict(row, mode="-", status="skipped: time budget")))
+                    else:
+                        case = _prepare(row, name, spec, doc_ids, q, k, v, grad, device)
+                        cases.append(_warm(case, (q, k, v), grad, device))
+            _time_group(cases, (q, k, v), grad, device, warmup, reps)
+            flops = causal_flops(b, h, length, head_dim)
+            rows += [_finish(_with_tflops(case.row, flops), verbose) for case in cases]
+            del q, k, v, grad, cases
             _free(device)
-    if out_json is not None:
-        write_json(rows, out_json, device)
+            if out_json is not None:
+                write_json(rows, out_json, device)
     return rows
 
 
-def _bench_one(row, name, spec, doc_ids, q, k, v, grad, ref, device, warmup, reps) -> dict:
+def _prepare(row: dict, name: str, spec: AttentionSpec, doc_ids, q, k, v, grad, device) -> _Case:
+    """The case of backend ``name`` on ``spec``: its mode and its check against the dense oracle, or a row that
+    says why it is not timed."""
     train_reason = attention_backends.unsupported(name, spec, q, True)
     infer_reason = attention_backends.unsupported(name, spec, q, False) if train_reason else None
     if train_reason and infer_reason:
-        return dict(row, mode="-", status=f"unsupported: {train_reason}")
+        return _Case(dict(row, mode="-", status=f"unsupported: {train_reason}"))
     train = train_reason is None
     row["mode"] = "fwd+bwd" if train else "fwd"
     b, h, length, _ = q.shape
     if name == "dense" and b * h * length * length * 4 > DENSE_MAX_BYTES:
-        return dict(row, status=f"skipped: dense weights need {b * h * length * length * 4 / 2 ** 30:.0f} GiB")
+        return _Case(dict(row, status=f"skipped: dense weights need {b * h * length * length * 4 / 2 ** 30:.0f} GiB"))
 
-    def forward():
-        return attend(q, k, v, spec, doc_ids=doc_ids, backend=name)
+    def forward(q_, k_, v_):
+        return attend(q_, k_, v_, spec, doc_ids=doc_ids, backend=name)
 
     try:
-        row.update(_time_case(forward, (q, k, v), grad, train, device, warmup, reps), status="ok")
+        with contextlib.nullcontext() if train else torch.no_grad():
+            error = _check(forward, spec, doc_ids, q, k, v, grad, train)
     except Exception as err:  # noqa: BLE001 - a row, not a crash
         _free(device)
-        return dict(row, status="oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}")
-    reference = ref[row["mode"]]
-    row["ref_ms"] = reference.get("total_ms")
-    if row["ref_ms"]:
-        row["ratio_vs_sdpa_flash"] = row["total_ms"] / row["ref_ms"]
-    return row
+        return _Case(dict(row, status="oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"))
+    row["check_error"] = error
+    limit = CHECK_TOLERANCE.get(q.dtype, 1e-3)
+    if error is not None and not error <= limit:
+        return _Case(dict(row, status=f"error: differs from the dense oracle by {error:.3g} (relative; tolerance "
+                                      f"{limit:g})"))
+    return _Case(row, forward, train)
+
+
+def _calls(case: _Case, inputs: Sequence[torch.Tensor], grad: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """What is timed of a case: ``fwd`` and ``total`` (forward + backward) when it trains, else ``infer`` (the
+    forward under no_grad); the references time all three."""
+    forward = functools.partial(case.forward, *inputs)
+    calls = {"infer": functools.partial(_no_grad, forward)}
+    if case.train:
+        calls.update(fwd=forward, total=functools.partial(_forward_backward, forward, inputs, grad))
+    return calls
+
+
+def _warm(case: _Case, inputs: Sequence[torch.Tensor], grad: torch.Tensor, device: torch.device) -> _Case:
+    """One call of what will be timed, so that an out-of-memory case is its own row, not a failed group."""
+    if case.forward is None:
+        return case
+    try:
+        _calls(case, inputs, grad)["total" if case.train else "infer"]()
+    except Exception as err:  # noqa: BLE001 - a row, not a crash
+        _free(device)
+        return _Case(dict(case.row, status="oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"))
+    return case
+
+
+def _time_group(cases: list[_Case], inputs: Sequence[torch.Tensor], grad: torch.Tensor, device: torch.device,
+                warmup: int, reps: int) -> None:
+    """Time every case that has a forward, with the references (``cases[:2]``), in the same interleaved rounds;
+    fill the rows. A forward-only case is compared with the references' forward under no_grad."""
+    inference = any(case.forward is not None and not case.train for case in cases[2:])
+    calls = {(i, what): fn for i, case in enumerate(cases) if case.forward is not None
+             for what, fn in _calls(case, inputs, grad).items()
+             if what != "infer" or (i < 2 and inference) or not case.train}
+    try:
+        timings = measure_interleaved(calls, device, warmup, reps)
+    except Exception as err:  # noqa: BLE001 - rows, not a crash
+        _free(device)
+        status = "oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"
+        for i, _ in calls:
+            cases[i].row["status"] = status
+        return
+    for i, case in enumerate(cases):
+        if case.forward is None:
+            continue
+        what = "total" if case.train else "infer"
+        fwd, total = timings[i, "fwd" if case.train else "infer"], timings[i, what]
+        references = [timings.get((r, what)) for r in (0, 1)]
+        ratios = [None if ref is None else total / ref for ref in references]
+        backward = (total - fwd).median if case.train else None
+        case.row.update(status="ok", fwd_ms=fwd.median, total_ms=total.median, rounds=len(total.rounds),
+                        bwd_ms=backward if backward is None or backward > 0 else None,
+                        ref_ms=None if references[0] is None else references[0].median,
+                        ratio_vs_sdpa_flash=None if ratios[0] is None else ratios[0].median,
+                        ratio_q1=None if ratios[0] is None else ratios[0].quartiles()[0],
+                        ratio_q3=None if ratios[0] is None else ratios[0].quartiles()[1],
+                        ratio_vs_sdpa_default=None if ratios[1] is None else ratios[1].median,
+                        peak_mem_mib=_peak(calls[i, what], device))
+
+
+def _forward_backward(forward: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], grad: torch.Tensor):
+    torch.autograd.grad(forward(), inputs, grad)
+
+
+def _no_grad(forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return forward()
 
 
 def _finish(row: dict, verbose: bool) -> dict:
@@ -332,11 +362,11 @@ def format_table(rows: Sequence[dict]) -> str:
 def write_json(rows: Sequence[dict], path: str | os.PathLike, device: torch.device) -> Path:
     """Write the rows atomically with their provenance (`lengthgen.eval.Provenance`) and conventions."""
     meta = dict(dataclasses.asdict(Provenance.capture(device)), python=platform.python_version(),
-                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+                device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else
+                platform.processor() or platform.machine(),
                 flops="causal forward 4*b*s^2*h*d/2, backward 2.5x forward", reference=REFERENCE)
     return atomic_write_text(path, json.dumps({"meta": meta, "columns": list(COLUMNS), "rows": list(rows)}, indent=1,
-                                              default=lambda x: None if isinstance(x, float) and math.isnan(x)
-                                              else str(x)))
+                                              default=str))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -344,13 +374,14 @@ def write_json(rows: Sequence[dict], path: str | os.PathLike, device: torch.devi
 
 
 def _positive(text: str, at_least: int = 1) -> int:
-    """An integer >= ``at_least`` (a ``k`` suffix multiplies by 1024), else argparse's one-line error."""
+    """An integer from ``at_least`` to `MAX_SIZE` (a ``k`` suffix multiplies by 1024), else argparse's one-line
+    error."""
     try:
         value = int(float(text[:-1]) * 1024) if text.lower().endswith("k") else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < at_least:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; give an integer >= {at_least}")
+    if not at_least <= value <= MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{value} is not valid; give an integer from {at_least} to {MAX_SIZE}")
     return value
 
 
@@ -407,8 +438,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=lambda text: _positive(text, 0), default=None, help="default 3 (1 on cpu)")
     parser.add_argument("--reps", type=_positive, default=None, help="default 10 (3 on cpu)")
     parser.add_argument("--time-budget", type=_seconds, default=None, help="seconds; later cases are skipped")
-    parser.add_argument("--out", default=None, help="JSON path (default runs/bench/attention_<device>.json)")
+    parser.add_argument("--out", default=None, help="JSON path (default runs/bench/attention_<device>.json); "
+                        "rewritten after each (length, head_dim) group")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     return parser
+
+
+def output_path(args: argparse.Namespace) -> Path:
+    """Where ``main`` writes: ``--out``, else runs/bench/attention_<device>.json."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return Path(args.out or f"runs/bench/attention_{device}.json")
 
 
 def main(args: argparse.Namespace) -> list[dict]:
@@ -416,7 +455,9 @@ def main(args: argparse.Namespace) -> list[dict]:
         raise ConfigError("--device cuda: this torch sees no CUDA device; use --device cpu")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cpu = device.type == "cpu"
-    out = args.out or f"runs/bench/attention_{device.type}.json"
+    out = output_path(args)
+    if out.exists() and not getattr(args, "overwrite", False):
+        raise ConfigError(f"--out {out} exists; pass --overwrite to replace it, or give another --out")
     rows = bench_attention(args.lengths, args.head_dims, args.variants, args.backends, args.batch, args.heads,
                            args.dtype or ("float32" if cpu else "bfloat16"), out, device=device,
                            warmup=args.warmup if args.warmup is not None else (1 if cpu else 3),

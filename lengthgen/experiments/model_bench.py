@@ -16,7 +16,6 @@ is reported on its own).
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from typing import Any, Callable
 
@@ -25,7 +24,8 @@ import torch
 from lengthgen.attention import Attention, AttentionSpec
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval.evaluate import measure_gpt
-from lengthgen.experiments.bench import measure_interleaved, packed_doc_ids
+from lengthgen.experiments.bench import packed_doc_ids
+from lengthgen.experiments.timing import measure, measure_interleaved
 from lengthgen.model import GPT
 from lengthgen.train.config import RunConfig
 from lengthgen.train.optim import build_optimizers
@@ -107,16 +107,16 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
             opt.step()
 
     first = _timed(step, device)
-    for _ in range(max(0, warmup - 1)):
-        step()
-    seconds = statistics.median(_timed(step, device) for _ in range(max(1, steps)))
+    timing = measure(step, device, max(0, warmup - 1), steps)
+    seconds = timing.median / 1e3
     tokens_per_s = batch_size * length / seconds
     flops = flops_per_token(model, length)
     peak = peak_bf16_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     tflops = tokens_per_s * flops / 1e12
     return dict(params=model.num_parameters(), matmul_params=matmul_parameters(model), batch=batch_size,
                 length=length, compile=compile, compile_backend=compile_backend if compile else None,
-                first_step_s=first, step_s=seconds, steps=steps, tokens_per_s=tokens_per_s, flops_per_token=flops,
+                first_step_s=first, step_s=seconds, step_s_quartiles=[t / 1e3 for t in timing.quartiles()],
+                steps=steps, tokens_per_s=tokens_per_s, flops_per_token=flops,
                 tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=_peak_gib(device))
 
 
@@ -154,8 +154,9 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
     000 and 004), and the second's extra time as a fraction of the first's (``overhead``). The parts alone are
     timed too (``overheads``): the out-norm, the elementwise gate (its W_g is a dim x dim projection, a fifth
     projection beside Q, K, V, O) and a per-head gate (W_g: heads x dim). The layers are timed in interleaved
-    rounds (`bench.measure_interleaved`): timed one after another, a busy moment once made the baseline twice as
-    slow as the layer with more work."""
+    rounds (`timing.measure_interleaved`): timed one after another, a busy moment once made the baseline twice as
+    slow as the layer with more work. Each extra fraction is the median over rounds of the per-round ratio
+    (``overhead_quartiles``: its quartiles)."""
     device = torch.device(device)
     base = AttentionSpec.preset("baseline")
     specs = {"baseline": base, "out_norm+gate": base.replace(out_norm="head_layer", gate="elementwise",
@@ -171,10 +172,13 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
         layer = Attention(dim, heads, spec, head_dim=head_dim).to(device=device, dtype=dtype)
         fn = torch.compile(layer, backend=compile_backend) if compile else layer
         calls[name] = lambda fn=fn, layer=layer: torch.autograd.grad(fn(x), (x, *layer.parameters()), grad)
-    ms = measure_interleaved(calls, device, warmup, reps)
+    timings = measure_interleaved(calls, device, warmup, reps)
+    ratios = {name: t / timings["baseline"] for name, t in timings.items() if name != "baseline"}
     return dict(dim=dim, heads=heads, head_dim=head_dim, batch=batch, length=length, dtype=str(dtype).split(".")[-1],
-                compile=compile, ms=ms, overhead=ms["out_norm+gate"] / ms["baseline"] - 1.0,
-                overheads={name: t / ms["baseline"] - 1.0 for name, t in ms.items() if name != "baseline"})
+                compile=compile, ms={name: t.median for name, t in timings.items()}, rounds=reps,
+                overhead=ratios["out_norm+gate"].median - 1.0,
+                overhead_quartiles=[q - 1.0 for q in ratios["out_norm+gate"].quartiles()],
+                overheads={name: r.median - 1.0 for name, r in ratios.items()})
 
 
 __all__ = ["PEAK_BF16_TFLOPS", "flops_per_token", "layer_overhead", "long_eval", "matmul_parameters",
