@@ -192,3 +192,71 @@ def test_bad_generation_arguments(kwargs, error, match):
 def test_generate_needs_an_lm_head(head):
     with pytest.raises(ValueError, match=rf"GPT.generate needs an lm head; this model's head is '{head}'"):
         model(head=head, num_classes=3).generate(tokens(length=3), 2)
+
+
+def test_generate_masks_documents_at_each_bos():
+    """With ``bos_id`` a document-masking model attends within each document, as in training, prompt and
+    continuation alike: every generated token is the argmax of the full forward with BOS-derived doc_ids."""
+    bos = 5
+    net = model(attention=dict(doc_masking=True, query_scaling="log_n"))
+    prompt = torch.tensor([[bos, 1, 2, 3, bos, 7, 8], [bos, 9, 9, 2, 4, 4, 1]])
+    out = net.generate(prompt, 12, bos_id=bos)
+    assert torch.equal(out, net.generate(prompt, 12, bos_id=bos, cache=False))
+    with torch.no_grad():
+        seen = out[:, :-1]
+        logits = net(seen, doc_ids=(seen == bos).long().cumsum(1))
+        assert torch.equal(logits.argmax(-1)[:, prompt.shape[1] - 1:], out[:, prompt.shape[1]:])
+        assert not torch.equal(net(prompt)[0, -1], logits[0, prompt.shape[1] - 1])   # the documents matter
+    forced = net.generate(torch.cat([out, torch.full((2, 1), bos)], 1), 3, bos_id=bos)   # a BOS late in the row
+    with torch.no_grad():
+        seen = forced[:, :-1]
+        want = net(seen, doc_ids=(seen == bos).long().cumsum(1)).argmax(-1)[:, -3:]
+    assert torch.equal(want, forced[:, -3:])
+    with pytest.raises(ConfigError, match=rf"^bos_id={VOCAB} is not valid"):
+        net.generate(prompt, 1, bos_id=VOCAB)
+
+
+def test_a_chunk_of_another_batch_leaves_the_cache_usable():
+    net = model()
+    toks = tokens(batch=2, length=6)
+    cache = KVCache()
+    with torch.no_grad():
+        net(toks[:, :5], cache=cache)
+        with pytest.raises(ValueError, match=r"start a new KVCache for each batch"):
+            net(tokens(batch=3, length=1), cache=cache)
+        assert cache.length == 5 and all(layer.seen == 5 for layer in cache.layers.values())
+        torch.testing.assert_close(net(toks[:, 5:], cache=cache)[:, -1], net(toks)[:, -1], **F32)
+
+
+def test_a_forward_that_fails_part_way_breaks_the_cache(monkeypatch):
+    net = model()
+    cache = KVCache()
+    with torch.no_grad():
+        net(tokens(length=4), cache=cache)
+        monkeypatch.setattr(net.blocks[1], "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            net(tokens(length=1), cache=cache)          # layer 0 was extended, layer 1 not
+        monkeypatch.undo()
+        with pytest.raises(ValueError, match="failed part-way; start a new KVCache"):
+            net(tokens(length=1), cache=cache)
+
+
+def test_two_attention_layers_with_one_layer_index_are_refused():
+    torch.manual_seed(0)
+    a1, a2 = Attention(16, 2), Attention(16, 2)
+    cache = KVCache()
+    x = torch.randn(1, 1, 16)
+    with pytest.raises(ValueError, match="two attention layers use layer_index 0"):
+        a2(a1(x, cache=cache), cache=cache)
+
+
+def test_top_k_keeps_exactly_k_tokens_when_logits_tie():
+    logits = torch.zeros(500, 50)
+    drawn = next_token(logits, temperature=1.0, top_k=3, generator=torch.Generator().manual_seed(0))
+    assert len(set(drawn.flatten().tolist())) == 3
+
+
+def test_an_mlp_ratio_that_rounds_to_no_unit_is_refused():
+    with pytest.raises(ConfigError, match=r"GPTConfig.mlp_ratio=0.01 is not valid; it must be 0 \(attention-only "
+                                          r"blocks\) or more than 0.03125"):
+        GPTConfig(vocab_size=10, dim=16, layers=2, heads=2, mlp_ratio=0.01)

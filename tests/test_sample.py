@@ -15,10 +15,11 @@ from lengthgen.train.config import RunConfig
 TEXT = {"kind": "text", "text": {"corpus": "stdlib", "tokenizer": "byte"}}
 
 
-def written_run(folder, data: dict, vocab: int = 259, edit=None):
-    """A run folder with one checkpoint of a small GPT, its weights moved off their init (then ``edit(gpt)``)."""
+def written_run(folder, data: dict, vocab: int = 259, edit=None, **model):
+    """A run folder with one checkpoint of a small GPT (``model`` keys changed), its weights moved off their init
+    (then ``edit(gpt)``)."""
     cfg = RunConfig.from_dict({"model": {"dim": 32, "layers": 2, "heads": 2, "vocab_size": vocab, "head": "lm",
-                                         "tie_embeddings": False}, "data": data})
+                                         "tie_embeddings": False, **model}, "data": data})
     torch.manual_seed(0)
     gpt = GPT(cfg.model)
     with torch.no_grad():
@@ -84,3 +85,19 @@ def test_bad_sampling_arguments_are_one_line_errors(tmp_path, capsys, args, matc
         main(["sample", str(tmp_path / "run"), "--prompt", "a", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and match in err
+
+
+def test_a_run_recorded_with_a_backend_this_machine_lacks_falls_back_to_auto(tmp_path, capsys):
+    """A GPU run that named model.attention_backend = triton still samples and evaluates on a CPU (with a
+    warning): every backend matches the same dense oracle."""
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for machines without CUDA; this one has it")
+    from lengthgen.experiments.sample import sample_run
+
+    run = tmp_path / "run"
+    gpt = written_run(run, TEXT, attention_backend="triton")
+    with pytest.warns(UserWarning, match=r"attention_backend='triton' cannot run on cpu .*; layers 0, 1 use 'auto'"):
+        text = sample_run(run, "ab", max_new_tokens=3, temperature=0.0)
+    gpt.attentions[0].backend = gpt.attentions[1].backend = "auto"
+    prompt = torch.tensor([[ByteTokenizer().bos_id, *b"ab"]])
+    assert text == "ab" + bytes(gpt.generate(prompt, 3)[0, 3:].tolist()).decode("utf-8", "replace")

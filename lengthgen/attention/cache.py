@@ -22,17 +22,24 @@ class LayerCache:
         self.v: torch.Tensor | None = None
         self.doc_ids: torch.Tensor | None = None
         self.seen = 0
+        self.owner: object | None = None
 
     def extend(self, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None, window: int | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Append the new positions' keys, values and document ids; returns what the new queries attend to (the
-        kept positions, then the new ones), and then keeps the last ``window - 1`` (all without a window)."""
-        if self.k is not None and (doc_ids is None) != (self.doc_ids is None):
-            raise ValueError("KVCache: give doc_ids with every chunk of positions or with none")
-        self.seen += k.shape[2]
+        kept positions, then the new ones), and then keeps the last ``window - 1`` (all without a window). Keys
+        of another batch, head count, head size, dtype or device are a ValueError that leaves the cache as it was."""
         if self.k is not None:
+            if (doc_ids is None) != (self.doc_ids is None):
+                raise ValueError("KVCache: give doc_ids with every chunk of positions or with none")
+            have = (self.k.shape[:2], self.k.shape[3], self.k.dtype, self.k.device)
+            got = (k.shape[:2], k.shape[3], k.dtype, k.device)
+            if have != got:
+                raise ValueError(f"KVCache: keys of (batch, heads), head size, dtype, device {got} after cached ones "
+                                 f"of {have}; start a new KVCache for each batch of sequences")
             k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
             doc_ids = None if doc_ids is None else torch.cat([self.doc_ids, doc_ids], dim=1)
+        self.seen += k.shape[2] - (0 if self.k is None else self.k.shape[2])
         first = 0 if window is None else max(0, k.shape[2] - (window - 1))
         self.k, self.v = k[:, :, first:], v[:, :, first:]
         self.doc_ids = None if doc_ids is None else doc_ids[:, first:]
@@ -43,15 +50,27 @@ class KVCache:
     """A model's cache: one `LayerCache` per attention layer, by the layer's ``layer_index`` (`layer`), and
     ``length``, the number of positions the model has seen (`lengthgen.model.GPT` advances it).
 
-    Start a new one per batch of sequences; every sequence of the batch has the same positions (no padding)."""
+    Start a new one per batch of sequences; every sequence of the batch has the same positions (no padding). A
+    forward that fails part-way leaves some layers extended and others not: ``broken`` is then set, and the cache
+    refuses further use."""
 
     def __init__(self) -> None:
         self.layers: dict[int, LayerCache] = {}
         self.length = 0
+        self.broken = False
 
-    def layer(self, index: int) -> LayerCache:
-        """The cache of layer ``index`` (a new, empty one the first time)."""
-        return self.layers.setdefault(index, LayerCache())
+    def layer(self, index: int, owner: object | None = None) -> LayerCache:
+        """The cache of layer ``index`` (a new, empty one the first time); ``owner``, the attention layer asking,
+        must be the same each time (two layers with one ``layer_index`` would read each other's keys)."""
+        if self.broken:
+            raise ValueError("KVCache: a forward with this cache failed part-way; start a new KVCache")
+        cache = self.layers.setdefault(index, LayerCache())
+        if owner is not None:
+            if cache.owner is not None and cache.owner is not owner:
+                raise ValueError(f"KVCache: two attention layers use layer_index {index}; give each layer of a model "
+                                 "its own layer_index")
+            cache.owner = owner
+        return cache
 
 
 __all__ = ["KVCache", "LayerCache"]

@@ -97,7 +97,7 @@ class Attention(nn.Module):
         if spec.qk_norm != "none":
             q = fn.head_norm(q, spec.qk_norm, spec.qk_norm_eps, self.q_norm_weight)
             k = fn.head_norm(k, spec.qk_norm, spec.qk_norm_eps, self.k_norm_weight)
-        past = None if cache is None else cache.layer(self.layer_index)
+        past = None if cache is None else cache.layer(self.layer_index, owner=self)
         if spec.position != "nope":
             start = 0 if past is None else past.seen
             pos = torch.arange(start, start + length, device=x.device)

@@ -159,7 +159,7 @@ def needle_command(args: argparse.Namespace) -> int:
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="a trained run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("run", help="a trained run folder (its newest readable checkpoint) or checkpoint folder")
     p.add_argument("--out", "-o", required=True, help="the Hugging Face model folder to write (new or empty)")
     p.add_argument("--bema", action="store_true", help="export the BEMA weights")
 
@@ -175,7 +175,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 
 def _sample_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="a trained text run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("run", help="a trained text run folder (its newest readable checkpoint) or checkpoint folder")
     p.add_argument("--prompt", required=True, help="the text to continue (after a BOS, as documents start)")
     p.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate (default 200; "
                    "the text ends earlier where the model ends its document)")

@@ -136,7 +136,7 @@ def compare_command(args: argparse.Namespace) -> int:
 
 
 def _retrofit_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a trained run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("checkpoint", help="a trained run folder (its newest readable checkpoint) or checkpoint folder")
     p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config change to retrofit, e.g. --set model.attention.out_norm=head_layer or "
                         "--set model.attention.gate=elementwise --set model.attention.gate_act=2sigmoid "

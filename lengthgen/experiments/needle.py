@@ -15,7 +15,7 @@ from lengthgen.eval import MULTIPLES, NeedleMap
 from lengthgen.eval import DEPTHS, check_needles, needle_map, validation_text
 from lengthgen.train import load_run
 from lengthgen.train.config import RunConfig
-from lengthgen.train.setup import autocast_dtype, device_type
+from lengthgen.train.setup import autocast_dtype, for_inference
 
 
 def needle_filler(data: DataConfig, source: Any) -> Any:
@@ -41,14 +41,15 @@ def run_map(model: nn.Module, cfg: RunConfig, source: Any, lengths: list[int], d
 def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: list[float] = DEPTHS,
                needles: int = 1, samples: int = 100, bema: bool = False, progress: bool = True) -> NeedleMap:
     """The retrieval map of the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) at ``lengths``
-    (default: the training length x `MULTIPLES`) and ``depths``, on the run's device and autocast. Bad lengths,
-    depths or needle counts, and a run without needles, are `ConfigError` before the model runs."""
+    (default: the training length x `MULTIPLES`) and ``depths``, on the run's device and autocast
+    (`for_inference`). Bad lengths, depths or needle counts, and a run without needles, are `ConfigError` before
+    the model runs."""
     cfg, model = load_run(path, bema=bema)
-    kind = device_type(cfg.train)
+    model, kind = for_inference(model, cfg.train)
     lengths = lengths or [max(cfg.lengths()) * m for m in MULTIPLES]
     source = needle_filler(cfg.data, make_source(cfg.data))
     check_needles(source, lengths, list(depths), needles)
-    result = run_map(model.to(kind), cfg, source, lengths, list(depths), needles=needles, samples=samples,
+    result = run_map(model, cfg, source, lengths, list(depths), needles=needles, samples=samples,
                      autocast=autocast_dtype(cfg.train, kind), progress=progress)
     return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path))
 

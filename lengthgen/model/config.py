@@ -156,6 +156,10 @@ class GPTConfig:
         if self.block == "parallel" and not all(attention):
             raise invalid("GPTConfig.no_attention_layers", self.no_attention_layers, "empty for block='parallel' "
                           "(a parallel block keeps its attention branch)")
+        if 0 < self.mlp_ratio and round(self.mlp_ratio * self.dim) == 0:
+            raise invalid("GPTConfig.mlp_ratio", self.mlp_ratio, f"0 (attention-only blocks) or "
+                          f"more than {0.5 / self.dim:g}, so that the MLP of width round(mlp_ratio x dim) has a unit "
+                          f"(dim = {self.dim})")
         if self.mlp_ratio == 0 and not all(attention):
             raise invalid("GPTConfig.no_attention_layers", self.no_attention_layers,
                           "empty when mlp_ratio = 0 (a layer would have neither attention nor an MLP)")

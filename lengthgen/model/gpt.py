@@ -138,14 +138,19 @@ class GPT(nn.Module):
         x = x0 = self.drop(x)
         ve = [table(tokens) for table in self.value_embeds]
         skipped: dict[int, torch.Tensor] = {}
-        for i, block in enumerate(self.blocks):
-            for gate, (source, target) in zip(self.skip_gates, self.config.skips):
-                if target == i:   # U-net skip (seed 000): a gated copy of an earlier block's output
-                    x = x + gate(x0) * skipped[source]
-            table = self.value_index[i]
-            x = block(x, doc_ids, ve[table] if table >= 0 else None, cache)
-            if any(source == i for source, _ in self.config.skips):
-                skipped[i] = x
+        try:
+            for i, block in enumerate(self.blocks):
+                for gate, (source, target) in zip(self.skip_gates, self.config.skips):
+                    if target == i:   # U-net skip (seed 000): a gated copy of an earlier block's output
+                        x = x + gate(x0) * skipped[source]
+                table = self.value_index[i]
+                x = block(x, doc_ids, ve[table] if table >= 0 else None, cache)
+                if any(source == i for source, _ in self.config.skips):
+                    skipped[i] = x
+        except BaseException:
+            if cache is not None and any(layer.seen != cache.length for layer in cache.layers.values()):
+                cache.broken = True         # some layers hold the failed positions, others not
+            raise
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.final_norm(x) if self.final_norm is not None else x
@@ -214,13 +219,15 @@ class GPT(nn.Module):
     # -- generation ----------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None, cache: bool = True
-                 ) -> torch.Tensor:
+                 top_k: int | None = None, generator: torch.Generator | None = None, cache: bool = True,
+                 bos_id: int | None = None) -> torch.Tensor:
         """``prompt`` (B, L) followed by ``max_new_tokens`` tokens (B, L + max_new_tokens), each picked by
         `next_token` from the logits of the sequence so far. With ``cache`` each step runs only the newest token
-        against a `KVCache`; without, the whole sequence again (the same tokens, slower). Runs in eval mode (the
-        mode is restored after). lm heads only; a bad ``max_new_tokens``, ``temperature`` or ``top_k`` is a
-        `ConfigError` naming it."""
+        against a `KVCache`; without, the whole sequence again (the same tokens, slower). ``bos_id``: for a model
+        that masks documents, the token that starts each document (as in training), prompt and continuation
+        alike; without it the whole sequence is one document. Runs in eval mode (the mode is restored after).
+        lm heads only; a bad ``max_new_tokens``, ``temperature``, ``top_k`` or ``bos_id`` is a `ConfigError`
+        naming it."""
         if self.head_kind != "lm":
             raise ValueError(f"GPT.generate needs an lm head; this model's head is {self.head_kind!r}")
         if prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
@@ -233,15 +240,21 @@ class GPT(nn.Module):
         check_value("max_new_tokens", max_new_tokens, int, ge=0)
         temperature = check_value("temperature", temperature, float, ge=0)
         top_k = check_value("top_k", top_k, int | None, ge=1)
+        bos_id = check_value("bos_id", bos_id, int | None, ge=0, lt=self.config.vocab_size)
         was_training = self.training
         self.eval()
         try:
             kv = KVCache() if cache else None
             tokens = new = prompt
+            docs = None if bos_id is None else (prompt == bos_id).long().cumsum(1)
             for _ in range(max_new_tokens):
-                last = self.features(new if cache else tokens, cache=kv)[:, -1:]
+                run = new if cache else tokens
+                doc_ids = None if docs is None else docs[:, -run.shape[1]:]
+                last = self.features(run, doc_ids, cache=kv)[:, -1:]
                 new = next_token(self.logits(last)[:, -1], temperature, top_k, generator)
                 tokens = torch.cat([tokens, new], dim=1)
+                if docs is not None:
+                    docs = torch.cat([docs, docs[:, -1:] + (new == bos_id).long()], dim=1)
         finally:
             self.train(was_training)
         return tokens
@@ -260,9 +273,9 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
         return logits.argmax(-1, keepdim=True)
     logits = logits.double()
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_k is not None and top_k < logits.shape[-1]:     # exactly k: ties at the k-th logit are not all kept
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, logits.topk(top_k, dim=-1).indices, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import warnings
+
 import torch
 
 from lengthgen.config import ConfigError, differences
@@ -172,6 +174,34 @@ def device_type(train: Any) -> str:
     return train.device
 
 
+def for_inference(model: torch.nn.Module, train: Any) -> tuple[torch.nn.Module, str]:
+    """A loaded run's model on the device it is evaluated or sampled on, and that device: ``train.device``, or the
+    CPU when it asks for CUDA and there is none here; a layer whose recorded ``model.attention_backend`` cannot
+    run there (e.g. triton without CUDA) falls back to ``auto``, which matches the same dense oracle. Both warn."""
+    from lengthgen.attention import backends
+
+    kind = "cuda" if train.device == "auto" and torch.cuda.is_available() else train.device
+    if kind == "cuda" and not torch.cuda.is_available():
+        warnings.warn("the run trained with train.device='cuda'; CUDA is not available here, so it runs on the CPU",
+                      stacklevel=2)
+        kind = "cpu"
+    elif kind == "auto":
+        kind = "cpu"
+    dtype = autocast_dtype(train, kind) or torch.float32
+    failing: dict[str, list[int]] = {}
+    for attn in model.attentions:
+        q = torch.empty(1, attn.heads, 1, attn.head_dim, device=kind, dtype=dtype)
+        reason = None if attn.backend == "auto" else backends.unsupported(attn.backend, attn.spec, q, False)
+        if reason is not None:
+            failing.setdefault(f"model.attention_backend={attn.backend!r} cannot run on {kind} ({reason})",
+                               []).append(attn.layer_index)
+            attn.backend = "auto"
+    for reason, layers in failing.items():
+        warnings.warn(f"{reason}; layers {', '.join(map(str, layers))} use 'auto', which matches the same dense "
+                      "oracle", stacklevel=2)
+    return model.to(kind), kind
+
+
 def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
     """The dtype training and evaluation autocast to: bfloat16 when ``train.dtype`` says so, or by default
     (``auto``) on CUDA; None (float32) otherwise."""
@@ -181,4 +211,4 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
 
 
 __all__ = ["DATA_LOCATION", "MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths",
-           "check_resume", "check_world", "device_type", "fill_model_from_source", "resolve"]
+           "check_resume", "check_world", "device_type", "fill_model_from_source", "for_inference", "resolve"]
