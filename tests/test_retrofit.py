@@ -115,6 +115,15 @@ def test_retrofit_command_errors(checkpoint, tmp_path, capsys):
                  "--steps", "1", "--out", str(tmp_path / "o4")]) == 2
     assert "--set train.steps=9: the finetuning steps are --steps" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in ("o3", "o4"))
+    # data.* overrides the checkpoint's model does not fit: one line before any evaluation, not a tensor error
+    for changes, message in ((["data.task=dyck", "data.task_kwargs={}"], "model.head='regress' does not fit the "
+                                                                          "data: 'dyck' needs head"),
+                             (["data.task_kwargs.vocab_size=64"], "model.vocab_size=2 is smaller than the data's")):
+        sets = [arg for change in changes for arg in ("--set", change)]
+        assert main(["retrofit", str(checkpoint), *sets, "--set", "model.attention.out_norm=head_layer",
+                     "--steps", "1", "--out", str(tmp_path / "o5")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and not (tmp_path / "o5").exists()
 
 
 def test_control_is_the_same_finetuning_without_the_change(checkpoint, tmp_path):

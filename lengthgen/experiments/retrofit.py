@@ -32,11 +32,10 @@ from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import load_run, train
-from lengthgen.data.config import make_source
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.train.config import RunConfig
 from lengthgen.train.run_folder import RunFolderError, check_fresh, load_newest, lock
-from lengthgen.train.setup import autocast_dtype, check_length, device_type
+from lengthgen.train.setup import autocast_dtype, check_length, device_type, resolve
 from lengthgen.train.weights import load_initial_weights
 
 
@@ -83,7 +82,7 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     train_length = max(cfg.lengths())
     eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
     eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1, le=MAX_SIZE)
-    source = make_source(cfg.data)
+    cfg, source = resolve(cfg)      # the checkpoint's model must fit data.* overrides: vocabulary and head
     for length in eval_lengths:
         check_length(source, "eval_lengths", length)
     evaluated_on = eval_source(cfg.data, source)
