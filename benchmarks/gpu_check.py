@@ -1,7 +1,7 @@
 """`make gpu-check`: lengthgen's GPU half in one command (at most 9 minutes on one H100), summarized in one JSON
 and one generated markdown file.
 
-    python3 benchmarks/gpu_check.py                 # CUDA: benchmarks/results/<device>-<date>-<HHMM>.json and .md
+    python3 benchmarks/gpu_check.py                 # CUDA: benchmarks/results/<device>-<date>-<HHMMSS>.json and .md
     python3 benchmarks/gpu_check.py --tiny          # CPU dry run at tiny sizes (tests/test_gpu_check.py runs it)
     python3 benchmarks/gpu_check.py --parts attention,seed001 --budget 540     # some parts, the whole budget
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -176,11 +177,23 @@ def _write(result: dict[str, Any], stem: Path) -> None:
 
 
 def _stem(args: argparse.Namespace, result: dict[str, Any]) -> Path:
+    """``<out-dir>/<device>-<date>-<HHMMSS>``, claimed by creating its .json exclusively: a name already taken
+    (another run in the same second) gets a suffix -2, -3, ..., so that no run replaces another's files."""
     env = result["parts"].get("env", {}).get("result") or {}
     name = env.get("device_name") or ("cpu" if args.tiny else "cuda")
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     default = ROOT / ("runs/gpu-check" if args.tiny else "benchmarks/results")
-    return Path(args.out_dir or default) / f"{slug}-{result['started'][:16].replace('T', '-').replace(':', '')}"
+    base = Path(args.out_dir or default) / f"{slug}-{result['started'][:19].replace('T', '-').replace(':', '')}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        stem = base.with_name(f"{base.name}-{n}" if n > 1 else base.name)
+        if stem.with_suffix(".md").exists():
+            continue
+        try:
+            stem.with_suffix(".json").open("x").close()
+        except FileExistsError:
+            continue
+        return stem
 
 
 def check(args: argparse.Namespace) -> Path:

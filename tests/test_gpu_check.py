@@ -159,3 +159,14 @@ def test_groups_pick_the_attention_shapes(monkeypatch, tmp_path):
     for bad in ("16384", "16384:0", "a:b", ""):
         with pytest.raises(gpu_check.argparse.ArgumentTypeError, match="length:head_dim pairs"):
             gpu_check._groups(bad)
+
+
+def test_runs_in_the_same_second_keep_their_own_files(tmp_path):
+    """Names are to the second and created exclusively: a second run started in the same second (or minute) gets
+    ``-2``, a third ``-3``; none replaces another's files."""
+    args = gpu_check.argparse.Namespace(tiny=True, out_dir=str(tmp_path))
+    result = dict(started="2026-11-22T16:42:05+01:00", parts={"env": {"result": {"device_name": "x86_64"}}})
+    stems = [gpu_check._stem(args, result) for _ in range(3)]
+    assert [s.name for s in stems] == ["x86-64-2026-11-22-164205", "x86-64-2026-11-22-164205-2",
+                                       "x86-64-2026-11-22-164205-3"]
+    assert gpu_check._stem(args, dict(result, started="2026-11-22T16:42:06+01:00")).name.endswith("-164206")
