@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,14 +88,45 @@ def _check_markdown(result, md, stdout):
     assert md in stdout
 
 
-def test_refuses_without_cuda_and_unknown_parts(monkeypatch):
+def test_refuses_without_cuda(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):
         gpu_check.main([])
-    with pytest.raises(SystemExit, match=r"unknown part\(s\) \['nope'\]; choose from env, tests"):
-        gpu_check.main(["--tiny", "--parts", "env,nope"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parts", "env,nope"], r"--parts: unknown part\(s\) \['nope'\]; choose from env, tests, compare"),
+    (["--parts", ","], r"--parts: unknown part\(s\) \[','\]; choose from env"),
+    (["--budget", "nan"], r"--budget: 'nan' is not valid; give a number of seconds >= 10"),
+    (["--budget", "0"], r"--budget: '0' is not valid"),
+    (["--budget", "-5"], r"--budget: '-5' is not valid"),
+    (["--budget", "inf"], r"--budget: 'inf' is not valid"),
+    (["--pytest-workers", "-1"], r"--pytest-workers: '-1' is not valid; give an integer >= 0"),
+    (["--out-dir", "FILE"], r"--out-dir: .*FILE is not a folder this can write to \(File exists\)"),
+    (["--log-dir", "FILE/logs"], r"--log-dir: .*FILE/logs is not a folder this can write to"),
+])
+def test_bad_options_exit_2_before_any_part_runs(argv, message, tmp_path, monkeypatch, capsys):
+    """Each bad option is a one-line error, exit status 2, before any part runs (a budget of 0 or less
+    used to run with the default, or skip even ``env``; a file as ``--out-dir`` failed after the parts)."""
+    (tmp_path / "FILE").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gpu_check, "check", lambda args: pytest.fail("a part ran"))
+    with pytest.raises(SystemExit) as exit:
+        gpu_check.main(["--tiny", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and ": error: argument " in err[0] and re.search(message, err[0]), err
+
+
+def test_env_runs_on_the_smallest_budget(monkeypatch, tmp_path):
+    """``env`` always runs: with the smallest budget the time left for it is a hair under `MIN_PART_S`."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_part", lambda name, *a: ran.append(name) or dict(status="ok", seconds=0.0))
+    monkeypatch.setattr(gpu_check, "_write", lambda result, stem: None)
+    monkeypatch.setattr(gpu_check.gpu_report, "markdown", lambda result: "")
+    gpu_check.main(["--tiny", "--parts", "env", "--budget", str(gpu_check.MIN_PART_S), "--out-dir", str(tmp_path)])
+    assert ran == ["env"]
 
 
 def test_parse_pytest_outputs():
