@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import bench_args
+
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, HEADS = 1, 4
 #: name -> (AttentionSpec fields, packed documents?)
@@ -264,19 +266,16 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def _csv(kind):
-    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=_csv(int), default=LENGTHS)
-    ap.add_argument("--threads", type=_csv(int), default=(1, 2))
-    ap.add_argument("--variants", type=_csv(str), default=tuple(VARIANTS))
-    ap.add_argument("--backends", type=_csv(str), default=BACKENDS)
-    ap.add_argument("--memory-variants", type=_csv(str), default=("l2", "alibi"))
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="timed rounds up to 4K (above: one)")
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=bench_args.ints, default=LENGTHS)
+    ap.add_argument("--threads", type=bench_args.ints, default=(1, 2))
+    ap.add_argument("--variants", type=bench_args.names(VARIANTS), default=tuple(VARIANTS))
+    ap.add_argument("--backends", type=bench_args.names(BACKENDS), default=BACKENDS)
+    ap.add_argument("--memory-variants", type=bench_args.names(VARIANTS, empty=True), default=("l2", "alibi"),
+                    help="'' measures no memory")
+    ap.add_argument("--head-dim", type=bench_args.positive_int, default=64)
+    ap.add_argument("--repeats", type=bench_args.positive_int, default=3, help="timed rounds up to 4K (above: one)")
     ap.add_argument("--dense-max-length", type=int, default=4096, help="dense, and sdpa with a mask, up to this L")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
     ap.add_argument("--out", help="write OUT.json and OUT.md")
@@ -287,9 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         result = time_worker(**payload) if kind == "time" else memory_worker(**payload)
         print(json.dumps(result))
         return 0
-    unknown = [v for v in args.variants + args.memory_variants if v not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
     result = run(args)
     if args.out:
         command = "python benchmarks/attention_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -14,13 +14,13 @@ come from these rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import bench_args
 import torch
 
 from lengthgen.attention import AttentionSpec, attend, backends
@@ -58,17 +58,17 @@ def time_backends(spec: AttentionSpec, batch: int, length: int, head_dim: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    ap.add_argument("--threads", type=int, default=1)
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", type=bench_args.names(SHAPES), default=tuple(SHAPES))
+    ap.add_argument("--lengths", type=bench_args.ints, default=LENGTHS)
+    ap.add_argument("--threads", type=bench_args.positive_int, default=1)
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         head_dim, batch_of = SHAPES[shape]
-        for length in map(int, args.lengths.split(",")):
+        for length in args.lengths:
             for name, spec in SPECS.items():
                 spec = spec.replace(window=max(1, length // 4)) if spec.window else spec
                 times = time_backends(spec, batch_of(length), length, head_dim)

@@ -11,3 +11,38 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a positive integer")
+    return value
+
+
+def ints(text: str) -> tuple[int, ...]:
+    """A comma list of positive integers."""
+    try:
+        values = tuple(positive_int(x.strip()) for x in text.split(",") if x.strip())
+    except argparse.ArgumentTypeError:
+        values = ()
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give positive integers, e.g. 256,1024")
+    return values
+
+
+def names(valid, empty: bool = False):
+    """A comma list whose every name is one of ``valid`` (none at all only if ``empty``)."""
+    valid = tuple(valid)
+
+    def parse(text: str) -> tuple[str, ...]:
+        chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+        unknown = [x for x in chosen if x not in valid]
+        if unknown or not (chosen or empty):
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)} is not valid; choose from "
+                                             f"{', '.join(valid)}")
+        return chosen
+    return parse

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import bench_args
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (64, 256, 1024, 4096)
 TOKENS = 2048
@@ -90,11 +92,11 @@ def markdown(rows: list[dict], command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     from lengthgen.attention import PRESETS
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    ap.add_argument("--threads", default="1,2")
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=bench_args.ints, default=LENGTHS)
+    ap.add_argument("--threads", type=bench_args.ints, default=(1, 2))
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma list; baseline is always included")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=bench_args.positive_int, default=5)
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -107,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     rows = []
-    for threads in map(int, args.threads.split(",")):
-        for length in map(int, args.lengths.split(",")):
+    for threads in args.threads:
+        for length in args.lengths:
             payload = json.dumps(dict(length=length, threads=threads, presets=presets, repeats=args.repeats))
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", payload], cwd=ROOT, env=env,
                                   capture_output=True, text=True)
