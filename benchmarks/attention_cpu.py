@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-max-length", type=int, default=4096, help="dense, and sdpa with a mask, up to this L")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
     ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -286,11 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         result = time_worker(**payload) if kind == "time" else memory_worker(**payload)
         print(json.dumps(result))
         return 0
+    bench_args.fresh(ap, [args.out + ".json", args.out + ".md"] if args.out else [], args.overwrite)
     result = run(args)
     if args.out:
+        from lengthgen.atomic import atomic_write_text
+
         command = "python benchmarks/attention_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.out + ".json").write_text(json.dumps(dict(result, command=command), indent=1))
-        Path(args.out + ".md").write_text(markdown(result, command))
+        atomic_write_text(args.out + ".json", json.dumps(dict(result, command=command), indent=1))
+        atomic_write_text(args.out + ".md", markdown(result, command))
     return 0
 
 

@@ -4,6 +4,7 @@ before anything runs."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
@@ -46,3 +47,18 @@ def names(valid, empty: bool = False):
                                              f"{', '.join(valid)}")
         return chosen
     return parse
+
+
+def fresh(ap: argparse.ArgumentParser, paths, overwrite: bool) -> None:
+    """Refuse, before anything is measured, output ``paths`` that are folders, or exist and ``overwrite`` is not
+    given, or whose folder cannot be made: a benchmark that has run must be able to write, and replaces no results
+    unasked."""
+    for path in map(Path, paths):
+        if path.is_dir():
+            ap.error(f"argument --out: {path} is a folder; choose another --out")
+        if path.exists() and not overwrite:
+            ap.error(f"argument --out: {path} exists; pass --overwrite to replace it, or choose another --out")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            ap.error(f"argument --out: cannot make the folder {path.parent} ({err.strerror})")

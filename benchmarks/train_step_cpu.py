@@ -90,6 +90,7 @@ def markdown(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lengthgen.atomic import atomic_write_text
     from lengthgen.attention import PRESETS
 
     ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma list; baseline is always included")
     ap.add_argument("--repeats", type=bench_args.positive_int, default=5)
     ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         ap.error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
+    bench_args.fresh(ap, [args.out + ".json", args.out + ".md"] if args.out else [], args.overwrite)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     rows = []
     for threads in args.threads:
@@ -123,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                             and r["threads"] == threads), flush=True)
     if args.out:
         command = "python benchmarks/train_step_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.out + ".json").write_text(json.dumps(dict(command=command, tokens=TOKENS, rows=rows), indent=1))
-        Path(args.out + ".md").write_text(markdown(rows, command))
+        atomic_write_text(args.out + ".json", json.dumps(dict(command=command, tokens=TOKENS, rows=rows), indent=1))
+        atomic_write_text(args.out + ".md", markdown(rows, command))
     return 0
 
 
