@@ -12,8 +12,9 @@ belong to the layer, not to attend): windows of L/4, packed documents of L/16..L
 Time: one fresh subprocess per (threads, L) times the reference ``F.scaled_dot_product_attention(is_causal=True)``
 and every (variant, backend) in interleaved rounds, so that a busy moment of a shared machine slows all alike.
 ``time_s`` is the median over ``--repeats`` rounds after one untimed step (above 4K: one round after an untimed
-step at 256): process CPU time with one thread (other processes on the machine barely move it), wall time with
-more. ``ratio`` = time_s / the reference's time_s; ``spread`` = the lowest and highest per-round ratio (noise).
+step at 256, to keep a run within minutes): process CPU time with one thread (other processes on the machine barely
+move it), wall time with more. ``ratio`` = time_s / the reference's time_s; ``spread`` = the lowest and highest
+per-round ratio (noise), none from a single round (``rounds``: how many).
 
 Memory (``--memory-variants``, backends tiled and cpu_flash, and dense up to ``--dense-max-length``): each
 (L, variant, backend) in a fresh subprocess started with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every
@@ -131,7 +132,8 @@ def time_worker(length: int, threads: int, cases: list[tuple[str, str]], head_di
                    clock="cpu" if threads == 1 else "wall")
         row["ratio"] = row["time_s"] / statistics.median(ref)
         per_round = sorted(t / r for t, r in zip(times, ref))
-        row["spread"] = [per_round[0], per_round[-1]]
+        row["rounds"] = len(times)
+        row["spread"] = [per_round[0], per_round[-1]] if len(times) > 1 else None
         if backend == "auto":
             spec = spec_for(variant, length)
             row["picked"] = backends.choose(spec, q, length, True)
@@ -207,9 +209,12 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         if r["backend"] != "reference":
             picked = f" -> {r['picked']}" if "picked" in r else ""
-            lines.append(f"  {r['variant']:<16} {r['backend']:<10} {r['ratio']:6.2f}x  [{r['spread'][0]:.2f}, "
-                         f"{r['spread'][1]:.2f}]{picked}")
+            lines.append(f"  {r['variant']:<16} {r['backend']:<10} {r['ratio']:6.2f}x  {_spread(r)}{picked}")
     return "\n".join(lines)
+
+
+def _spread(row: dict) -> str:
+    return f"[{row['spread'][0]:.2f}, {row['spread'][1]:.2f}]" if row["spread"] else "(1 round)"
 
 
 def markdown(result: dict, command: str) -> str:
@@ -219,7 +224,8 @@ def markdown(result: dict, command: str) -> str:
     for threads in sorted({r["threads"] for r in time_rows}):
         sub = [r for r in time_rows if r["threads"] == threads]
         variants = list(dict.fromkeys(r["variant"] for r in sub if r["backend"] != "reference"))
-        out.append(f"\n## {threads} thread(s): time / SDPA causal p=1 time (same run; [min, max] over rounds)\n")
+        out.append(f"\n## {threads} thread(s): time / SDPA causal p=1 time (same run; [min, max] over rounds, "
+                   "or (1 round): no spread)\n")
         out.append("| L | SDPA p=1 | " + " | ".join(variants) + " |")
         out.append("|---" * (len(variants) + 2) + "|")
         for length in sorted({r["L"] for r in sub}):
@@ -228,8 +234,7 @@ def markdown(result: dict, command: str) -> str:
             for variant in variants:
                 here = [r for r in sub if r["L"] == length and r["variant"] == variant]
                 cells.append("<br>".join(f"{r['backend'] if r['backend'] != 'auto' else 'auto=' + r['picked']} "
-                                         f"{r['ratio']:.2f} [{r['spread'][0]:.2f}, {r['spread'][1]:.2f}]"
-                                         for r in here))
+                                         f"{r['ratio']:.2f} {_spread(r)}" for r in here))
             out.append(f"| {length} | {ref['time_s']:.4f} s | " + " | ".join(cells) + " |")
         out += targets(sub)
     if result["memory"]:

@@ -124,3 +124,25 @@ def test_triton_configs_keeps_an_existing_sweep(tmp_path, capsys):
     sweep.write_text("earlier sweep")
     assert "exists; pass --overwrite" in _refused(triton_configs.main, ["--out", str(sweep)], capsys)
     assert sweep.read_text() == "earlier sweep"
+
+
+def test_attention_cpu_claims_no_spread_from_one_round(monkeypatch):
+    """Above 4K (one timed round, by design: a 16K round takes minutes) and with ``--repeats 1`` a row has no
+    [min, max] spread, and says so; up to 4K ``--repeats`` rounds give one. Inputs are tiny whatever L says."""
+    import torch
+
+    tiny = attention_cpu._inputs
+    monkeypatch.setattr(attention_cpu, "_inputs", lambda length, head_dim, seed=0: tiny(16, head_dim, seed))
+    threads = torch.get_num_threads()
+    try:
+        rows = {(length, repeats): attention_cpu.time_worker(length, 1, [("l2", "tiled")], 8, repeats)["rows"]
+                for length, repeats in ((8192, 3), (64, 1), (64, 3))}
+    finally:
+        torch.set_num_threads(threads)
+    for key, rounds in (((8192, 3), 1), ((64, 1), 1), ((64, 3), 3)):
+        assert {r["rounds"] for r in rows[key]} == {rounds}
+        assert all((r["spread"] is None) == (rounds == 1) for r in rows[key])
+    assert attention_cpu.format_rows(rows[8192, 3]).endswith("x  (1 round)")
+    md = attention_cpu.markdown(dict(setup={}, time=rows[8192, 3] + rows[64, 3], memory=[]), "cmd")
+    row = {length: next(line for line in md.splitlines() if line.startswith(f"| {length} |")) for length in (64, 8192)}
+    assert row[8192].endswith(" (1 round) |") and "[" not in row[8192] and "round" not in row[64] and "[" in row[64]
