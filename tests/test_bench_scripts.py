@@ -53,6 +53,8 @@ def _refused(main, argv, capsys) -> str:
     (attention_crossover.main, ["--shapes", "foo"], "--shapes: foo is not valid; choose from single, demo"),
     (attention_crossover.main, ["--lengths", "16,x"], "--lengths: '16,x' is not valid"),
     (attention_crossover.main, ["--threads", "0"], "--threads: '0' is not valid"),
+    (triton_configs.main, ["--out", "x.json", "--length", "0"], "--length: '0' is not valid; give a positive integer"),
+    (triton_configs.main, ["--out", "x.json", "--head-dims", "64", "-1"], "--head-dims: '-1' is not valid"),
 ])
 def test_bad_lists_are_one_line_errors(main, argv, message, capsys):
     assert message in _refused(main, argv, capsys)
