@@ -105,7 +105,7 @@ def test_refuses_without_cuda(monkeypatch):
     (["--budget", "inf"], r"--budget: 'inf' is not valid"),
     (["--pytest-workers", "-1"], r"--pytest-workers: '-1' is not valid; give an integer >= 0"),
     (["--out-dir", "FILE"], r"--out-dir: .*FILE is not a folder this can write to \(File exists\)"),
-    (["--log-dir", "FILE/logs"], r"--log-dir: .*FILE/logs is not a folder this can write to"),
+    (["--out-dir", "out", "--log-dir", "FILE/logs"], r"--log-dir: .*FILE/logs is not a folder this can write to"),
 ])
 def test_bad_options_exit_2_before_any_part_runs(argv, message, tmp_path, monkeypatch, capsys):
     """Each bad option is a one-line error, exit status 2, before any part runs (a budget of 0 or less
