@@ -12,8 +12,9 @@ belong to the layer, not to attend): windows of L/4, packed documents of L/16..L
 Time: one fresh subprocess per (threads, L) times the reference ``F.scaled_dot_product_attention(is_causal=True)``
 and every (variant, backend) in interleaved rounds, so that a busy moment of a shared machine slows all alike.
 ``time_s`` is the median over ``--repeats`` rounds after one untimed step (above 4K: one round after an untimed
-step at 256): process CPU time with one thread (other processes on the machine barely move it), wall time with
-more. ``ratio`` = time_s / the reference's time_s; ``spread`` = the lowest and highest per-round ratio (noise).
+step at 256, to keep a run within minutes): process CPU time with one thread (other processes on the machine barely
+move it), wall time with more. ``ratio`` = time_s / the reference's time_s; ``spread`` = the lowest and highest
+per-round ratio (noise), none from a single round (``rounds``: how many).
 
 Memory (``--memory-variants``, backends tiled and cpu_flash, and dense up to ``--dense-max-length``): each
 (L, variant, backend) in a fresh subprocess started with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every
@@ -33,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import bench_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, HEADS = 1, 4
@@ -129,7 +132,8 @@ def time_worker(length: int, threads: int, cases: list[tuple[str, str]], head_di
                    clock="cpu" if threads == 1 else "wall")
         row["ratio"] = row["time_s"] / statistics.median(ref)
         per_round = sorted(t / r for t, r in zip(times, ref))
-        row["spread"] = [per_round[0], per_round[-1]]
+        row["rounds"] = len(times)
+        row["spread"] = [per_round[0], per_round[-1]] if len(times) > 1 else None
         if backend == "auto":
             spec = spec_for(variant, length)
             row["picked"] = backends.choose(spec, q, length, True)
@@ -205,9 +209,12 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         if r["backend"] != "reference":
             picked = f" -> {r['picked']}" if "picked" in r else ""
-            lines.append(f"  {r['variant']:<16} {r['backend']:<10} {r['ratio']:6.2f}x  [{r['spread'][0]:.2f}, "
-                         f"{r['spread'][1]:.2f}]{picked}")
+            lines.append(f"  {r['variant']:<16} {r['backend']:<10} {r['ratio']:6.2f}x  {_spread(r)}{picked}")
     return "\n".join(lines)
+
+
+def _spread(row: dict) -> str:
+    return f"[{row['spread'][0]:.2f}, {row['spread'][1]:.2f}]" if row["spread"] else "(1 round)"
 
 
 def markdown(result: dict, command: str) -> str:
@@ -217,7 +224,8 @@ def markdown(result: dict, command: str) -> str:
     for threads in sorted({r["threads"] for r in time_rows}):
         sub = [r for r in time_rows if r["threads"] == threads]
         variants = list(dict.fromkeys(r["variant"] for r in sub if r["backend"] != "reference"))
-        out.append(f"\n## {threads} thread(s): time / SDPA causal p=1 time (same run; [min, max] over rounds)\n")
+        out.append(f"\n## {threads} thread(s): time / SDPA causal p=1 time (same run; [min, max] over rounds, "
+                   "or (1 round): no spread)\n")
         out.append("| L | SDPA p=1 | " + " | ".join(variants) + " |")
         out.append("|---" * (len(variants) + 2) + "|")
         for length in sorted({r["L"] for r in sub}):
@@ -226,8 +234,7 @@ def markdown(result: dict, command: str) -> str:
             for variant in variants:
                 here = [r for r in sub if r["L"] == length and r["variant"] == variant]
                 cells.append("<br>".join(f"{r['backend'] if r['backend'] != 'auto' else 'auto=' + r['picked']} "
-                                         f"{r['ratio']:.2f} [{r['spread'][0]:.2f}, {r['spread'][1]:.2f}]"
-                                         for r in here))
+                                         f"{r['ratio']:.2f} {_spread(r)}" for r in here))
             out.append(f"| {length} | {ref['time_s']:.4f} s | " + " | ".join(cells) + " |")
         out += targets(sub)
     if result["memory"]:
@@ -264,22 +271,20 @@ def targets(rows: list[dict]) -> list[str]:
     return out
 
 
-def _csv(kind):
-    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=_csv(int), default=LENGTHS)
-    ap.add_argument("--threads", type=_csv(int), default=(1, 2))
-    ap.add_argument("--variants", type=_csv(str), default=tuple(VARIANTS))
-    ap.add_argument("--backends", type=_csv(str), default=BACKENDS)
-    ap.add_argument("--memory-variants", type=_csv(str), default=("l2", "alibi"))
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3, help="timed rounds up to 4K (above: one)")
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=bench_args.ints, default=LENGTHS)
+    ap.add_argument("--threads", type=bench_args.ints, default=(1, 2))
+    ap.add_argument("--variants", type=bench_args.names(VARIANTS), default=tuple(VARIANTS))
+    ap.add_argument("--backends", type=bench_args.names(BACKENDS), default=BACKENDS)
+    ap.add_argument("--memory-variants", type=bench_args.names(VARIANTS, empty=True), default=("l2", "alibi"),
+                    help="'' measures no memory")
+    ap.add_argument("--head-dim", type=bench_args.positive_int, default=64)
+    ap.add_argument("--repeats", type=bench_args.positive_int, default=3, help="timed rounds up to 4K (above: one)")
     ap.add_argument("--dense-max-length", type=int, default=4096, help="dense, and sdpa with a mask, up to this L")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
     ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -287,14 +292,14 @@ def main(argv: list[str] | None = None) -> int:
         result = time_worker(**payload) if kind == "time" else memory_worker(**payload)
         print(json.dumps(result))
         return 0
-    unknown = [v for v in args.variants + args.memory_variants if v not in VARIANTS]
-    if unknown:
-        ap.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    bench_args.fresh(ap, [args.out + ".json", args.out + ".md"] if args.out else [], args.overwrite)
     result = run(args)
     if args.out:
+        from lengthgen.atomic import atomic_write_text
+
         command = "python benchmarks/attention_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.out + ".json").write_text(json.dumps(dict(result, command=command), indent=1))
-        Path(args.out + ".md").write_text(markdown(result, command))
+        atomic_write_text(args.out + ".json", json.dumps(dict(result, command=command), indent=1))
+        atomic_write_text(args.out + ".md", markdown(result, command))
     return 0
 
 

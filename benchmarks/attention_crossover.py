@@ -14,15 +14,15 @@ come from these rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import bench_args
 import torch
 
+from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import AttentionSpec, attend, backends
 from lengthgen.experiments.bench import packed_doc_ids
 
@@ -58,17 +58,19 @@ def time_backends(spec: AttentionSpec, batch: int, length: int, head_dim: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    ap.add_argument("--threads", type=int, default=1)
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", type=bench_args.names(SHAPES), default=tuple(SHAPES))
+    ap.add_argument("--lengths", type=bench_args.ints, default=LENGTHS)
+    ap.add_argument("--threads", type=bench_args.positive_int, default=1)
     ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = ap.parse_args(argv)
+    bench_args.fresh(ap, [args.out + ".json", args.out + ".md"] if args.out else [], args.overwrite)
     torch.set_num_threads(args.threads)
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in args.shapes:
         head_dim, batch_of = SHAPES[shape]
-        for length in map(int, args.lengths.split(",")):
+        for length in args.lengths:
             for name, spec in SPECS.items():
                 spec = spec.replace(window=max(1, length // 4)) if spec.window else spec
                 times = time_backends(spec, batch_of(length), length, head_dim)
@@ -80,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                       + f"  fastest {row['fastest']}, auto {row['auto']}", flush=True)
     if args.out:
         command = "python benchmarks/attention_crossover.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.out + ".json").write_text(json.dumps(dict(command=command, threads=args.threads, rows=rows),
-                                                       indent=1))
+        atomic_write_text(args.out + ".json", json.dumps(dict(command=command, threads=args.threads, rows=rows),
+                                                         indent=1))
         lines = [f"# CPU backend crossovers\n\nCommand: `{command}` ({args.threads} thread(s), ms per forward + "
                  "backward, process CPU time)\n", "| shape | L | batch | spec | dense | sdpa | cpu_flash | tiled | "
                  "fastest | auto |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                           "tiled")]
             lines.append(f"| {r['shape']} | {r['L']} | {r['batch']} | {r['spec']} | " + " | ".join(cells)
                          + f" | {r['fastest']} | {r['auto']} |")
-        Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+        atomic_write_text(args.out + ".md", "\n".join(lines) + "\n")
     return 0
 
 

@@ -1,7 +1,7 @@
 """`make gpu-check`: lengthgen's GPU half in one command (at most 9 minutes on one H100), summarized in one JSON
 and one generated markdown file.
 
-    python3 benchmarks/gpu_check.py                 # CUDA: benchmarks/results/<device>-<date>-<HHMM>.json and .md
+    python3 benchmarks/gpu_check.py                 # CUDA: benchmarks/results/<device>-<date>-<HHMMSS>.json and .md
     python3 benchmarks/gpu_check.py --tiny          # CPU dry run at tiny sizes (tests/test_gpu_check.py runs it)
     python3 benchmarks/gpu_check.py --parts attention,seed001 --budget 540     # some parts, the whole budget
 
@@ -32,7 +32,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -46,6 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import bench_args  # noqa: E402
 import gpu_report  # noqa: E402
 
 #: (part, budget in seconds on one H100; None: whatever is left)
@@ -176,11 +179,22 @@ def _write(result: dict[str, Any], stem: Path) -> None:
 
 
 def _stem(args: argparse.Namespace, result: dict[str, Any]) -> Path:
+    """``<out-dir>/<device>-<date>-<HHMMSS>``, claimed by creating its .json exclusively: a name already taken
+    (another run in the same second) gets a suffix -2, -3, ..., so that no run replaces another's files."""
     env = result["parts"].get("env", {}).get("result") or {}
     name = env.get("device_name") or ("cpu" if args.tiny else "cuda")
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    default = ROOT / ("runs/gpu-check" if args.tiny else "benchmarks/results")
-    return Path(args.out_dir or default) / f"{slug}-{result['started'][:16].replace('T', '-').replace(':', '')}"
+    base = Path(args.out_dir) / f"{slug}-{result['started'][:19].replace('T', '-').replace(':', '')}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        stem = base.with_name(f"{base.name}-{n}" if n > 1 else base.name)
+        if stem.with_suffix(".md").exists():
+            continue
+        try:
+            stem.with_suffix(".json").open("x").close()
+        except FileExistsError:
+            continue
+        return stem
 
 
 def check(args: argparse.Namespace) -> Path:
@@ -189,10 +203,7 @@ def check(args: argparse.Namespace) -> Path:
 
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("gpu-check: no CUDA device here; `python3 benchmarks/gpu_check.py --tiny` is the CPU dry run")
-    wanted = ["env", *(p for p in args.parts.split(",") if p)] if args.parts else [p for p, _ in PARTS]
-    unknown = sorted(set(wanted) - {p for p, _ in PARTS})
-    if unknown:
-        raise SystemExit(f"gpu-check: unknown part(s) {unknown}; choose from {', '.join(p for p, _ in PARTS)}")
+    wanted = ["env", *args.parts] if args.parts else [p for p, _ in PARTS]
     start, deadline = time.perf_counter(), time.perf_counter() + args.budget
     result: dict[str, Any] = dict(schema="lengthgen-gpu-check/1", mode="tiny" if args.tiny else "cuda",
                                   started=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -203,7 +214,7 @@ def check(args: argparse.Namespace) -> Path:
             left = deadline - time.perf_counter()
             timeout = left if budget is None or args.parts or args.tiny else min(budget, left)
             print(f"[gpu-check] {name} (up to {timeout:.0f} s)", flush=True)
-            if timeout < MIN_PART_S:
+            if timeout < MIN_PART_S and name != "env":
                 entry = dict(status=f"skipped: no time left ({left:.0f} s of the budget)")
             elif name == "tests":
                 entry = run_tests(args, timeout)
@@ -221,6 +232,38 @@ def check(args: argparse.Namespace) -> Path:
     return stem.with_suffix(".json")
 
 
+def _budget(text: str) -> float:
+    """``--budget``: seconds, at least `MIN_PART_S`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not MIN_PART_S <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a number of seconds >= {MIN_PART_S}")
+    return value
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    """``--parts``: a comma list of `PARTS` names."""
+    valid = [p for p, _ in PARTS]
+    chosen = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in chosen if p not in valid]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {unknown or [text]}; choose from {', '.join(valid)}")
+    return chosen
+
+
+def _workers(text: str) -> int:
+    """``--pytest-workers``: an integer >= 0 (0: no pytest-xdist)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give an integer >= 0 (0: no pytest-xdist)")
+    return value
+
+
 def _groups(text: str) -> list[tuple[int, int]]:
     """``--groups``: comma-separated ``length:head_dim`` pairs of positive integers."""
     try:
@@ -233,17 +276,18 @@ def _groups(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU dry run at tiny sizes (no GPU figures)")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 540; tiny 900)")
-    ap.add_argument("--parts", default=None, help=f"comma list of {', '.join(p for p, _ in PARTS)} (default all; "
-                    "env always runs; chosen parts share the budget without per-part limits)")
+    ap.add_argument("--budget", type=_budget, default=None,
+                    help=f"seconds for everything, at least {MIN_PART_S} (default 540; tiny 900)")
+    ap.add_argument("--parts", type=_parts, default=None, help=f"comma list of {', '.join(p for p, _ in PARTS)} "
+                    "(default all; env always runs; chosen parts share the budget without per-part limits)")
     ap.add_argument("--out-dir", default=None, help="default benchmarks/results (tiny: runs/gpu-check)")
     ap.add_argument("--seed-kernel", default=None,
                     help="seed 001's kernel.py (not shipped; without it the seed001 part is skipped)")
     ap.add_argument("--commit", default=None, help="the lengthgen commit measured (when the checkout has no .git)")
     ap.add_argument("--log-dir", default=None, help="write each part's whole output to DIR/<part>.log")
-    ap.add_argument("--pytest-workers", type=int, default=8, help="pytest-xdist workers for the CUDA tests")
+    ap.add_argument("--pytest-workers", type=_workers, default=8, help="pytest-xdist workers for the CUDA tests")
     ap.add_argument("--groups", type=_groups, default=None,
                     help="the attention part's (length:head_dim) groups, in order, e.g. 16384:128,65536:64 (default "
                          + ",".join(f"{length}:{d}" for length, d in GROUPS) + ")")
@@ -258,7 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         out = gpu_parts.PARTS[name](tiny=args.tiny, compile=compiled, out_dir=args.work, seed_kernel=args.seed_kernel)
         Path(args.part_out).write_text(json.dumps(out, indent=1))
         return 0
-    args.budget = args.budget or (900.0 if args.tiny else 540.0)
+    if args.budget is None:
+        args.budget = 900.0 if args.tiny else 540.0
+    args.out_dir = args.out_dir or str(ROOT / ("runs/gpu-check" if args.tiny else "benchmarks/results"))
+    for option, folder in (("--out-dir", args.out_dir), ("--log-dir", args.log_dir)):
+        try:
+            if folder:                                     # before any part runs, not when the first one is written
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                if not os.access(folder, os.W_OK):
+                    raise PermissionError(13, "not writable")
+        except OSError as err:
+            ap.error(f"argument {option}: {folder} is not a folder this can write to ({err.strerror})")
     check(args)
     return 0
 

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import bench_args
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (64, 256, 1024, 4096)
 TOKENS = 2048
@@ -88,14 +90,16 @@ def markdown(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from lengthgen.atomic import atomic_write_text
     from lengthgen.attention import PRESETS
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    ap.add_argument("--threads", default="1,2")
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=bench_args.ints, default=LENGTHS)
+    ap.add_argument("--threads", type=bench_args.ints, default=(1, 2))
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma list; baseline is always included")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=bench_args.positive_int, default=5)
     ap.add_argument("--out", help="write OUT.json and OUT.md")
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -105,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         ap.error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
+    bench_args.fresh(ap, [args.out + ".json", args.out + ".md"] if args.out else [], args.overwrite)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     rows = []
-    for threads in map(int, args.threads.split(",")):
-        for length in map(int, args.lengths.split(",")):
+    for threads in args.threads:
+        for length in args.lengths:
             payload = json.dumps(dict(length=length, threads=threads, presets=presets, repeats=args.repeats))
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", payload], cwd=ROOT, env=env,
                                   capture_output=True, text=True)
@@ -121,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                             and r["threads"] == threads), flush=True)
     if args.out:
         command = "python benchmarks/train_step_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.out + ".json").write_text(json.dumps(dict(command=command, tokens=TOKENS, rows=rows), indent=1))
-        Path(args.out + ".md").write_text(markdown(rows, command))
+        atomic_write_text(args.out + ".json", json.dumps(dict(command=command, tokens=TOKENS, rows=rows), indent=1))
+        atomic_write_text(args.out + ".md", markdown(rows, command))
     return 0
 
 

@@ -11,7 +11,6 @@ current configuration's by more than bf16 rounding is marked. `_configs` is then
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import bench_args  # noqa: E402
+from lengthgen.atomic import atomic_write_text  # noqa: E402
 from lengthgen.attention import AttentionSpec  # noqa: E402
 from lengthgen.attention.backends import triton_psoftmax as tp  # noqa: E402
 
@@ -29,16 +30,18 @@ CANDIDATES = ((128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2
               (32, 64, 4, 3), (64, 32, 4, 3), (32, 128, 4, 3))
 
 
-def main() -> int:
-    import triton.testing
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--length", type=int, default=4096)
-    ap.add_argument("--batch-heads", type=int, nargs=2, default=(4, 16))
-    ap.add_argument("--head-dims", type=int, nargs="+", default=(128, 64))
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--length", type=bench_args.positive_int, default=4096)
+    ap.add_argument("--batch-heads", type=bench_args.positive_int, nargs=2, default=(4, 16))
+    ap.add_argument("--head-dims", type=bench_args.positive_int, nargs="+", default=(128, 64))
     ap.add_argument("--ps", type=float, nargs="+", default=(2.0, 1.0))
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    args = ap.parse_args(argv)
+    bench_args.fresh(ap, [args.out], args.overwrite)
+    import triton.testing
+
     default = tp._configs
     rows = []
     for head_dim in args.head_dims:
@@ -76,9 +79,9 @@ def main() -> int:
                     tp._configs = default
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                              current={k: default(k, 128) for k in ("fwd", "dq", "dkdv")},
-                                              rows=rows), indent=1))
+    atomic_write_text(args.out, json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                current={k: default(k, 128) for k in ("fwd", "dq", "dkdv")},
+                                                rows=rows), indent=1))
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,14 +88,45 @@ def _check_markdown(result, md, stdout):
     assert md in stdout
 
 
-def test_refuses_without_cuda_and_unknown_parts(monkeypatch):
+def test_refuses_without_cuda(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="no CUDA device"):
         gpu_check.main([])
-    with pytest.raises(SystemExit, match=r"unknown part\(s\) \['nope'\]; choose from env, tests"):
-        gpu_check.main(["--tiny", "--parts", "env,nope"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parts", "env,nope"], r"--parts: unknown part\(s\) \['nope'\]; choose from env, tests, compare"),
+    (["--parts", ","], r"--parts: unknown part\(s\) \[','\]; choose from env"),
+    (["--budget", "nan"], r"--budget: 'nan' is not valid; give a number of seconds >= 10"),
+    (["--budget", "0"], r"--budget: '0' is not valid"),
+    (["--budget", "-5"], r"--budget: '-5' is not valid"),
+    (["--budget", "inf"], r"--budget: 'inf' is not valid"),
+    (["--pytest-workers", "-1"], r"--pytest-workers: '-1' is not valid; give an integer >= 0"),
+    (["--out-dir", "FILE"], r"--out-dir: .*FILE is not a folder this can write to \(File exists\)"),
+    (["--out-dir", "out", "--log-dir", "FILE/logs"], r"--log-dir: .*FILE/logs is not a folder this can write to"),
+])
+def test_bad_options_exit_2_before_any_part_runs(argv, message, tmp_path, monkeypatch, capsys):
+    """Each bad option is a one-line error, exit status 2, before any part runs (a budget of 0 or less
+    used to run with the default, or skip even ``env``; a file as ``--out-dir`` failed after the parts)."""
+    (tmp_path / "FILE").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gpu_check, "check", lambda args: pytest.fail("a part ran"))
+    with pytest.raises(SystemExit) as exit:
+        gpu_check.main(["--tiny", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and len(err) == 1 and ": error: argument " in err[0] and re.search(message, err[0]), err
+
+
+def test_env_runs_on_the_smallest_budget(monkeypatch, tmp_path):
+    """``env`` always runs: with the smallest budget the time left for it is a hair under `MIN_PART_S`."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "run_part", lambda name, *a: ran.append(name) or dict(status="ok", seconds=0.0))
+    monkeypatch.setattr(gpu_check, "_write", lambda result, stem: None)
+    monkeypatch.setattr(gpu_check.gpu_report, "markdown", lambda result: "")
+    gpu_check.main(["--tiny", "--parts", "env", "--budget", str(gpu_check.MIN_PART_S), "--out-dir", str(tmp_path)])
+    assert ran == ["env"]
 
 
 def test_parse_pytest_outputs():
@@ -164,3 +196,14 @@ def test_groups_pick_the_attention_shapes(monkeypatch, tmp_path):
     for bad in ("16384", "16384:0", "a:b", ""):
         with pytest.raises(gpu_check.argparse.ArgumentTypeError, match="length:head_dim pairs"):
             gpu_check._groups(bad)
+
+
+def test_runs_in_the_same_second_keep_their_own_files(tmp_path):
+    """Names are to the second and created exclusively: a second run started in the same second (or minute) gets
+    ``-2``, a third ``-3``; none replaces another's files."""
+    args = gpu_check.argparse.Namespace(tiny=True, out_dir=str(tmp_path))
+    result = dict(started="2026-11-22T16:42:05+01:00", parts={"env": {"result": {"device_name": "x86_64"}}})
+    stems = [gpu_check._stem(args, result) for _ in range(3)]
+    assert [s.name for s in stems] == ["x86-64-2026-11-22-164205", "x86-64-2026-11-22-164205-2",
+                                       "x86-64-2026-11-22-164205-3"]
+    assert gpu_check._stem(args, dict(result, started="2026-11-22T16:42:06+01:00")).name.endswith("-164206")
