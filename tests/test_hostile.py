@@ -888,18 +888,27 @@ def test_bench_arguments_are_checked(capsys, args):
 
 
 @pytest.mark.parametrize("command, after", [
-    ("train", "the run continues from its last checkpoint with --resume"),
+    ("train", "no checkpoint was written yet: --resume starts it again from step 0"),
+    ("train-checkpointed", "the run continues from its last checkpoint with --resume"),
     ("compare", "the comparison continues with --resume: finished runs are reused"),
     ("retrofit", "retrofit has no --resume: run it again with --overwrite")])
 def test_ctrl_c_is_one_line_saying_how_the_command_goes_on(tmp_path, capsys, monkeypatch, stopped, command, after):
-    """An interrupted retrofit pointed to a --resume it does not have."""
+    """An interrupted retrofit pointed to a --resume it does not have; a run without a checkpoint yet, to a
+    --resume that starts over."""
     from lengthgen.train import trainer
 
+    fit = trainer.Trainer.fit
+
+    checkpointed = command == "train-checkpointed"
+
     def interrupted(self, *args, **kwargs):
+        if checkpointed:
+            fit(self, stop_at=1)
         raise KeyboardInterrupt
     monkeypatch.setattr(trainer.Trainer, "fit", interrupted)
-    args = {"train": sets(), "compare": ["--variants", "baseline", *sets()],
+    args = {"train": sets(), "train-checkpointed": sets(), "compare": ["--variants", "baseline", *sets()],
             "retrofit": [stopped[0], "--steps", "1", "--set", "model.attention.softmax_p=2.0"]}
+    command = command.removesuffix("-checkpointed")
     code = main([command, *map(str, args[command]), "--out", str(tmp_path / "r"), "--no-progress"])
     err = [line for line in capsys.readouterr().err.splitlines() if ": warning: " not in line]
     assert code == 130 and err == [f"lengthgen {command}: interrupted ({after})"]
@@ -1196,3 +1205,20 @@ def test_a_checkpoint_whose_bytes_changed_falls_back_to_the_older_one(tmp_path, 
                                               r"written.*kept aside as step_00000003.corrupt"):
         result = resume(run)
     assert result.history == stopped[1]                                # exact, from step 2
+
+
+def test_a_folder_of_another_kind_is_named_as_such_not_offered_resume(tmp_path, capsys, stopped):
+    """compare --out on a training run: --resume and --overwrite would both be refused, so neither is offered."""
+    run = copy(stopped[0], tmp_path)
+    code, err = cli(capsys, "compare", "--variants", "baseline", *sets(), "--out", run)
+    assert code == 2 and "holds a training run" in err and "not a comparison" in err and "pass --resume" not in err
+
+
+@pytest.mark.parametrize("command, flag, key", [("compare", ["--steps", "5"], "train.steps=7"),
+                                                ("compare", ["--seeds", "2"], "compare.seeds=[0]"),
+                                                ("train", ["--log-every", "5"], "train.log_every=7")])
+def test_a_key_set_by_its_flag_and_by_set_is_refused(tmp_path, capsys, command, flag, key):
+    """Before, the flag silently won."""
+    code, err = cli(capsys, command, *sets(), "--set", key, *flag, "--out", tmp_path / "o")
+    assert code == 2 and f" and {flag[0]} both set {key.split('=')[0]}; give one of them" in err
+    assert not (tmp_path / "o").exists()

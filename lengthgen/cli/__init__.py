@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: how a command that trains goes on after an interruption
 _AGAIN = {"train": " (the run continues from its last checkpoint with --resume)",
+          "train-fresh": " (no checkpoint was written yet: --resume starts it again from step 0)",
           "compare": " (the comparison continues with --resume: finished runs are reused)",
           "retrofit": " (retrofit has no --resume: run it again with --overwrite)"}
 
@@ -50,7 +51,13 @@ _AGAIN = {"train": " (the run continues from its last checkpoint with --resume)"
 def _again(args: argparse.Namespace) -> str:
     """How the interrupted or failed command goes on (`_AGAIN`); nothing when its --out folder was not made."""
     out = getattr(args, "out", None)
-    return "" if out and not os.path.isdir(out) else _AGAIN.get(args.command, "")
+    if out and not os.path.isdir(out):
+        return ""
+    if args.command == "train" and out:
+        from lengthgen.train.checkpoint import complete_checkpoints
+        if not complete_checkpoints(out):
+            return _AGAIN["train-fresh"]
+    return _AGAIN.get(args.command, "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,10 +93,21 @@ def add_logging_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain log lines instead of a progress bar (the default when stdout is not a terminal)")
 
 
-def logging_overrides(args: argparse.Namespace) -> list[str]:
-    """The ``--set`` overrides that ``--log-every`` and ``--wandb`` stand for."""
-    return ([f"train.log_every={args.log_every}"] if args.log_every is not None else []) + \
-        ([f"train.wandb={json.dumps(args.wandb)}"] if args.wandb is not None else [])
+def flag_overrides(args: argparse.Namespace, flags: dict[str, tuple[str, str | None]] | None = None) -> list[str]:
+    """``args.overrides`` (``--set``) followed by the ``key=value`` that each given flag stands for: ``flags``
+    (key -> (flag, TOML value or None when not given)) and ``--log-every`` / ``--wandb``. A key set both by
+    ``--set`` and by its flag is a `CommandError` (one way to say each thing)."""
+    from lengthgen.config import parse_assignment
+
+    flags = dict(flags or {})
+    flags["train.log_every"] = ("--log-every", None if args.log_every is None else str(args.log_every))
+    flags["train.wandb"] = ("--wandb", None if args.wandb is None else json.dumps(args.wandb))
+    given = {key: flag_value for key, flag_value in flags.items() if flag_value[1] is not None}
+    for assignment in args.overrides:
+        key = ".".join(part.strip() for part in parse_assignment(assignment)[0])
+        if key in given:
+            raise CommandError(f"--set {assignment} and {given[key][0]} both set {key}; give one of them")
+    return list(args.overrides) + [f"{key}={value}" for key, (_, value) in given.items()]
 
 
 def warn_unused(cfg) -> None:

@@ -11,7 +11,7 @@ from lengthgen.cli.common import (
     add_logging_arguments,
     command,
     int_list,
-    logging_overrides,
+    flag_overrides,
     positive_int,
     warn_unused,
 )
@@ -44,7 +44,7 @@ def train_command(args: argparse.Namespace) -> int:
         raise CommandError("--resume continues the run in --out, --overwrite deletes it: give one of them")
     if args.extend and not args.resume:
         raise CommandError("--extend changes train.steps of a resumed run: add --resume")
-    cfg = load_config(args.config, args.overrides + logging_overrides(args))
+    cfg = load_config(args.config, flag_overrides(args))
     warn_unused(cfg)
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
@@ -110,12 +110,14 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise CommandError("--resume continues the comparison in --out, --overwrite deletes it: give one of them")
     seeds = None if args.seeds is None else list(range(args.seeds))
-    flags = {"data.task": args.task, "data.length": args.train_length, "train.steps": args.steps,
-             "compare.seeds": seeds, "compare.eval_lengths": args.eval_lengths,
-             "compare.eval_tokens": args.eval_tokens, "compare.pretrain_steps": args.pretrain_steps,
-             "compare.metric": args.metric, "compare.workers": args.workers}
-    overrides = list(args.overrides) + logging_overrides(args)
-    cfg = base_config(args.config, overrides + [f"{k}={v}" for k, v in flags.items() if v is not None])
+    flags = {"data.task": ("--task", args.task), "data.length": ("--train-length", args.train_length),
+             "train.steps": ("--steps", args.steps), "compare.seeds": ("--seeds", seeds),
+             "compare.eval_lengths": ("--eval-lengths", args.eval_lengths),
+             "compare.eval_tokens": ("--eval-tokens", args.eval_tokens),
+             "compare.pretrain_steps": ("--pretrain-steps", args.pretrain_steps),
+             "compare.metric": ("--metric", args.metric), "compare.workers": ("--workers", args.workers)}
+    cfg = base_config(args.config, flag_overrides(args, {key: (flag, None if value is None else str(value))
+                                                          for key, (flag, value) in flags.items()}))
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
         cfg = cfg.override(f"compare.metric={default_metric(cfg)}")
     warn_unused(cfg)

@@ -184,6 +184,7 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
     folder = Path(folder)
     held = sorted(p.name for p in folder.iterdir() if p.name != LOCK) if folder.is_dir() else []
     if held and not overwrite:
+        check_kind(folder, kind, "--resume and --overwrite act only on")     # another kind: neither applies
         resume = "--resume to continue it, " if resumable else ""
         raise RunFolderError(f"{folder} already holds {_names(held)}; pass {resume}--overwrite to delete it and "
                              "start over, or choose another folder")
