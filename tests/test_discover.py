@@ -118,3 +118,15 @@ def test_help_documents_every_field(cls):
         line = next((l for l in text.splitlines() if re.match(rf"\W*{f.name}: ", l)), None)
         assert line and f.metadata["doc"] in line, (cls.__name__, f.name)
     assert "softmax_p: p-softmax power" in pydoc.render_doc(AttentionSpec, renderer=pydoc.plaintext)
+
+
+@pytest.mark.parametrize("command", [["config", "show"], ["train", "--out", "never-made"]])
+@pytest.mark.parametrize("key, message", [
+    ("data.task_kwargs.vocab_sz=3", "data.task_kwargs.vocab_sz is not a valid key"),
+    ("compare.seedz=3", "compare.seedz is not a valid key")])
+def test_config_show_and_train_refuse_what_the_run_would_refuse(capsys, command, key, message):
+    """config show printed a config that train refuses; train accepted a [compare] section's typos."""
+    from lengthgen.cli import main
+
+    assert main([*command, "--set", key]) == 2
+    assert message in capsys.readouterr().err

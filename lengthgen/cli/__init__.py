@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lengthgen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (add_arguments, handler) in COMMANDS.items():
-        help_text = (handler.__doc__ or "").strip().splitlines()[0] if handler.__doc__ else None
+        # the first paragraph, which a docstring may wrap over lines
+        help_text = " ".join(inspect.cleandoc(handler.__doc__).split("\n\n")[0].split()) if handler.__doc__ else None
         p = sub.add_parser(name, help=help_text, description=inspect.cleandoc(handler.__doc__ or ""),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_arguments(p)

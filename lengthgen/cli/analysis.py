@@ -250,6 +250,11 @@ def config_command(args: argparse.Namespace) -> int:
             print(f"{name:<16} {spec_changes(spec) or 'the defaults'}")
         return 0
     cfg = _run_config_to_show(what, args.overrides)
+    from lengthgen.experiments.compare import compare_config
+    from lengthgen.train.setup import resolve
+
+    resolve(cfg)            # what train would refuse (data keys, lengths, model against data), refused here too
+    compare_config(cfg)
     print(format_config(cfg))
     if cfg.data.kind == "task":
         from lengthgen.data.tasks import TASKS

@@ -37,6 +37,7 @@ def train_command(args: argparse.Namespace) -> int:
     events (tb/), checkpoints and, when the eval lengths go beyond the training length, eval.json.
     Every config key with its meaning and valid values: lengthgen config show [CONFIG] [--set ...]."""
     from lengthgen.report import run_summary
+    from lengthgen.experiments.compare import compare_config
     from lengthgen.train import distributed, train
     from lengthgen.train.config import load_config
 
@@ -45,6 +46,7 @@ def train_command(args: argparse.Namespace) -> int:
     if args.extend and not args.resume:
         raise CommandError("--extend changes train.steps of a resumed run: add --resume")
     cfg = load_config(args.config, flag_overrides(args))
+    compare_config(cfg)         # a preset's [compare] section is checked here too: its typos are not silent
     warn_unused(cfg)
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))

@@ -157,7 +157,8 @@ class RunConfig:
     data: DataConfig = option(DataConfig(), "the training data")
     name: str = option("", "the run's name")
     compare: dict[str, Any] = option({}, "lengthgen compare's experiment (variants, bases, pretrain_steps, seeds, "
-                                     "eval_lengths, eval_tokens, metric); ignored by lengthgen train")
+                                     "eval_lengths, eval_tokens, metric, needle_depths, needle_samples, workers); "
+                                     "checked but not used by lengthgen train")
 
     def __post_init__(self) -> None:
         check(self)
