@@ -134,7 +134,8 @@ class TrainConfig:
 
     def unused(self) -> list[str]:
         """What this valid config asks for but a run of it never reaches: stages that start at or after the last
-        step, a warmup longer than the run (one message each; ``train`` and ``compare`` warn with them)."""
+        step, a warmup longer than the run, a BEMA burn-in as long as the run (one message each; ``train`` and
+        ``compare`` warn with them)."""
         notes = []
         late = [list(stage) for stage in self.stages if stage[0] >= self.steps]
         if late:
@@ -143,6 +144,9 @@ class TrainConfig:
         if self.warmup_steps > self.steps:
             notes.append(f"train.warmup_steps={self.warmup_steps} > train.steps={self.steps}: the learning rate "
                          f"only reaches {self.steps / self.warmup_steps:.2g} x train.lr")
+        if self.bema.enabled and self.bema.tau >= self.steps:
+            notes.append(f"train.bema.tau={self.bema.tau} >= train.steps={self.steps}: BEMA never starts (no BEMA "
+                         "weights are evaluated or saved)")
         return notes
 
 
