@@ -49,7 +49,8 @@ def report_command(args: argparse.Namespace) -> int:
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
     p.add_argument("--lengths", type=int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
-    p.add_argument("--tokens", type=positive_int, default=8192, help="tokens per evaluated length")
+    p.add_argument("--tokens", type=positive_int, default=8192,
+                   help="tokens per evaluated length (default %(default)s)")
     p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", help="with --hf: text corpus (stdlib, a path, bin:GLOB; default stdlib)")
@@ -101,7 +102,8 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
                    "(default 1,2,4,8,16 x training; with --hf 256,512,1024,2048)")
     p.add_argument("--depths", type=float_list, default=list(DEPTHS), help="comma-separated needle depths in [0, 1], "
                    "the fraction of the filler before the needle (default 0,0.1,...,1)")
-    p.add_argument("--samples", type=positive_int, default=100, help="sequences per (depth, length) cell")
+    p.add_argument("--samples", type=positive_int, default=100,
+                   help="sequences per (depth, length) cell (default %(default)s)")
     p.add_argument("--needles", type=positive_int, default=1, help="needles per context, each asked for (RULER's "
                    "multi-query needles; mqar and text; passkey holds one)")
     p.add_argument("--bema", action="store_true", help="map the BEMA weights")

@@ -421,7 +421,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
     parser.add_argument("--lengths", type=_ints, default=None,
                         help=f"comma list, 1k suffixes allowed (default {GPU_LENGTHS} on cuda, {CPU_LENGTHS} on cpu)")
-    parser.add_argument("--head-dims", type=_ints, default=(64, 128))
+    parser.add_argument("--head-dims", type=_ints, default=(64, 128), help="comma list (default 64,128)")
     parser.add_argument("--variants", type=_choices(VARIANTS), default=None,
                         help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--backends", type=_choices(attention_backends.BACKENDS), default=None,
