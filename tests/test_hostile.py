@@ -1045,11 +1045,16 @@ def test_compare_workers_end_with_a_killed_parent(tmp_path):
 
 
 def test_a_shipped_config_named_without_its_path(tmp_path, capsys, monkeypatch):
-    """``--config counting`` said only "not found"; from a clone it now points at configs/counting.toml."""
+    """``--config counting`` said only "not found"; from a clone it is configs/counting.toml, as for lengthgen
+    config show (one rule for both); the library's load_config points at it."""
+    from lengthgen.train.config import load_config
+
     monkeypatch.chdir(ROOT)
-    code, err = cli(capsys, "train", "--config", "counting", "--out", tmp_path / "run")
-    assert (code, err) == (2, "lengthgen train: error: config file not found: counting (did you mean "
-                              "configs/counting.toml?)")
+    assert main(["train", "--config", "counting", *sets("train.steps=1"), "--out", str(tmp_path / "named")]) == 0
+    assert json.loads((tmp_path / "named" / "config.json").read_text())["name"] == "counting"
+    with pytest.raises(FileNotFoundError, match=r"config file not found: counting \(did you mean "
+                                                r"configs/counting.toml\?\)"):
+        load_config("counting")
     code, err = cli(capsys, "train", "--config", "no_such_config", "--out", tmp_path / "run")
     assert (code, err) == (2, "lengthgen train: error: config file not found: no_such_config")
     assert not (tmp_path / "run").exists()

@@ -7,8 +7,8 @@ import contextlib
 import inspect
 from pathlib import Path
 
-from lengthgen.cli.common import (CommandError, command, float_list, int_list, non_negative_float, positive_int,
-                                  seed_int, writing)
+from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, non_negative_float,
+                                  positive_int, seed_int, writing)
 
 
 def _report_args(p: argparse.ArgumentParser) -> None:
@@ -274,11 +274,9 @@ def _run_config_to_show(what: str | None, overrides: list[str]):
 
     if what is None or what == "compare":
         return base_config(None, overrides) if what else load_config(None, overrides)
-    path = Path(what)
+    path = Path(config_file(what))
     if path.is_dir():
         path = path / "config.json"
-    elif not path.exists() and (Path("configs") / f"{what}.toml").exists():
-        path = Path("configs") / f"{what}.toml"
     elif not path.exists():
         names = ", ".join(sorted(p.stem for p in Path("configs").glob("*.toml"))) or "none here"
         raise CommandError(f"{what!r} is not a config file, a run folder, a name in configs/ ({names}), compare, "

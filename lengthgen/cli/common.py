@@ -78,7 +78,8 @@ SEEDS_HELP = ("Seeds, the notes cited by number: 000 AVnorm (per-head output nor
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """``--config FILE`` and repeatable ``--set key=value`` (shared by commands that take a run config)."""
-    p.add_argument("--config", "-c", help="TOML config (e.g. configs/counting.toml); defaults if omitted")
+    p.add_argument("--config", "-c", type=config_file, help="a TOML or JSON config file, or the name of one in "
+                   "configs/ (counting for configs/counting.toml); defaults if omitted")
     p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set model.attention=l2 --set train.steps=200 "
                         "(values are TOML literals, else strings; keys: lengthgen config show)")
@@ -91,6 +92,12 @@ def add_logging_arguments(p: argparse.ArgumentParser) -> None:
                    "train.wandb; needs pip install wandb; WANDB_MODE=offline works without a network)")
     p.add_argument("--no-progress", action="store_true",
                    help="plain log lines instead of a progress bar (the default when stdout is not a terminal)")
+
+
+def config_file(text: str) -> str:
+    """``--config`` (and ``config show``): a file, else ``configs/NAME.toml`` for a NAME without a suffix."""
+    shipped = Path("configs") / f"{text}.toml"
+    return str(shipped) if not Path(text).exists() and not Path(text).suffix and shipped.is_file() else text
 
 
 def flag_overrides(args: argparse.Namespace, flags: dict[str, tuple[str, str | None]] | None = None) -> list[str]:
