@@ -1229,3 +1229,16 @@ def test_a_key_set_by_its_flag_and_by_set_is_refused(tmp_path, capsys, command, 
     code, err = cli(capsys, command, *sets(), "--set", key, *flag, "--out", tmp_path / "o")
     assert code == 2 and f" and {flag[0]} both set {key.split('=')[0]}; give one of them" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_weights_shape_mismatch_names_the_tensor_and_shapes(tmp_path):
+    """The message kept only torch's first line, "Error(s) in loading state_dict for GPT:", and lost which tensor."""
+    from lengthgen.model import GPTConfig
+    from lengthgen.train import checkpoint as ckpt_io
+
+    small = GPT(GPTConfig(vocab_size=10, dim=16, layers=1, heads=2))
+    path = ckpt_io.save_checkpoint(tmp_path, 1, small, [], {"config": {}, "history": [0.0], "rng": ckpt_io.rng_state()})
+    with pytest.raises(ckpt_io.CheckpointError, match=r"size mismatch for embed.weight: copying a param with shape "
+                                                      r"torch.Size\(\[10, 16\]\)") as info:
+        ckpt_io.load_weights(GPT(GPTConfig(vocab_size=12, dim=16, layers=1, heads=2)), path)
+    assert "\n" not in str(info.value)

@@ -165,7 +165,8 @@ def _reading(path: Path) -> Iterator[None]:
         raise CheckpointError(f"{path} is missing") from None
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError,
             SafetensorError) as err:
-        detail = (str(err).strip().splitlines() or [""])[0][:160]
+        detail = " ".join(line.strip() for line in str(err).splitlines() if line.strip())     # one line, e.g.
+        detail = detail if len(detail) <= 300 else detail[:297] + "..."          # state_dict's size mismatches
         raise CheckpointError(f"{path} is unreadable ({type(err).__name__}: {detail})") from None
 
 
