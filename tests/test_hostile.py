@@ -1242,3 +1242,24 @@ def test_a_weights_shape_mismatch_names_the_tensor_and_shapes(tmp_path):
                                                       r"torch.Size\(\[10, 16\]\)") as info:
         ckpt_io.load_weights(GPT(GPTConfig(vocab_size=12, dim=16, layers=1, heads=2)), path)
     assert "\n" not in str(info.value)
+
+
+def test_theory_writes_only_into_a_folder_it_holds(tmp_path, capsys):
+    """theory wrote into any folder, a run that was training included; its files counted as foreign after."""
+    from lengthgen.train.run_folder import check_fresh, lock
+
+    held = lock(tmp_path / "busy")
+    try:
+        code, err = cli(capsys, "theory", "--out", tmp_path / "busy")
+        assert code == 2 and "is in use by another lengthgen process" in err
+    finally:
+        held.release()
+    (tmp_path / "file").write_text("x")
+    code, err = cli(capsys, "theory", "--out", tmp_path / "file")
+    assert code == 2 and "is a file; give a folder" in err
+    theory = tmp_path / "theory"
+    (theory).mkdir()
+    for name in ("theory.json", "theory.png"):
+        (theory / name).write_text("{}")
+    check_fresh(theory, overwrite=True)              # lengthgen's own files: --overwrite may delete them
+    assert not any(theory.iterdir()) or [p.name for p in theory.iterdir()] == [".lengthgen.lock"]

@@ -202,8 +202,15 @@ def sample_command(args: argparse.Namespace) -> int:
 def theory_command(args: argparse.Namespace) -> int:
     """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.png."""
     from lengthgen.experiments.theory import main_theory
+    from lengthgen.train.run_folder import lock
 
-    main_theory(args.out)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise CommandError(f"--out {args.out} is a file; give a folder")
+    folder = lock(args.out)         # one writer per folder: not into a run that is training
+    try:
+        main_theory(args.out)
+    finally:
+        folder.release()
     return 0
 
 

@@ -44,7 +44,8 @@ METRICS = "metrics.jsonl"
 #: what lengthgen writes in its folders (run, compare, retrofit, report); overwriting deletes only these
 WRITTEN = frozenset({"config.json", "run.json", METRICS, "latest.json", "checkpoints", "eval.json", "eval_bema.json",
                      "tb", "results.json", "report.md", "extrapolation.png", "diagnostics.png", "runs", "pretrain",
-                     "finetune", "control", "needle.json", "needle.md", "needle.png", "wandb"})
+                     "finetune", "control", "needle.json", "needle.md", "needle.png", "wandb", "theory.json",
+                     "theory.png"})
 T = TypeVar("T")
 
 
