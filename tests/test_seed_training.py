@@ -223,3 +223,24 @@ def test_normuon_cautious_run_resumes_exactly(tmp_path):
         assert torch.equal(a, b), name
     muon = full.trainer.optimizers[0]
     assert all("second_moment" in muon.state[p] for g in muon.param_groups for p in g["params"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_normuon_and_fused_cautious_adamw_on_cuda_match_the_cpu():
+    """On CUDA the trainer's AdamW is fused: the cautious decay before its step must act the same there."""
+    from lengthgen.train.normuon import CautiousAdamW, NorMuon
+    torch.manual_seed(3)
+    start, grads = torch.randn(12, 4), [torch.randn(12, 4) for _ in range(3)]
+    results = []
+    for device, fused in (("cpu", None), ("cuda", True)):
+        a, m = torch.nn.Parameter(start.clone().to(device)), torch.nn.Parameter(start.clone().to(device))
+        adam = CautiousAdamW([{"params": [a], "weight_decay": 0.0, "cautious_decay": 0.5}], lr=0.1, fused=fused)
+        muon = NorMuon([{"params": [m], "lr": 0.05, "lr_mul": 1.0}], weight_decay=1.2, cautious=True)
+        for g in grads:
+            a.grad, m.grad = g.to(device), g.to(device)
+            adam.step()
+            muon.step()
+        results.append((a.detach().cpu(), m.detach().cpu()))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=2e-2, atol=2e-3)     # bf16 Newton-Schulz
