@@ -3,10 +3,11 @@ hold full weights that load anywhere and resume exactly.
 
 The test launches this file with ``torchrun --standalone --nproc_per_node=2``; run as a script, it trains
 run A (AdamW, 2 micro-batches per rank: the path that skips gradient sync) for 3 steps, then resumes it to 5
-from its checkpoint, and run M (Muon on the hidden weights) straight through. AdamW on shards is exact to
-float32 rounding; Muon's Newton-Schulz iteration runs in bfloat16 (torch.optim.Muon), and a sharded matrix
+from its checkpoint, and runs M (Muon on the hidden weights) and N (NorMuon, cautious weight decay) straight
+through. AdamW on shards is exact to float32 rounding; Muon's Newton-Schulz iteration runs in bfloat16
+(torch.optim.Muon), and a sharded matrix
 product sums in another order, which moves its update by about bfloat16's precision (measured: 3% of the
-update's norm, as far as either is from the float64 iteration), so run M is compared more loosely.
+update's norm, as far as either is from the float64 iteration), so runs M and N are compared more loosely.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from helpers import logged_losses, torchrun_two
 
 RUN_A = BASE + ["train.grad_accum=2"]
 RUN_M = BASE + ["train.optimizer=muon", "train.muon_lr=0.05", "model.tie_embeddings=false"]
+#: seed 000's optimizers: NorMuon (its statistics over sharded matrices) and cautious weight decay
+RUN_N = BASE + ["train.optimizer=normuon", "train.muon_lr=0.05", "model.tie_embeddings=false",
+                "train.cautious_weight_decay=true", "train.weight_decay=0.1", "train.muon_weight_decay=1.0"]
 #: a language model: its evaluation calls the model's features and logits, not forward (FSDP2 hooks forward only)
 RUN_T = BASE + ["data.kind=text", "data.task_kwargs={}", 'data.text={corpus = "stdlib", tokenizer = "byte"}']
 
@@ -33,7 +37,7 @@ def test_two_sharded_processes_match_one(tmp_path):
     from lengthgen.train.weights import load_run
 
     torchrun_two(__file__, tmp_path)
-    for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("t", RUN_T, 1e-5)):
+    for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("n", RUN_N, 3e-3), ("t", RUN_T, 1e-5)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
         sharded = logged_losses(tmp_path / f"fsdp-{name}")
         assert len(sharded) == 5
@@ -48,7 +52,7 @@ def test_two_sharded_processes_match_one(tmp_path):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=key)
         evaluation = RunEval.load(tmp_path / f"fsdp-{name}" / "eval.json")
         assert [r.length for r in evaluation.lengths] == [16, 32]
-        if name != "m":
+        if name not in ("m", "n"):
             for got, want in zip(evaluation.lengths, single.evaluation.lengths):
                 assert got.at_length["loss"] == pytest.approx(want.at_length["loss"], rel=1e-4), name
     records = [json.loads(line) for line in (tmp_path / "fsdp-a" / "metrics.jsonl").read_text().splitlines()]
@@ -83,6 +87,7 @@ def _worker(out: Path) -> None:
     Trainer(cfg, out / "fsdp-a", progress=False).fit(stop_at=3)
     Trainer(cfg, out / "fsdp-a", progress=False, resume=True).fit()
     train(RunConfig().override(*RUN_M, "train.parallel=fsdp"), out / "fsdp-m", progress=False)
+    train(RunConfig().override(*RUN_N, "train.parallel=fsdp"), out / "fsdp-n", progress=False)
     train(RunConfig().override(*RUN_T, "train.parallel=fsdp"), out / "fsdp-t", progress=False)
     cleanup()
 
