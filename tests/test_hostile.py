@@ -1263,3 +1263,14 @@ def test_theory_writes_only_into_a_folder_it_holds(tmp_path, capsys):
         (theory / name).write_text("{}")
     check_fresh(theory, overwrite=True)              # lengthgen's own files: --overwrite may delete them
     assert not any(theory.iterdir()) or [p.name for p in theory.iterdir()] == [".lengthgen.lock"]
+
+
+def test_eval_and_report_on_the_wrong_kind_of_folder_say_what_it_is(tmp_path, capsys, stopped):
+    """eval of a comparison said only "no checkpoint"; report of a training run only "no results file"."""
+    comparison = tmp_path / "cmp"
+    (comparison / "runs").mkdir(parents=True)
+    code, err = cli(capsys, "eval", comparison)
+    assert code == 2 and f"it holds a comparison, whose runs are in {comparison / 'runs'}" in err
+    code, err = cli(capsys, "report", stopped[0])
+    assert code == 2 and f"{stopped[0]} is a training run, which has no results.json" in err
+    assert f"lengthgen eval {stopped[0]}" in err

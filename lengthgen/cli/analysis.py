@@ -25,6 +25,10 @@ def report_command(args: argparse.Namespace) -> int:
     from lengthgen.train.run_folder import KIND_MARKERS, lock
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
+    for path in paths:
+        if not path.exists() and (path.parent / "checkpoints").is_dir():
+            raise CommandError(f"{path.parent} is a training run, which has no results.json: report reads compare "
+                               f"and retrofit folders; evaluate a run with lengthgen eval {path.parent}")
     if len(paths) > 1 and not args.out:
         raise CommandError("merging several results needs --out, a folder of its own for the merged report")
     out = Path(args.out) if args.out else paths[0].parent

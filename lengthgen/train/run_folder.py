@@ -229,8 +229,13 @@ def checkpoints_at(path: str | Path) -> tuple[list[Path], bool]:
         return [path], False
     found = complete_checkpoints(path)
     if not found:
+        held = {p.name for p in path.iterdir()} if path.is_dir() else set()
+        kind = next((kind for kind, markers in KIND_MARKERS.items() if kind != "training run" and held & set(markers)),
+                    None)
+        where = f"; it holds a {kind}, whose runs are in {path / 'runs'}" if kind == "comparison" else \
+            f"; it holds a {kind}, whose finetuned run is {path / 'finetune'}" if kind == "retrofit" else ""
         raise FileNotFoundError(f"no checkpoint in {path} (expected checkpoints/step_N of a run folder, or a "
-                                "checkpoint folder)")
+                                f"checkpoint folder){where}")
     return found, True
 
 
