@@ -22,7 +22,7 @@ def report_command(args: argparse.Namespace) -> int:
     """Rebuild report.md and the plots from existing results.json files (several are merged into --out)."""
     from lengthgen.eval import Comparison
     from lengthgen.report import terminal_table, write_report
-    from lengthgen.train.run_folder import KIND_MARKERS, lock
+    from lengthgen.train.run_folder import kinds_held, lock
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
     for path in paths:
@@ -34,7 +34,7 @@ def report_command(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else paths[0].parent
     if len(paths) > 1 and any(out.resolve() == path.parent.resolve() for path in paths):
         raise CommandError(f"--out {out} holds one of the merged results.json; give a folder of its own")
-    runs = [name for markers in KIND_MARKERS.values() for name in markers if (out / name).exists()]
+    runs = [name for found in kinds_held(out).values() for name in found]
     if runs and out.resolve() != paths[0].parent.resolve():
         raise CommandError(f"--out {out} holds another experiment ({', '.join(runs)}), whose results.json and "
                            "report this would replace; give a folder of its own")

@@ -202,13 +202,18 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def check_kind(folder: str | Path, kind: str, action: str = "--resume continues only") -> None:
-    """`RunFolderError` if ``folder`` holds another kind of output than ``kind`` (by `KIND_MARKERS`)."""
+def kinds_held(folder: str | Path) -> dict[str, list[str]]:
+    """The kinds of output (`KIND_MARKERS`) that ``folder`` holds, each with the markers found."""
     folder = Path(folder)
     held = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-    for other, markers in KIND_MARKERS.items():
-        found = [name for name in markers if name in held]
-        if other != kind and found:
+    kinds = {kind: [name for name in markers if name in held] for kind, markers in KIND_MARKERS.items()}
+    return {kind: found for kind, found in kinds.items() if found}
+
+
+def check_kind(folder: str | Path, kind: str, action: str = "--resume continues only") -> None:
+    """`RunFolderError` if ``folder`` holds another kind of output than ``kind`` (by `KIND_MARKERS`)."""
+    for other, found in kinds_held(folder).items():
+        if other != kind:
             raise RunFolderError(f"{folder} holds a {other} ({', '.join(found)}), not a {kind}; {action} a "
                                  f"{kind}: delete it yourself or choose another folder")
 
@@ -229,11 +234,10 @@ def checkpoints_at(path: str | Path) -> tuple[list[Path], bool]:
         return [path], False
     found = complete_checkpoints(path)
     if not found:
-        held = {p.name for p in path.iterdir()} if path.is_dir() else set()
-        kind = next((kind for kind, markers in KIND_MARKERS.items() if kind != "training run" and held & set(markers)),
-                    None)
-        where = f"; it holds a {kind}, whose runs are in {path / 'runs'}" if kind == "comparison" else \
-            f"; it holds a {kind}, whose finetuned run is {path / 'finetune'}" if kind == "retrofit" else ""
+        runs = {"comparison": f"whose runs are in {path / 'runs'}",
+                "retrofit": f"whose finetuned run is {path / 'finetune'}"}
+        kind = next((kind for kind in kinds_held(path) if kind in runs), None)
+        where = f"; it holds a {kind}, {runs[kind]}" if kind else ""
         raise FileNotFoundError(f"no checkpoint in {path} (expected checkpoints/step_N of a run folder, or a "
                                 f"checkpoint folder){where}")
     return found, True
