@@ -210,11 +210,8 @@ def theory_command(args: argparse.Namespace) -> int:
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise CommandError(f"--out {args.out} is a file; give a folder")
-    folder = lock(args.out)         # one writer per folder: not into a run that is training
-    try:
+    with lock(args.out):            # one writer per folder: not into a run that is training
         main_theory(args.out)
-    finally:
-        folder.release()
     return 0
 
 
@@ -250,6 +247,8 @@ def config_command(args: argparse.Namespace) -> int:
     """Show a resolved config: each key with its value, meaning and valid values (set any with --set KEY=VALUE)."""
     from lengthgen.attention import PRESETS
     from lengthgen.config import format_config
+    from lengthgen.experiments.compare import compare_config
+    from lengthgen.train.setup import resolve
     from lengthgen.train.tracking import spec_changes
 
     what = args.what
@@ -263,9 +262,6 @@ def config_command(args: argparse.Namespace) -> int:
             print(f"{name:<16} {spec_changes(spec) or 'the defaults'}")
         return 0
     cfg = _run_config_to_show(what, args.overrides)
-    from lengthgen.experiments.compare import compare_config
-    from lengthgen.train.setup import resolve
-
     resolve(cfg)            # what train would refuse (data keys, lengths, model against data), refused here too
     compare_config(cfg)
     print(format_config(cfg))

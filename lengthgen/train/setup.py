@@ -4,10 +4,9 @@ fails with `ConfigError`."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
-
-import warnings
 
 import torch
 
@@ -180,13 +179,12 @@ def for_inference(model: torch.nn.Module, train: Any) -> tuple[torch.nn.Module, 
     run there (e.g. triton without CUDA) falls back to ``auto``, which matches the same dense oracle. Both warn."""
     from lengthgen.attention import backends
 
-    kind = "cuda" if train.device == "auto" and torch.cuda.is_available() else train.device
-    if kind == "cuda" and not torch.cuda.is_available():
+    if train.device == "cuda" and not torch.cuda.is_available():
         warnings.warn("the run trained with train.device='cuda'; CUDA is not available here, so it runs on the CPU",
                       stacklevel=2)
         kind = "cpu"
-    elif kind == "auto":
-        kind = "cpu"
+    else:
+        kind = device_type(train)
     dtype = autocast_dtype(train, kind) or torch.float32
     failing: dict[str, list[int]] = {}
     for attn in model.attentions:
