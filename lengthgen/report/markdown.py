@@ -146,17 +146,17 @@ def _optimizer(train: dict) -> str:
     """``adamw lr 0.001``, or ``muon lr 0.02 (x4 on blocks.*.mlp.proj.weight) + adamw lr 0.008 (x75 on
     value_embeds.*)``: each learning rate with its multipliers by parameter pattern; then the weight decay, with
     its multipliers, when there is one."""
-    def lr(name: str, key: str, multipliers: str) -> str:
+    def setting(text: str, key: str, multipliers: str) -> str:
         muls = ", ".join(f"x{m:g} on {pattern}" for pattern, m in (train.get(multipliers) or {}).items())
-        return f"{name} lr {train.get(key)}" + (f" ({muls})" if muls else "")
+        return f"{text} {train.get(key)}" + (f" ({muls})" if muls else "")
     muon = train.get("optimizer") in ("muon", "normuon")
-    adamw = lr("adamw" if muon else str(train.get("optimizer")), "lr", "adam_lr_mul")
-    text = f"{lr(train['optimizer'], 'muon_lr', 'muon_lr_mul')} + {adamw}" if muon else adamw
-    decays = [lr("adamw", "weight_decay", "weight_decay_mul")] if train.get("weight_decay") else []
+    adamw = setting(f"{'adamw' if muon else train.get('optimizer')} lr", "lr", "adam_lr_mul")
+    text = f"{setting(train['optimizer'] + ' lr', 'muon_lr', 'muon_lr_mul')} + {adamw}" if muon else adamw
+    decays = [setting("adamw", "weight_decay", "weight_decay_mul")] if train.get("weight_decay") else []
     if muon and train.get("muon_weight_decay"):
         decays.append(f"{train['optimizer']} {train['muon_weight_decay']}")
     if decays:
-        text += "; weight decay " + " and ".join(decays).replace(" lr ", " ")
+        text += "; weight decay " + " and ".join(decays)
         text += " (cautious)" if train.get("cautious_weight_decay") else ""
     return text
 
