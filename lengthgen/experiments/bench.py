@@ -98,6 +98,18 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _failed(err: Exception, device: torch.device) -> str:
+    """The status of a case that raised ``err`` (``oom`` or the error), after freeing the device's cache."""
+    _free(device)
+    return "oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"
+
+
+def _dense_bytes(q: torch.Tensor) -> int:
+    """Bytes of the dense oracle's (B, H, L, L) float32 weights for queries ``q``."""
+    b, h, length, _ = q.shape
+    return b * h * length * length * 4
+
+
 def _inputs(batch, heads, length, head_dim, dtype, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
     shape = (batch, heads, length, head_dim)
@@ -127,8 +139,7 @@ def _check(forward: Callable[..., torch.Tensor], spec: AttentionSpec, doc_ids, q
     """The largest error of ``forward`` (and with ``train`` its gradients) against the dense oracle on the same
     inputs in float32, relative to the oracle's largest magnitude; None when the oracle's weights would not fit in
     `CHECK_MAX_BYTES`."""
-    b, h, length, _ = q.shape
-    if b * h * length * length * 4 > CHECK_MAX_BYTES:
+    if _dense_bytes(q) > CHECK_MAX_BYTES:
         return None
     ref_inputs = [t.detach().float().requires_grad_(train) for t in (q, k, v)]
     want = [attend(*ref_inputs, spec, doc_ids=doc_ids, backend="dense")]
@@ -232,9 +243,8 @@ def _prepare(row: dict, name: str, spec: AttentionSpec, doc_ids, q, k, v, grad, 
         return _Case(dict(row, mode="-", status=f"unsupported: {train_reason}"))
     train = train_reason is None
     row["mode"] = "fwd+bwd" if train else "fwd"
-    b, h, length, _ = q.shape
-    if name == "dense" and b * h * length * length * 4 > DENSE_MAX_BYTES:
-        return _Case(dict(row, status=f"skipped: dense weights need {b * h * length * length * 4 / 2 ** 30:.0f} GiB"))
+    if name == "dense" and _dense_bytes(q) > DENSE_MAX_BYTES:
+        return _Case(dict(row, status=f"skipped: dense weights need {_dense_bytes(q) / 2 ** 30:.0f} GiB"))
 
     def forward(q_, k_, v_):
         return attend(q_, k_, v_, spec, doc_ids=doc_ids, backend=name)
@@ -243,8 +253,7 @@ def _prepare(row: dict, name: str, spec: AttentionSpec, doc_ids, q, k, v, grad, 
         with contextlib.nullcontext() if train else torch.no_grad():
             error = _check(forward, spec, doc_ids, q, k, v, grad, train)
     except Exception as err:  # noqa: BLE001 - a row, not a crash
-        _free(device)
-        return _Case(dict(row, status="oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"))
+        return _Case(dict(row, status=_failed(err, device)))
     row["check_error"] = error
     limit = CHECK_TOLERANCE.get(q.dtype, 1e-3)
     if error is not None and not error <= limit:
@@ -270,8 +279,7 @@ def _warm(case: _Case, inputs: Sequence[torch.Tensor], grad: torch.Tensor, devic
     try:
         _calls(case, inputs, grad)["total" if case.train else "infer"]()
     except Exception as err:  # noqa: BLE001 - a row, not a crash
-        _free(device)
-        return _Case(dict(case.row, status="oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"))
+        return _Case(dict(case.row, status=_failed(err, device)))
     return case
 
 
@@ -286,8 +294,7 @@ def _time_group(cases: list[_Case], inputs: Sequence[torch.Tensor], grad: torch.
     try:
         timings = measure_interleaved(calls, device, warmup, reps)
     except Exception as err:  # noqa: BLE001 - rows, not a crash
-        _free(device)
-        status = "oom" if out_of_memory(err) else f"error: {type(err).__name__}: {err}"
+        status = _failed(err, device)
         for i, _ in calls:
             cases[i].row["status"] = status
         return
