@@ -260,3 +260,35 @@ def test_an_mlp_ratio_that_rounds_to_no_unit_is_refused():
     with pytest.raises(ConfigError, match=r"GPTConfig.mlp_ratio=0.01 is not valid; it must be 0 \(attention-only "
                                           r"blocks\) or more than 0.03125"):
         GPTConfig(vocab_size=10, dim=16, layers=2, heads=2, mlp_ratio=0.01)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_logits_are_an_error_not_a_token(temperature, bad):
+    """A diverged model: greedy would return the NaN's index, a draw torch's multinomial error."""
+    logits = torch.tensor([[0.0, bad, 1.0]])
+    with pytest.raises(ValueError, match=r"^next_token: the logits hold NaN or \+inf"):
+        next_token(logits, temperature=temperature)
+    masked = next_token(torch.tensor([[0.0, float("-inf"), 5.0]]).expand(200, -1), temperature=temperature,
+                        generator=torch.Generator().manual_seed(0))   # -inf is a masked token, never drawn
+    assert 1 not in masked.flatten().tolist() and 2 in masked.flatten().tolist()
+    net = model()
+    with torch.no_grad():
+        net.head.weight.fill_(bad)
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        net.generate(tokens(length=3), 2, temperature=temperature)
+
+
+def test_generation_under_bf16_autocast_picks_from_full_precision_logits(monkeypatch):
+    """The features run in bf16, the head's logits in the weights' float32 (bf16 would round them)."""
+    import lengthgen.model.gpt as gpt
+    seen = []
+    monkeypatch.setattr(gpt, "next_token", lambda logits, *a: seen.append(logits) or logits.argmax(-1, keepdim=True))
+    net = model()
+    prompt = tokens(length=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = net.generate(prompt, 2)
+        features = net.features(out[:, :-1])[:, -1]
+    assert [t.dtype for t in seen] == [torch.float32] * 2
+    torch.testing.assert_close(seen[-1], net.logits(features.float()), rtol=0, atol=0)
+    assert not torch.equal(seen[-1], seen[-1].bfloat16().float())   # the rounding the head no longer does

@@ -225,7 +225,9 @@ class GPT(nn.Module):
         `next_token` from the logits of the sequence so far. With ``cache`` each step runs only the newest token
         against a `KVCache`; without, the whole sequence again (the same tokens, slower). ``bos_id``: for a model
         that masks documents, the token that starts each document (as in training), prompt and continuation
-        alike; without it the whole sequence is one document. Runs in eval mode (the mode is restored after).
+        alike; without it the whole sequence is one document. Runs in eval mode (the mode is restored after);
+        the head's logits are computed in its weights' dtype even under autocast (bf16 keeps 8 significant bits:
+        a logit of 20 would move by up to 0.04, its token's probability by 4%).
         lm heads only; a bad ``max_new_tokens``, ``temperature``, ``top_k`` or ``bos_id`` is a `ConfigError`
         naming it."""
         if self.head_kind != "lm":
@@ -251,7 +253,9 @@ class GPT(nn.Module):
                 run = new if cache else tokens
                 doc_ids = None if docs is None else docs[:, -run.shape[1]:]
                 last = self.features(run, doc_ids, cache=kv)[:, -1:]
-                new = next_token(self.logits(last)[:, -1], temperature, top_k, generator)
+                with torch.autocast(last.device.type, enabled=False):   # autocast would round logits to bf16
+                    logits = self.logits(last.to(self.head.weight.dtype))[:, -1]
+                new = next_token(logits, temperature, top_k, generator)
                 tokens = torch.cat([tokens, new], dim=1)
                 if docs is not None:
                     docs = torch.cat([docs, docs[:, -1:] + (new == bos_id).long()], dim=1)
@@ -268,7 +272,11 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None
     """(B, 1) next tokens from (B, V) logits: the argmax at ``temperature`` 0, else a draw (with ``generator``)
     from softmax(logits / temperature) over the ``top_k`` largest logits (all without top_k; nanoGPT's sampling).
     The logits are shifted by their maximum and divided in float64, so a tiny temperature still gives a
-    distribution (the argmax's) rather than inf / inf."""
+    distribution (the argmax's) rather than inf / inf. NaN or +inf logits (a diverged model) are a ValueError:
+    argmax would return the NaN's index and a draw has no distribution."""
+    if bool((logits.isnan() | logits.isposinf()).any()):
+        raise ValueError("next_token: the logits hold NaN or +inf (the model's weights or activations diverged); "
+                         "there is no distribution to pick a token from")
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.double()
