@@ -277,3 +277,21 @@ def test_eval_of_an_export_masks_documents_in_packed_rows_as_the_run_did(tmp_pat
         across = measure_gpt(native, None, Batch(batch.tokens, batch.targets, batch.loss_mask))["loss"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(want[:, 10:], across[:, 10:])             # the masking matters here
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_of_an_export_masks_documents_at_its_bos(tmp_path, use_cache):
+    """transformers' generate on a doc-masking export starts a document at each BOS (the exported
+    ``bos_token_id``), as the run trained and as `GPT.generate(bos_id=)` decodes."""
+    bos = 3
+    run = written_run(tmp_path / "run", {"attention": {"doc_masking": True}})
+    _, native = load_run(run)
+    model = LengthgenForCausalLM.from_gpt(native, bos_token_id=bos)
+    prompt = tokens(length=8)
+    prompt[:, 0] = prompt[:, 5] = bos                       # a second document starts inside the prompt
+    kw = dict(max_new_tokens=6, min_new_tokens=6, pad_token_id=0, do_sample=False, use_cache=use_cache)
+    got = model.generate(prompt, **kw)
+    assert torch.equal(got, native.generate(prompt, 6, bos_id=bos))
+    assert not torch.equal(got, native.generate(prompt, 6))           # the masking matters here
+    plain = LengthgenForCausalLM.from_gpt(native)                     # no BOS declared: one document
+    assert torch.equal(plain.generate(prompt, **kw), native.generate(prompt, 6))

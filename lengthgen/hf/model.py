@@ -4,8 +4,9 @@
 so a loaded export runs lengthgen's own modules and math and its logits are the native model's. After
 `lengthgen.hf.register` (done when `lengthgen.hf` is imported), ``AutoModelForCausalLM.from_pretrained(DIR)``
 loads an exported folder. transformers' ``generate`` decodes with lengthgen's own `KVCache` (every attention option
-equals recomputation; ``use_cache=False`` recomputes each step); rows are never padded (``attention_mask`` must be
-all ones) and beam search, which reorders caches, is not supported with the cache.
+equals recomputation; ``use_cache=False`` recomputes each step), a document-masking model starting a document at
+each ``bos_token_id``; rows are never padded (``attention_mask`` must be all ones) and beam search, which reorders
+caches, is not supported with the cache.
 """
 
 from __future__ import annotations
@@ -124,12 +125,16 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
                                       past_key_values: KVCache | None = None, use_cache: bool = True,
                                       **kwargs: Any) -> dict[str, Any]:
         """A generation step's inputs: with ``use_cache`` the positions after those in the `KVCache` (a new one at
-        the first step), without it the whole sequence."""
+        the first step), without it the whole sequence. A model that masks documents gets ``doc_ids`` from the
+        config's ``bos_token_id`` (a document starts at each BOS, as in training; `GPT.generate`'s ``bos_id``)."""
+        doc_ids, bos = None, getattr(self.config, "bos_token_id", None)   # transformers 5 sets it only if given
+        if bos is not None and any(spec.doc_masking for spec in self.model.config.layer_specs()):
+            doc_ids = (input_ids == bos).long().cumsum(1)
         if not use_cache:
-            return {"input_ids": input_ids, "attention_mask": attention_mask}
+            return {"input_ids": input_ids, "attention_mask": attention_mask, "doc_ids": doc_ids}
         cache = past_key_values if isinstance(past_key_values, KVCache) else KVCache()
         return {"input_ids": input_ids[:, cache.length:], "attention_mask": attention_mask,
-                "past_key_values": cache}
+                "doc_ids": None if doc_ids is None else doc_ids[:, cache.length:], "past_key_values": cache}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
