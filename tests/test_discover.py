@@ -111,6 +111,15 @@ def test_config_show_names_the_choices_of_a_bad_argument(capsys, monkeypatch):
     assert "train.lr=nan is not valid" in capsys.readouterr().err
 
 
+def test_config_show_takes_set_before_or_after_what(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    shown = []
+    for args in (["counting", "--set", "model.dim=24"], ["--set", "model.dim=24", "counting"]):
+        assert main(["config", "show", *args]) == 0
+        shown.append(capsys.readouterr().out)
+    assert shown[0] == shown[1] and re.search(r"^dim = 24 ", shown[0], flags=re.M)
+
+
 @pytest.mark.parametrize("cls", [AttentionSpec, GPTConfig, TrainConfig, BemaConfig, RunConfig, DataConfig])
 def test_help_documents_every_field(cls):
     text = pydoc.render_doc(cls, renderer=pydoc.plaintext)

@@ -233,13 +233,16 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["show"], help="show: print a resolved config, each key with its value, "
-                   "meaning and valid values")
-    p.add_argument("what", nargs="?", help="a TOML or JSON config file, a run folder, a name in configs/ "
+    # `show` is a subcommand (not a positional beside `what`): argparse takes a command's positionals in one run, so
+    # `config show --set K=V counting` would leave `counting` unrecognized
+    show = p.add_subparsers(dest="action", metavar="ACTION", required=True).add_parser(
+        "show", help="print a resolved config, each key with its value, meaning and valid values",
+        description="Print a resolved config, each key with its value, meaning and valid values.")
+    show.add_argument("what", nargs="?", help="a TOML or JSON config file, a run folder, a name in configs/ "
                    "(counting, mqar, ...), compare (its embedded default), attention (every AttentionSpec field "
                    "and the presets) or an attention preset (l2, avnorm, ...); default: lengthgen train's defaults")
-    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key as train and compare do, e.g. --set model.attention=l2")
+    show.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key as train and compare do, e.g. --set model.attention=l2")
 
 
 @command("config", _config_args)
