@@ -231,6 +231,19 @@ def test_jsonl_loading_and_errors(tmp_path):
         list(FileCorpus(broken))
 
 
+def test_jsonl_lines_end_only_at_newlines(tmp_path):
+    # JSON Lines ends a record at \n only: U+2028, U+2029 and U+0085 stay raw inside strings (json.dumps with
+    # ensure_ascii=False writes them so), and str.splitlines would cut the record there; \r\n endings also work
+    texts = ["para\u2028graph\u2029end", "next\x85line", "crlf"]
+    path = tmp_path / "raw.jsonl"
+    path.write_bytes("".join(json.dumps({"text": t}, ensure_ascii=False) + "\r\n" for t in texts).encode())
+    assert list(FileCorpus(path)) == texts
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a\u2028b"}\n{"text": \n', encoding="utf-8")
+    with pytest.raises(CorpusError, match=r"broken\.jsonl:2: invalid JSON"):
+        list(FileCorpus(broken))
+
+
 def test_parquet_loading_or_clear_error(tmp_path):
     path = tmp_path / "docs.parquet"
     if importlib.util.find_spec("pyarrow") is None:

@@ -129,7 +129,9 @@ class FileCorpus(Corpus):
             yield from self._parquet(path)
 
     def _jsonl(self, path: Path) -> Iterator[str]:
-        for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+        """One JSON object per line; lines end at \\n only (JSON Lines): U+2028, U+2029 and U+0085, which
+        ``str.splitlines`` also breaks at, may stand raw inside a JSON string."""
+        for lineno, line in enumerate(_read_text(path).split("\n"), 1):
             if not line.strip():
                 continue
             try:
