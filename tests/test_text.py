@@ -244,6 +244,17 @@ def test_jsonl_lines_end_only_at_newlines(tmp_path):
         list(FileCorpus(broken))
 
 
+def test_a_utf8_byte_order_mark_is_not_text(tmp_path):
+    # a byte-order mark (Windows editors, PowerShell) opens the file, not its first document; errors still give
+    # the byte's offset in the file
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfplain")
+    assert list(FileCorpus(tmp_path / "bom.jsonl")) == ["one", "two"]
+    assert list(FileCorpus(tmp_path / "bom.txt")) == ["plain"]
+    (tmp_path / "bad.txt").write_bytes(b"\xef\xbb\xbfab\xff")
+    with pytest.raises(CorpusError, match=r"bad\.txt is not valid UTF-8 \(byte 5: b'\\xff'\)"):
+        list(FileCorpus(tmp_path / "bad.txt"))
+
 def test_parquet_loading_or_clear_error(tmp_path):
     path = tmp_path / "docs.parquet"
     if importlib.util.find_spec("pyarrow") is None:

@@ -85,9 +85,10 @@ def resolve_files(source: str | os.PathLike | list, extensions: tuple[str, ...],
 
 
 def _read_text(path: Path) -> str:
+    """The file's text, strictly UTF-8, without a leading byte-order mark (U+FEFF, written by some editors)."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise CorpusError(f"text file {path} is not valid UTF-8 (byte {e.start}: "
                           f"{data[e.start:e.start + 4]!r})") from None
