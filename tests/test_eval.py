@@ -221,5 +221,6 @@ def test_long_documents_prefer_the_first_split_with_a_long_document():
                                       "same for every seed)")
     assert source.describe(2, 64) == "2 long documents (train split, which the run trained on)"
     batch = source.sample(4, 128, torch.Generator().manual_seed(0))
-    assert source.describe(4, 128) == "4 packed rows (no document of 128 tokens)"
+    assert source.describe(4, 128) == ("4 packed rows of the train split, which the run trained on (no document of "
+                                       "128 tokens)")
     assert batch.tokens.shape == (4, 128) and int(batch.tokens[0, 0]) == 2

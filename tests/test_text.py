@@ -354,6 +354,21 @@ def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_packed_rows_beyond_every_document_are_held_out_text(tmp_path):
+    """Where no document is as long as an evaluation length the rows are packed documents: of the validation
+    text when there is one (the training text would be scored as if unseen), and the description names the split."""
+    train_path = write_docs(tmp_path, [f"train document {i} " * 8 for i in range(40)], "train.jsonl")
+    val_path = write_docs(tmp_path, [f"val document {i} " * 40 for i in range(6)], "val.jsonl")
+    cfg = DataConfig(kind="text", text={"corpus": str(train_path), "val_corpus": str(val_path), "cache": False})
+    source = eval_source(cfg, make_source(cfg))
+    rows = source.sample(2, 2048, gen(0)).tokens
+    text = BYTE.decode(rows.flatten().tolist())
+    assert "val document" in text and "train document" not in text
+    assert source.describe(2, 2048) == "2 packed rows of the val split (no document of 2048 tokens)"
+    alone = DataConfig(kind="text", text={"corpus": str(train_path), "split": "all", "cache": False})
+    assert eval_source(alone, make_source(alone)).describe(2, 2048) == (
+        "2 packed rows of the all split, which the run trained on (no document of 2048 tokens)")
+
 # ------------------------------------------------------------------------------------------------
 # stdlib corpus
 

@@ -3,7 +3,7 @@
 Text data is trained on packed rows (documents back to back), but loss by position needs position p to have
 p tokens of context: `LongDocuments` gives rows that are each *one* document (BOS + its first L tokens), from
 the validation split first, then the training split (its label says the run trained on it), and packed rows only
-where no document is that long.
+where no document is that long (of the validation split when there is one).
 Synthetic tasks generate any length, so they are evaluated on themselves (`eval_source`).
 """
 
@@ -24,8 +24,8 @@ class LongDocuments:
     """A source whose ``sample(count, length, generator)`` returns single long documents.
 
     ``candidates``: (label, TextData) tried in order; the first with at least one document of ``length``
-    tokens gives ``min(count, available)`` rows. ``fallback`` (a TextData, packed rows) is sampled when none
-    has one. `describe` says which, and when it is ``trained_on``, the text the run trained on.
+    tokens gives ``min(count, available)`` rows. ``fallback`` (one of the candidates' TextData, packed rows) is
+    sampled when none has one. `describe` says which, and when it is ``trained_on``, the text the run trained on.
     """
 
     head = "lm"
@@ -60,11 +60,14 @@ class LongDocuments:
         every document that long, it says that every seed then evaluates the same ones."""
         picked = self._pick(count, length)
         if picked is None:
-            return f"{count} packed rows (no document of {length} tokens)"
+            label = next(label for label, data in self.candidates if data is self.fallback)
+            return f"{count} packed rows of the {label}{self._trained(self.fallback)} (no document of {length} tokens)"
         label, data, rows, available = picked
-        trained = ", which the run trained on" if data is self.trained_on else ""
         every = "; all there are, the same for every seed" if rows == available else ""
-        return f"{rows} long document{'s' if rows != 1 else ''} ({label}{trained}{every})"
+        return f"{rows} long document{'s' if rows != 1 else ''} ({label}{self._trained(data)}{every})"
+
+    def _trained(self, data: Any) -> str:
+        return ", which the run trained on" if data is self.trained_on else ""
 
     def sample(self, count: int, length: int, generator: torch.Generator) -> Batch:
         seed = int(torch.randint(2 ** 62, (1,), generator=generator))
@@ -98,7 +101,7 @@ def validation_text(data_cfg: Any) -> Any:
 def eval_source(data_cfg: Any, source: Any) -> Any:
     """The source to evaluate a run on: `LongDocuments` of its corpus for text data (the validation split
     first, `validation_text`; its training text after, labelled as such, with a warning when a validation split
-    was expected but cannot be read), else ``source`` itself."""
+    was expected but cannot be read; packed rows of the first of them), else ``source`` itself."""
     if data_cfg.kind != "text" or not hasattr(source, "long_batch"):
         return source
     val = validation_text(data_cfg)
@@ -106,8 +109,8 @@ def eval_source(data_cfg: Any, source: Any) -> Any:
     if val is None and split != "all":
         warnings.warn(f"corpus {data_cfg.text.get('corpus', 'stdlib')!r} has no validation split to read: long "
                       "documents are evaluated on the text the run trains on", stacklevel=2)
-    return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)], source,
-                         trained_on=source)
+    return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)],
+                         source if val is None else val, trained_on=source)
 
 
 __all__ = ["LongDocuments", "eval_source", "validation_text"]
