@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -455,7 +456,12 @@ def test_packing_targets_doc_ids_and_determinism(small_data, bos_aligned):
 def test_packing_rows_longer_than_the_stream_wrap_around(small_data):
     data, _ = small_data
     length = data.stream.num_tokens + 17
-    batch = data.sample(1, length, gen(0))
+    with pytest.warns(UserWarning, match=rf"rows of {length} tokens hold more than all {data.stream.num_tokens} "
+                                         "tokens of the text: it repeats within each row"):
+        batch = data.sample(1, length, gen(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        data.sample(1, data.stream.num_tokens - 1, gen(0))                   # L + 1 tokens: the whole text once
     assert torch.equal(batch.targets[:, :-1], batch.tokens[:, 1:])
     assert torch.equal(batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1], batch.tokens[:, 1:] == BOS)
 

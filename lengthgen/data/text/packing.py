@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -206,7 +207,8 @@ class TextData(Task):
     ``sample(batch_size, length, generator)`` draws each row's start uniformly over the stream's
     tokens (``bos_aligned``: then moves it back to the BOS of the document it falls in, so each row
     starts a document and documents are drawn in proportion to their length) and reads ``length + 1``
-    tokens cyclically: ``tokens`` the first ``length``, ``targets`` the last ``length``. ``doc_ids``
+    tokens cyclically (with a warning where that is more than the whole stream, whose text then repeats within a
+    row): ``tokens`` the first ``length``, ``targets`` the last ``length``. ``doc_ids``
     number the documents of a row from 0 and increase by one exactly at each BOS; ``loss_mask`` is
     all True (a target that is the next document's BOS is the end-of-document prediction).
     """
@@ -256,6 +258,9 @@ class TextData(Task):
         check_value("TextData.batch_size", batch_size, int, ge=1)
         check_value("TextData.length", length, int, ge=1)
         n = self.stream.num_tokens
+        if length + 1 > n:
+            warnings.warn(f"{self.name}: rows of {length} tokens hold more than all {n} tokens of the text: it repeats "
+                          "within each row, where a model can copy it", stacklevel=2)
         pos = torch.randint(n, (batch_size,), generator=generator, device=generator.device)
         pos = pos.cpu().numpy().astype(np.int64)
         if self.bos_aligned:
