@@ -142,6 +142,20 @@ def test_hf_tokenizer_round_trip_and_cached_stream(tmp_path):
     assert tok.bos_id not in inside and tok.decode(inside) == "a <|endoftext|> b"
 
 
+def test_hf_tokenizer_ignores_the_truncation_and_padding_saved_in_its_file(tmp_path):
+    # a tokenizer.json may carry truncation / padding settings (saved after enable_truncation, as some Hub files
+    # do): documents would be cut to that many tokens, silently, and short ones padded
+    path = _tiny_hf_tokenizer(tmp_path / "tokenizer.json")
+    saved = json.loads(path.read_text())
+    saved["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    saved["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                        "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    path.write_text(json.dumps(saved))
+    tok = make_tokenizer(f"hf:{path}")
+    text = "def foo(x):\n    return x + 1\n" * 3
+    assert tok.decode(tok.encode(text)) == text
+    assert [tok.decode(ids) for ids in tok.encode_batch([text, "x"])] == [text, "x"]
+
 # ------------------------------------------------------------------------------------------------
 # .bin shards
 

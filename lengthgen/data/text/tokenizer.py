@@ -201,7 +201,8 @@ class HFTokenizer(Tokenizer):
     holding one, e.g. from ``AutoTokenizer.save_pretrained``). Nothing is downloaded.
 
     BOS is ``bos_token`` if given, else the first of the usual names (``<|endoftext|>``, ``<s>``,
-    ...) present in the vocabulary; if none is, a new id ``vocab_size`` is appended for it.
+    ...) present in the vocabulary; if none is, a new id ``vocab_size`` is appended for it. Truncation and padding
+    saved in the file are turned off: documents are encoded whole.
     """
 
     def __init__(self, path: str | os.PathLike, *, bos_token: str | None = None):
@@ -227,6 +228,9 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"HFTokenizer: could not read {p} as a tokenizers tokenizer.json: "
                              f"{type(e).__name__}: {e}") from e
         self.path = p
+        # a document is encoded whole and unpadded, whatever truncation or padding the file was saved with
+        self._tok.no_truncation()
+        self._tok.no_padding()
         # a special token's text inside a document is text (tiktoken's encode_ordinary), so a BOS (<s>,
         # <|endoftext|>) marked special comes only where lengthgen puts one, at a document's start (an added token
         # not marked special still matches its text: `tokenizers` applies this to special tokens only)
@@ -261,7 +265,7 @@ class HFTokenizer(Tokenizer):
     @property
     def cache_key(self) -> str:
         digest = hashlib.sha1(self.path.read_bytes()).hexdigest()[:16]
-        return f"hf:{digest}:bos{self.bos_id}:ordinary"
+        return f"hf:{digest}:bos{self.bos_id}:ordinary:whole"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
