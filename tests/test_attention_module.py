@@ -480,3 +480,49 @@ def test_extras_are_identities_when_off():
     norm, gate, scaling = OutNorm(spec, HEADS, 8), OutputGate(spec, DIM, HEADS, 8), QueryScaling(spec, HEADS)
     assert norm(y) is y and gate(y, x) is y and scaling.multiplier is None
     assert not list(norm.parameters()) + list(gate.parameters()) + list(scaling.parameters())
+
+
+# A value away from the default for each field `AttentionSpec.unused` can name, and a spec that reads it.
+REFINEMENTS = {
+    "scaling_a": (0.5, dict(query_scaling="sqrt_log_n")), "scaling_b": (0.3, dict(query_scaling="log_bn")),
+    "scaling_c": (2.5, dict(query_scaling="sqrt_log_n")), "scaling_init": (1.5, dict(query_scaling="log_n")),
+    "tau": (3.0, dict(distance="scale_invariant")), "log_bias_lambda": (2.0, dict(distance="log_bias")),
+    "qk_norm_affine": (False, dict(qk_norm="rms")), "qk_norm_eps": (0.5, dict(qk_norm="layer")),
+    "rope_theta": (50.0, {}), "prope_fraction": (0.25, dict(position="prope")),
+    "rope_min_freq": (1 / 64, {}), "out_norm_affine": (True, dict(out_norm="head_layer")),
+    "out_norm_eps": (0.5, dict(out_norm="head_rms")), "gate_act": ("2sigmoid", dict(gate="head")),
+    "gate_width": (4, dict(gate="elementwise")),
+}
+
+
+def _layer_output(spec: AttentionSpec) -> tuple[list[str], torch.Tensor]:
+    torch.manual_seed(0)
+    layer = Attention(DIM, HEADS, spec=spec).double()
+    for p in layer.parameters():                   # off the init, so weights of 1 and gates of 0 matter too
+        p.data.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 12, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return [name for name, _ in layer.named_parameters()], layer(x)
+
+
+@pytest.mark.parametrize("name", list(REFINEMENTS))
+def test_a_field_that_unused_names_changes_nothing_and_one_it_does_not_name_does(name):
+    """`AttentionSpec.unused` is honest: a field it names leaves the layer's parameters and output as they were;
+    with the choice it needs, the same field changes one of them."""
+    from lengthgen.attention.spec import USED_WITH
+
+    assert set(REFINEMENTS) == set(USED_WITH)
+    value, reads = REFINEMENTS[name]
+    off = AttentionSpec(position="nope") if name in ("rope_theta", "rope_min_freq") else AttentionSpec()
+    assert off.replace(**{name: value}).unused() == {name: USED_WITH[name][1]} and off.unused() == {}
+    names, out = _layer_output(off)
+    same_names, same_out = _layer_output(off.replace(**{name: value}))
+    assert same_names == names and torch.equal(same_out, out)
+    on = AttentionSpec(**reads)
+    assert on.replace(**{name: value}).unused() == {}
+    names, out = _layer_output(on)
+    changed_names, changed_out = _layer_output(on.replace(**{name: value}))
+    assert changed_names != names or not torch.allclose(changed_out, out)
+
+
+def test_no_preset_sets_a_field_it_never_reads():
+    assert {name: spec.unused() for name, spec in PRESETS.items() if spec.unused()} == {}

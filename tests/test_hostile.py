@@ -27,7 +27,7 @@ from lengthgen.config import ConfigError, describe, set_key
 from lengthgen.eval import Comparison, ResultsError, RunEval
 from lengthgen.experiments.compare import run_compare
 from lengthgen.experiments.eval_run import eval_run
-from lengthgen.model import GPT
+from lengthgen.model import GPT, GPTConfig
 from lengthgen.optional import MissingPackageError
 from lengthgen.train import load_run, train
 from lengthgen.train.config import RunConfig
@@ -947,6 +947,24 @@ def test_unreachable_stages_warmup_and_task_doc_masking_are_one_line_warnings(tm
         "sequences are one document each\n" in capsys.readouterr().err
     assert main(["train", *sets("train.bema.enabled=true", "train.bema.tau=4"), "--out", str(tmp_path / "bema")]) == 0
     assert "lengthgen train: warning: train.bema.tau=4 >= train.steps=4: BEMA never starts" in capsys.readouterr().err
+
+
+def test_attention_fields_no_layer_reads_are_one_line_warnings(tmp_path, capsys):
+    """A p-RoPE fraction on a NoPE model, a distance scale without a distance term: valid, read by no layer (one
+    warning each, once per rule); a hybrid placement's own QK-norm reads the QK-norm eps."""
+    assert main(["train", *sets("model.attention.position=nope", "model.attention.prope_fraction=0.5",
+                                "model.layer_attention=[{every = 1, spec = {tau = 2.0}}]"),
+                 "--out", str(tmp_path / "run")]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line]
+    assert warned == ["lengthgen train: warning: model.layer_attention.tau=2.0 has no effect: it is read only with "
+                      "distance scale_invariant or log_bias",
+                      "lengthgen train: warning: model.layer_attention.prope_fraction=0.5 has no effect: it is read "
+                      "only with position prope"]
+    eps = "model.attention.qk_norm_eps=0.01"
+    assert not GPTConfig.from_dict({"norm_placement": "hybrid", "attention": {"qk_norm_eps": 0.01}}).unused()
+    assert main(["train", *sets(eps), "--out", str(tmp_path / "pre")]) == 0
+    assert "warning: model.attention.qk_norm_eps=0.01 has no effect: it is read only with a qk_norm\n" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("override, message", [

@@ -86,6 +86,12 @@ class AttentionSpec:
                                   f"valid; {self.query_scaling} needs b >= 0 and b + c > {low} so that log(b n + c) "
                                   f"{why} for n >= 1", "AttentionSpec.scaling_b")
 
+    def unused(self) -> dict[str, str]:
+        """The fields set away from their default that this spec's other choices never read (`USED_WITH`), each
+        with the choices it needs: e.g. ``prope_fraction`` without p-RoPE, ``tau`` without a distance term."""
+        return {name: needs for name, (used, needs) in USED_WITH.items()
+                if getattr(self, name) != getattr(BASE, name) and not used(self)}
+
     # -- convenience ---------------------------------------------------------------------------------
     @property
     def has_distance_terms(self) -> bool:
@@ -137,6 +143,25 @@ def _check_names(changes: dict[Any, Any]) -> None:
 
 
 BASE = AttentionSpec()
+
+_SCALED = ("log_bn", "sqrt_log_n")
+#: field -> (whether a spec reads it, the choices it needs): the fields that only refine another choice
+USED_WITH: dict[str, tuple[Any, str]] = {
+    **{f"scaling_{x}": (lambda s: s.query_scaling in _SCALED, "query_scaling log_bn or sqrt_log_n") for x in "abc"},
+    "scaling_init": (lambda s: s.query_scaling != "none", "a query_scaling"),
+    "tau": (lambda s: s.distance in ("scale_invariant", "log_bias"), "distance scale_invariant or log_bias"),
+    "log_bias_lambda": (lambda s: s.distance == "log_bias", "distance log_bias"),
+    "qk_norm_affine": (lambda s: s.qk_norm != "none", "a qk_norm"),
+    "qk_norm_eps": (lambda s: s.qk_norm != "none", "a qk_norm"),
+    "rope_theta": (lambda s: s.position != "nope" and s.rope_min_freq is None,
+                   "position rope or prope and no rope_min_freq"),
+    "prope_fraction": (lambda s: s.position == "prope", "position prope"),
+    "rope_min_freq": (lambda s: s.position != "nope", "position rope or prope"),
+    "out_norm_affine": (lambda s: s.out_norm != "none", "an out_norm"),
+    "out_norm_eps": (lambda s: s.out_norm != "none", "an out_norm"),
+    "gate_act": (lambda s: s.gate != "none", "a gate"),
+    "gate_width": (lambda s: s.gate != "none", "a gate"),
+}
 
 #: The seeds' variants by name. Each differs from `baseline` (softmax + RoPE) in the knobs its seed studies;
 #: only ALiBi, which replaces position embeddings in its paper, changes the position (scale-invariant attention

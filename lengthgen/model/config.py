@@ -171,6 +171,22 @@ class GPTConfig:
             if not a < b < n:
                 raise invalid("GPTConfig.skips", self.skips, f"pairs [from, to] with from < to < layers={n}")
 
+    def unused(self) -> list[str]:
+        """Attention fields that no layer reads (`AttentionSpec.unused`; a hybrid placement's QK-norm counts),
+        one message each."""
+        notes, attention = {}, self.attention_layers()
+        for index, spec in enumerate(self.layer_specs()):
+            key = "model.attention" if spec is self.attention else "model.layer_attention"
+            if not attention[index]:
+                continue
+            if self.placement(index).startswith("hybrid") and spec.qk_norm == "none":
+                spec = spec.replace(qk_norm="rms")      # `hybrid_spec`: the layer norms queries and keys
+            for name, needs in spec.unused().items():
+                value = to_plain(getattr(spec, name))
+                notes.setdefault((key, name, value), f"{key}.{name}={value!r} has no effect: it is read only with "
+                                                     f"{needs}")
+        return list(notes.values())
+
     def attention_layers(self) -> list[bool]:
         """Whether each layer has attention (`no_attention_layers`, negative indices from the end)."""
         key, n = "GPTConfig.no_attention_layers", self.layers

@@ -174,8 +174,9 @@ class RunConfig:
                               f"{max(self.lengths())}", f"RunConfig.train.{key}")
 
     def unused(self) -> list[str]:
-        """`TrainConfig.unused`, and document masking on a task (its sequences are one document each)."""
-        notes = self.train.unused()
+        """`TrainConfig.unused`, `GPTConfig.unused`, and document masking on a task (its sequences are one document
+        each)."""
+        notes = self.train.unused() + self.model.unused()
         if self.data.kind == "task" and any(spec.doc_masking for spec in self.model.layer_specs()):
             notes.append(f"attention doc_masking has no effect on data.kind='task' ({self.data.task}): a task's "
                          "sequences are one document each")
