@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=bench_args.positive_int, default=64)
     ap.add_argument("--repeats", type=bench_args.positive_int, default=3, help="timed rounds up to 4K (above: one)")
     ap.add_argument("--dense-max-length", type=int, default=4096, help="dense, and sdpa with a mask, up to this L")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per subprocess")
+    ap.add_argument("--timeout", type=bench_args.positive_float, default=3600.0, help="seconds per subprocess")
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)

@@ -24,6 +24,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a timeout in seconds, a p-softmax power)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a finite number > 0")
+    return value
+
+
 def ints(text: str) -> tuple[int, ...]:
     """A comma list of positive integers."""
     try:

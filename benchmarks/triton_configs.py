@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=bench_args.positive_int, default=4096)
     ap.add_argument("--batch-heads", type=bench_args.positive_int, nargs=2, default=(4, 16))
     ap.add_argument("--head-dims", type=bench_args.positive_int, nargs="+", default=(128, 64))
-    ap.add_argument("--ps", type=float, nargs="+", default=(2.0, 1.0))
+    ap.add_argument("--ps", type=bench_args.positive_float, nargs="+", default=(2.0, 1.0))
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = ap.parse_args(argv)

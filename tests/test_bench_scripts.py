@@ -55,6 +55,10 @@ def _refused(main, argv, capsys) -> str:
     (attention_crossover.main, ["--threads", "0"], "--threads: '0' is not valid"),
     (triton_configs.main, ["--out", "x.json", "--length", "0"], "--length: '0' is not valid; give a positive integer"),
     (triton_configs.main, ["--out", "x.json", "--head-dims", "64", "-1"], "--head-dims: '-1' is not valid"),
+    (triton_configs.main, ["--out", "x.json", "--ps", "2", "0"], "--ps: '0' is not valid; give a finite number > 0"),
+    (triton_configs.main, ["--out", "x.json", "--ps", "nan"], "--ps: 'nan' is not valid"),
+    (attention_cpu.main, ["--timeout", "-5"], "--timeout: '-5' is not valid; give a finite number > 0"),
+    (attention_cpu.main, ["--timeout", "inf"], "--timeout: 'inf' is not valid"),
 ])
 def test_bad_lists_are_one_line_errors(main, argv, message, capsys):
     assert message in _refused(main, argv, capsys)
