@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lengthgen.cli import bench as cli_bench
 from lengthgen.experiments import bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_bench_rejects_unknown_names():
 
 
 def test_add_arguments_parses_lists():
-    args = bench.add_arguments(argparse.ArgumentParser()).parse_args(
+    args = cli_bench.add_arguments(argparse.ArgumentParser()).parse_args(
         ["--device", "cpu", "--lengths", "256,1k", "--head-dims", "64", "--variants", "l2,alibi",
          "--backends", "tiled", "--dtype", "float32"])
     assert args.lengths == (256, 1024) and args.head_dims == (64,)
@@ -191,6 +192,6 @@ def test_out_path_is_checked_before_measuring(tmp_path, monkeypatch, capsys):
 
 
 def test_lengths_beyond_max_size_are_a_one_line_error():
-    parser = bench.add_arguments(argparse.ArgumentParser())
+    parser = cli_bench.add_arguments(argparse.ArgumentParser())
     with pytest.raises(SystemExit):
         parser.parse_args(["--lengths", "99999999999999999999"])

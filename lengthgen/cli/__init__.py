@@ -2,7 +2,7 @@
 
 The top layer: each command parses its arguments and calls the layers below (`lengthgen.experiments`,
 `lengthgen.train`, `lengthgen.report`): `training` (train, compare, retrofit), `analysis` (report, eval, needle,
-export, sample, theory, bench, config), `common` (the registry, argument types, shared options). A subcommand is
+export, sample, theory, config), `bench`, `common` (the registry, argument types, shared options). A subcommand is
 one function decorated with `command`, whose docstring is its help and whose ``add_arguments`` callback declares
 its options::
 
@@ -20,7 +20,8 @@ import sys
 import warnings
 
 from lengthgen.cli import training  # noqa: F401, I001 - registers train, compare, retrofit (listed first)
-from lengthgen.cli import analysis  # noqa: F401 - registers the other commands
+from lengthgen.cli import analysis  # noqa: F401 - registers report, eval, needle, export, sample, theory, config
+from lengthgen.cli import bench  # noqa: F401 - registers bench
 from lengthgen.cli.common import COMMANDS, CONFIG_HELP, SEEDS_HELP, CommandError, Parser
 from lengthgen.memory import out_of_memory
 

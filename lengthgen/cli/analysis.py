@@ -1,4 +1,4 @@
-"""Commands that read runs and results: report, eval, needle, export, sample, theory, bench, config."""
+"""Commands that read runs and results: report, eval, needle, export, sample, theory, config."""
 
 from __future__ import annotations
 
@@ -215,23 +215,6 @@ def theory_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    from lengthgen.experiments import bench
-
-    p.add_argument("what", choices=["attention"], help="what to benchmark")
-    bench.add_arguments(p)
-
-
-@command("bench", _bench_args)
-def bench_command(args: argparse.Namespace) -> int:
-    """Benchmark attention backends x variants against SDPA (ratios measured in the same run)."""
-    from lengthgen.experiments import bench
-
-    with writing(bench.output_path(args)):
-        bench.main(args)
-    return 0
-
-
 def _config_args(p: argparse.ArgumentParser) -> None:
     # `show` is a subcommand (not a positional beside `what`): argparse takes a command's positionals in one run, so
     # `config show --set K=V counting` would leave `counting` unrecognized
@@ -239,8 +222,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
         "show", help="print a resolved config, each key with its value, meaning and valid values",
         description="Print a resolved config, each key with its value, meaning and valid values.")
     show.add_argument("what", nargs="?", help="a TOML or JSON config file, a run folder, a name in configs/ "
-                   "(counting, mqar, ...), compare (its embedded default), attention (every AttentionSpec field "
-                   "and the presets) or an attention preset (l2, avnorm, ...); default: lengthgen train's defaults")
+                      "(counting, mqar, ...), compare (its embedded default), attention (every AttentionSpec field "
+                      "and the presets) or an attention preset (l2, avnorm, ...); default: lengthgen train's defaults")
     show.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a config key as train and compare do, e.g. --set model.attention=l2")
 

@@ -12,18 +12,16 @@ kernel (``sdpa_flash``, the kernel forced) and to SDPA as it dispatches by defau
 flash on an H100), in the same mode.
 
 A backend that cannot train a variant on this device but can run inference (FlexAttention on CPU) is timed
-forward only; its row says ``mode = fwd`` and the table marks it. `add_arguments` + `main` are the CLI
-(``benchmarks/attention_gpu.py``; ``lengthgen bench attention``).
+forward only; its row says ``mode = fwd`` and the table marks it. The command line is `lengthgen.cli.bench`
+(``lengthgen bench attention``; ``benchmarks/attention_gpu.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import platform
 import time
@@ -36,7 +34,6 @@ import torch.nn.functional as F
 from lengthgen.attention import AttentionSpec, attend
 from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import backends as attention_backends
-from lengthgen.config import MAX_SIZE, ConfigError
 from lengthgen.eval.results import Provenance
 from lengthgen.experiments.timing import measure_interleaved
 from lengthgen.memory import out_of_memory
@@ -376,105 +373,4 @@ def write_json(rows: Sequence[dict], path: str | os.PathLike, device: torch.devi
                                               default=str))
 
 
-# ---------------------------------------------------------------------------------------------------
-# CLI
-
-
-def _positive(text: str, at_least: int = 1) -> int:
-    """An integer from ``at_least`` to `MAX_SIZE` (a ``k`` suffix multiplies by 1024), else argparse's one-line
-    error."""
-    try:
-        value = int(float(text[:-1]) * 1024) if text.lower().endswith("k") else int(text)
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not at_least <= value <= MAX_SIZE:
-        raise argparse.ArgumentTypeError(f"{value} is not valid; give an integer from {at_least} to {MAX_SIZE}")
-    return value
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    values = tuple(_positive(x.strip()) for x in text.split(",") if x.strip())
-    if not values:
-        raise argparse.ArgumentTypeError(f"{text!r} lists no integers")
-    return values
-
-
-def _choices(valid: Iterable[str]) -> Callable[[str], tuple[str, ...]]:
-    """A comma list whose every name is one of ``valid``."""
-    valid = tuple(valid)
-
-    def names(text: str) -> tuple[str, ...]:
-        chosen = tuple(x.strip() for x in text.split(",") if x.strip())
-        unknown = [x for x in chosen if x not in valid]
-        if unknown or not chosen:
-            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)} is not valid; choose from "
-                                             f"{', '.join(valid)}")
-        return chosen
-    return names
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a number of seconds > 0")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Options of ``bench attention`` (defaults depend on the device: GPU sizes on CUDA, tiny ones on CPU)."""
-    parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
-    parser.add_argument("--lengths", type=_ints, default=None,
-                        help=f"comma list, 1k suffixes allowed (default {GPU_LENGTHS} on cuda, {CPU_LENGTHS} on cpu)")
-    parser.add_argument("--head-dims", type=_ints, default=(64, 128), help="comma list (default 64,128)")
-    parser.add_argument("--variants", type=_choices(VARIANTS), default=None,
-                        help=f"comma list of {', '.join(VARIANTS)}")
-    parser.add_argument("--backends", type=_choices(attention_backends.BACKENDS), default=None,
-                        help=f"comma list (default {','.join(GPU_BACKENDS)} on cuda, {','.join(CPU_BACKENDS)} on cpu)")
-    parser.add_argument("--batch", type=_positive, default=None, help="default tokens // length on cuda, 1 on cpu")
-    parser.add_argument("--heads", type=_positive, default=None, help="default model_dim // head_dim on cuda, 4 on "
-                        "cpu")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                        help="default bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--tokens", type=_positive, default=16384, help="cuda: tokens per case (batch = tokens // "
-                        "length unless --batch)")
-    parser.add_argument("--model-dim", type=_positive, default=2048, help="cuda: heads = model_dim // head_dim unless "
-                        "--heads")
-    parser.add_argument("--warmup", type=lambda text: _positive(text, 0), default=None, help="default 3 (1 on cpu)")
-    parser.add_argument("--reps", type=_positive, default=None, help="default 10 (3 on cpu)")
-    parser.add_argument("--time-budget", type=_seconds, default=None, help="seconds; later cases are skipped")
-    parser.add_argument("--out", default=None, help="JSON path (default runs/bench/attention_<device>.json); "
-                        "rewritten after each (length, head_dim) group")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
-    return parser
-
-
-def output_path(args: argparse.Namespace) -> Path:
-    """Where ``main`` writes: ``--out``, else runs/bench/attention_<device>.json."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return Path(args.out or f"runs/bench/attention_{device}.json")
-
-
-def main(args: argparse.Namespace) -> list[dict]:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: this torch sees no CUDA device; use --device cpu")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cpu = device.type == "cpu"
-    out = output_path(args)
-    if out.exists() and not getattr(args, "overwrite", False):
-        raise ConfigError(f"--out {out} exists; pass --overwrite to replace it, or give another --out")
-    rows = bench_attention(args.lengths, args.head_dims, args.variants, args.backends, args.batch, args.heads,
-                           args.dtype or ("float32" if cpu else "bfloat16"), out, device=device,
-                           warmup=args.warmup if args.warmup is not None else (1 if cpu else 3),
-                           reps=args.reps if args.reps is not None else (3 if cpu else 10),
-                           tokens=args.tokens, model_dim=args.model_dim, time_budget_s=args.time_budget,
-                           verbose=True)
-    print()
-    print(format_table(rows))
-    print(f"\nwrote {out}")
-    return rows
-
-
-__all__ = ["bench_attention", "add_arguments", "main", "VARIANTS", "COLUMNS", "causal_flops", "format_table"]
+__all__ = ["bench_attention", "VARIANTS", "COLUMNS", "causal_flops", "format_table", "packed_doc_ids"]
