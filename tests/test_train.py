@@ -416,6 +416,34 @@ def test_evaluation_runs_under_the_training_autocast_and_writes_a_run_eval(tmp_p
     assert result.metrics["eval"]["32"] == saved.at(32).mean
 
 
+def test_the_last_step_is_checkpointed_before_its_evaluation_which_runs_once(tmp_path, monkeypatch):
+    cfg = config("train.steps=4", "train.eval_lengths=[16, 32]", "train.bema.enabled=true")
+    original, calls = Trainer.evaluate, []
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)       # Ctrl-C (or out of memory) in the end's evaluation
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", progress=False)
+    assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 4     # no step is lost
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.step)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", counted)
+    resumed = train(cfg, tmp_path / "run", progress=False, resume=True)
+    assert resumed.step == 4 and len(resumed.history) == 4 and calls == [4, 4]      # eval.json: live and BEMA
+    calls.clear()
+    full = train(cfg, tmp_path / "full", progress=False)
+    assert calls == [4, 4]       # the last step's periodic evaluation is eval.json's: not evaluated twice
+    assert full.history == resumed.history and full.evaluation.lengths == resumed.evaluation.lengths
+    assert full.metrics["bema_eval"]["32"] == RunEval.load(tmp_path / "full" / "eval_bema.json").at(32).mean
+    # a finished run resumed reports the last evaluation its log holds
+    assert train(cfg, tmp_path / "full", progress=False, resume=True).metrics == full.metrics
+
+
 def test_batch_norm_with_micro_batches_warns_that_it_differs_from_one_pass(tmp_path):
     from lengthgen.config import ConfigWarning
 

@@ -16,7 +16,7 @@ writes one (train, compare, retrofit, eval --out, report) holds its lock while i
   ``latest.json`` loses nothing. `load_newest` loads the newest one that reads back; a damaged one gives a
   `RunFolderWarning` naming the file, and a resuming writer keeps it aside as ``step_N.corrupt``.
 * Metrics: on resume ``metrics.jsonl`` is cut back to the checkpoint's step (`cut_metrics`; a partial last line
-  of an interrupted write goes too).
+  of an interrupted write goes too); its last evaluation up to there is the resumed run's (`last_evaluation`).
 """
 
 from __future__ import annotations
@@ -304,6 +304,21 @@ def cut_metrics(folder: str | Path, step: int) -> None:
     atomic_write_text(path, "".join(kept))
 
 
+def last_evaluation(folder: str | Path, step: int) -> dict[str, Any]:
+    """The evaluation (``eval``, ``bema_eval``: length -> metric -> mean) that ``metrics.jsonl`` logged last at or
+    before ``step``; {} when there is none."""
+    path = Path(folder) / METRICS
+    found: dict[str, Any] = {}
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and "eval" in entry and isinstance(entry.get("step"), int) and entry["step"] <= step:
+            found = {k: entry[k] for k in ("eval", "bema_eval") if k in entry}
+    return found
+
+
 def saved_run_config(folder: str | Path) -> RunConfig | None:
     """The run config in the folder's ``config.json`` (None when there is none); `RunFolderError` names a
     damaged one."""
@@ -317,4 +332,4 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
 
 
 __all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "checkpoints_at",
-           "cut_metrics", "load_newest", "lock", "remove_temporaries", "saved_run_config"]
+           "cut_metrics", "last_evaluation", "load_newest", "lock", "remove_temporaries", "saved_run_config"]

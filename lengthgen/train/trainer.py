@@ -4,8 +4,9 @@ One step (`Trainer._train_step`): draw the step's batch from a generator seeded 
 length (``batch = tokens_per_step // length``; with ``train.restart_at_stages`` a new stage starts with fresh
 optimizers and a new warmup), forward/backward it in ``grad_accum`` micro-batches under the
 run's autocast, stop on a non-finite loss, clip the gradient norm, set the scheduled learning rate, step AdamW
-(and Muon), apply QK-clip, update BEMA; `fit` then logs, evaluates and checkpoints. On CPU a resumed run
-reproduces the losses of an uninterrupted run exactly.
+(and Muon), apply QK-clip, update BEMA; `fit` then logs, checkpoints and evaluates (in that order: an evaluation
+that fails or is interrupted loses no step). On CPU a resumed run reproduces the losses of an uninterrupted run
+exactly.
 
 `Trainer.evaluate` is `lengthgen.eval.evaluate` under the training device and autocast: every
 ``train.eval_every`` steps and at the end it logs the mean loss and metrics at each eval length; when
@@ -69,7 +70,7 @@ class TrainResult:
     step: int                     # optimizer updates done
     history: list[float]          # training loss of every step from 0 (including resumed-from steps)
     config: RunConfig             # the resolved config (model filled from the data source)
-    metrics: dict[str, Any] = field(default_factory=dict)   # the last periodic evaluation's log entry
+    metrics: dict[str, Any] = field(default_factory=dict)   # the last periodic evaluation's log entry (eval, ...)
     checkpoint: Path | None = None
     trainer: "Trainer | None" = None
     evaluation: RunEval | None = None   # the final evaluation by position (eval.json), when it ran
@@ -218,7 +219,7 @@ class Trainer:
         self.history = list(state["history"])
         self.tokens = state.get("tokens", 0)
         self.train_seconds = state.get("train_seconds")        # absent in checkpoints written before it was kept
-        self.metrics = state.get("metrics", {})
+        self.metrics = run_folder.last_evaluation(self.run_dir, self.step)
         self.last_checkpoint, self._saved_step = ckpt, self.step
         ckpt_io.set_rng_state(state["rng"])
 
@@ -247,7 +248,6 @@ class Trainer:
             "history": self.history,
             "tokens": self.tokens,
             "train_seconds": self.train_seconds,
-            "metrics": self.metrics,
             "data_digest": self.source.digest(),
             "eval_digest": self._eval_digest(),
         }
@@ -310,30 +310,31 @@ class Trainer:
         return dataclasses.replace(result, config=cfg.to_dict(), seed=tc.seed, run_dir=str(self.run_dir),
                                    final_train_loss=self.history[-1] if self.history else None)
 
-    def _periodic_eval(self) -> dict[str, Any]:
-        """The log entry of an evaluation: mean loss and metrics per length (``eval``; ``bema_eval``)."""
-        if self.config.train.eval_batches == 0:
-            return {}
-        means = lambda result: {str(r.length): r.mean for r in result.lengths}  # noqa: E731
-        entry: dict[str, Any] = {"eval": means(self.evaluate())}
-        if self.bema is not None and self.bema.started:
-            with self.use_bema():
-                entry["bema_eval"] = means(self.evaluate())
-        return entry
+    def _evaluations(self) -> tuple[RunEval, RunEval | None]:
+        """`evaluate` with the live weights and, once BEMA has started, with the BEMA weights (else None)."""
+        live = self.evaluate()
+        if self.bema is None or not self.bema.started:
+            return live, None
+        with self.use_bema():
+            return live, dataclasses.replace(self.evaluate(), bema=True)
 
-    def _final_eval(self) -> None:
-        """At the end of training, when eval lengths go beyond the training length: eval.json (every rank
-        evaluates, as FSDP2's forward is collective; rank 0 writes)."""
+    @staticmethod
+    def _log_entry(live: RunEval, bema: RunEval | None) -> dict[str, Any]:
+        """The log entry of an evaluation: mean loss and metrics per length (``eval``; ``bema_eval``)."""
+        means = lambda result: {str(r.length): r.mean for r in result.lengths}  # noqa: E731
+        return {"eval": means(live), **({"bema_eval": means(bema)} if bema is not None else {})}
+
+    def _final_eval(self, evaluations: tuple[RunEval, RunEval | None] | None = None) -> None:
+        """At the end of training, when eval lengths go beyond the training length: eval.json and eval_bema.json,
+        from ``evaluations`` (the last step's periodic ones, the same batches and weights) or evaluated now (every
+        rank evaluates, as FSDP2's forward is collective; rank 0 writes)."""
         cfg, tc = self.config, self.config.train
         if not (tc.eval_batches and tc.eval_lengths and max(tc.eval_lengths) > max(cfg.lengths())):
             return
-        self.evaluation = self.evaluate()
+        self.evaluation, bema = evaluations or self._evaluations()
         if self.is_main:
             self.evaluation.save(self.run_dir / "eval.json")
-        if self.bema is not None and self.bema.started:
-            with self.use_bema():
-                bema = dataclasses.replace(self.evaluate(), bema=True)
-            if self.is_main:
+            if bema is not None:
                 bema.save(self.run_dir / "eval_bema.json")
 
     def _evaluated(self) -> bool:
@@ -460,6 +461,7 @@ class Trainer:
         if self.device.type == "cuda":   # TF32 for float32 matmuls while training; the caller's setting after
             torch.set_float32_matmul_precision("high")
         ran = self.step < end
+        last: tuple[RunEval, RunEval | None] | None = None     # the evaluations at train.steps, for eval.json
         try:
             while self.step < end:
                 entry = self._train_step(self.step)
@@ -467,15 +469,19 @@ class Trainer:
                 tokens_per_s = (self.tokens - start_tokens) / max(elapsed, 1e-9)
                 entry.update(step=step, tokens=self.tokens, tokens_per_s=tokens_per_s, time=elapsed)
                 log.step(entry, tc.log_every, end)
-                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
-                    self.metrics = self._periodic_eval()
-                    log.evaluation(step, self.metrics)
+                # the checkpoint first: an evaluation that fails or is interrupted (Ctrl-C, out of memory at a long
+                # length) loses no step
                 if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
                     self.save_checkpoint()
+                if tc.eval_batches and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
+                    evaluations = self._evaluations()
+                    last = evaluations if step == tc.steps else None
+                    self.metrics = self._log_entry(*evaluations)
+                    log.evaluation(step, self.metrics)
             if self._saved_step != self.step:
                 self.save_checkpoint()
             if self.step >= tc.steps and (ran or not self._evaluated()):
-                self._final_eval()
+                self._final_eval(last)
         finally:
             self._session = None        # train_seconds stays as of the last checkpoint, which ends the loop
             torch.set_num_threads(saved_threads)
