@@ -163,6 +163,16 @@ def test_staged_lengths_keep_tokens_per_step(tmp_path):
     assert records[-1]["tokens"] == 6 * 256
 
 
+
+def test_a_stage_at_step_0_replaces_data_length_as_a_training_length(tmp_path):
+    cfg = config("train.stages=[[0, 8], [2, 16]]", "data.length=32", "train.tokens_per_step=256", "train.steps=4",
+                 "train.eval_lengths=[16, 32]")
+    assert [cfg.length_at(s) for s in range(4)] == [8, 8, 16, 16] and cfg.lengths() == [8, 16]
+    assert config("train.stages=[[2, 16]]").lengths() == [16]            # data.length 16 until step 2
+    assert config("train.stages=[[2, 32]]", "train.tokens_per_step=64").lengths() == [16, 32]
+    result = train(cfg, tmp_path / "run", progress=False)
+    assert [r.length for r in result.evaluation.lengths] == [16, 32]      # 32 is beyond what it trained at
+
 # ---------------------------------------------------------------------------------------------------
 # failures: NaN, atomic checkpoints
 

@@ -204,7 +204,9 @@ class RunConfig:
         return self.tokens_per_step // self.length_at(step)
 
     def lengths(self) -> list[int]:
-        return sorted({self.data.length, *(s[1] for s in self.train.stages)})
+        """The lengths trained at: data.length (unless a stage starts at step 0) and each stage's."""
+        first = [] if any(start == 0 for start, _ in self.train.stages) else [self.data.length]
+        return sorted({*first, *(s[1] for s in self.train.stages)})
 
     # -- (de)serialization ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
