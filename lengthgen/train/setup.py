@@ -129,7 +129,8 @@ def check_backend(model: torch.nn.Module, cfg: RunConfig, device: torch.device) 
 
 
 #: keys a resumed run may change: they leave its training trajectory as it is (evaluation, checkpoints, logging,
-#: speed); every other difference between a checkpoint's config and the resumed run's is refused
+#: speed; other threads or compile change the float rounding, so a bit-exact resume keeps them); every other
+#: difference between a checkpoint's config and the resumed run's is refused
 MAY_CHANGE_ON_RESUME = frozenset({
     "name", "train.eval_every", "train.eval_lengths", "train.eval_batches", "train.eval_batch_size",
     "train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "train.compile", "train.threads"})

@@ -6,7 +6,7 @@ optimizers and a new warmup), forward/backward it in ``grad_accum`` micro-batche
 run's autocast, stop on a non-finite loss, clip the gradient norm, set the scheduled learning rate, step AdamW
 (and Muon), apply QK-clip, update BEMA; `fit` then logs, checkpoints and evaluates (in that order: an evaluation
 that fails or is interrupted loses no step). On CPU a resumed run reproduces the losses of an uninterrupted run
-exactly.
+exactly (with the same ``train.threads``: another count sums matrix products in another order).
 
 `Trainer.evaluate` is `lengthgen.eval.evaluate` under the training device and autocast: every
 ``train.eval_every`` steps and at the end it logs the mean loss and metrics at each eval length; when
