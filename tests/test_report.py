@@ -97,6 +97,17 @@ def test_overlapping_seeds_name_no_winner():
     assert wide.winner is None and "c" in wide.reason and "b" not in wide.reason.split("those of")[1]
 
 
+def test_tied_means_are_named_together_not_one_as_best():
+    """Seed 003's Tomita 1 (every variant at ROC AUC 1.0 in every seed) read "t1/pre has the best mean, but its
+    seeds overlap those of ...": the first of six tied variants was singled out."""
+    found = verdict({"a": [1.0, 1.0, 1.0], "b": [1.0, 1.0, 1.0], "c": [0.5, 0.6, 0.7]}, True, chance=0.5)
+    assert found.status == "not separated" and found.winner is None
+    assert found.reason.startswith("a and b share the best mean (1)") and "a has the best mean" not in found.reason
+    wide = verdict({"a": [0.8, 0.9], "b": [0.85, 0.85], "c": [0.5, 0.86]}, True)
+    assert wide.reason == "a and b share the best mean (0.85); the seeds of a also overlap those of c"
+    tied_at_chance = verdict({"a": [0.5, 0.5], "b": [0.5, 0.5]}, True, chance=0.5)
+    assert tied_at_chance.status == "at chance" and tied_at_chance.reason.startswith("a and b, tied for the best mean")
+
 def test_one_seed_never_names_a_winner():
     found = verdict({"a": [0.99], "b": [0.1]}, True, chance=0.01)
     assert found.status == "one seed" and found.winner is None and found.best == "a"

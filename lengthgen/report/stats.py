@@ -10,8 +10,8 @@ seeds holds both training and evaluation noise. At one evaluated length, given e
    value in each (NaN: the metric is undefined there, so the seeds cannot be ranked), it is above chance, it is
    *separated* -- its worst seed is better than every seed of every other variant (the min-max ranges over
    seeds do not overlap) -- and separation is significant: p <= `ALPHA` below.
-3. Otherwise no winner is named, and the verdict says why: one seed, NaN seeds, at chance, not separated, or too
-   few seeds (separated, but p > `ALPHA`).
+3. Otherwise no winner is named, and the verdict says why: one seed, NaN seeds, at chance, not separated (means
+   tied up to float rounding are named together), or too few seeds (separated, but p > `ALPHA`).
 
 p is the exact permutation probability that the rule would find *some* separated variant if no variant differed
 (all N runs exchangeable): variant i's n_i seeds are the best n_i of the N runs with probability 1 / C(N, n_i),
@@ -92,12 +92,20 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool, chance: floa
         who = f"{', '.join(undefined)} {'has' if len(undefined) == 1 else 'have'}"
         return Verdict("NaN seeds", best, f"{who} seeds without a value (NaN: the metric is undefined there), so the "
                        "seeds cannot be ranked and no variant is named best", at_chance=at_chance)
+    tied = [name for name in means if math.isclose(means[name], means[best], rel_tol=1e-9, abs_tol=1e-12)]
+    top = " and ".join([", ".join(tied[:-1]), tied[-1]] if len(tied) > 1 else tied)
     if best in at_chance:
-        return Verdict("at chance", best, f"{best}, the best mean, is not better than the chance level "
-                       f"({chance:.4g}) in every seed, so no variant is named best", at_chance=at_chance)
+        lead = f"{best}, the best mean, is" if len(tied) == 1 else f"{top}, tied for the best mean, are"
+        return Verdict("at chance", best, f"{lead} not better than the chance level ({chance:.4g}) in every seed, "
+                       "so no variant is named best", at_chance=at_chance)
     worst = (min if higher_is_better else max)(values[best])
     overlapping = [name for name, v in values.items()
                    if name != best and not all(better(worst, x, higher_is_better) for x in v)]
+    if len(tied) > 1:       # equal means always overlap: name them together, not the first as the best
+        others = [name for name in overlapping if name not in tied]
+        return Verdict("not separated", best, f"{top} share the best mean ({means[best]:.4g})"
+                       + (f"; the seeds of {best} also overlap those of {', '.join(others)}" if others else ""),
+                       at_chance=at_chance)
     if overlapping:
         return Verdict("not separated", best, f"{best} has the best mean, but its seeds overlap those of "
                        f"{', '.join(overlapping)}", at_chance=at_chance)
