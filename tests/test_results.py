@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -111,3 +112,33 @@ def test_merge_compares_what_a_batch_holds_not_its_wording():
     assert _batch_kind("4 packed rows (no document of 128 tokens)") == "packed rows"
     assert _batch_kind("4 sampled sequences") == "sampled sequences"
     assert _batch_kind("2 long documents (val split)") != _batch_kind("2 long documents (train split)")
+
+
+def _retrofit_protocol(out: str, seeds: list[int], pretrain_steps: int = 600) -> Comparison:
+    """Seed 000's protocol: each seed finetuned from its own pretraining run under ``out/pretrain``."""
+    runs = []
+    for seed in seeds:
+        run = _run(seed)
+        run.config = {"train": {"seed": seed, "init_from": f"{out}/pretrain/pe-seed{seed}"}}
+        runs.append(run)
+    return dataclasses.replace(_comparison(), variants={"baseline": runs}, retrofit={
+        "pretrain_steps": pretrain_steps, "finetune_steps": 200, "bases": {"pe": {}},
+        "base_runs": {f"pe-seed{seed}": f"{out}/pretrain/pe-seed{seed}" for seed in seeds}})
+
+
+def test_merge_takes_more_seeds_of_seed_000s_retrofit_protocol():
+    """Each seed of seed 000's protocol starts from its own pretraining run (train.init_from), in its own --out:
+    merging a second comparison's seeds refused them as 'run differently (train.init_from: ...)'."""
+    a, b = _retrofit_protocol("/a", [0, 1]), _retrofit_protocol("/b", [2, 3])
+    a.merge(b)
+    assert [run.seed for run in a.variants["baseline"]] == [0, 1, 2, 3]
+    assert a.retrofit["base_runs"] == {"pe-seed0": "/a/pretrain/pe-seed0", "pe-seed1": "/a/pretrain/pe-seed1",
+                                       "pe-seed2": "/b/pretrain/pe-seed2", "pe-seed3": "/b/pretrain/pe-seed3"}
+    with pytest.raises(ResultsError, match="pretrain_steps: 600 here, 300 there"):
+        a.merge(_retrofit_protocol("/c", [4], pretrain_steps=300))
+    plain = _comparison()                    # elsewhere a run's init_from is part of how it was run
+    other = _comparison()
+    for run in other.variants["baseline"]:
+        run.seed, run.config = run.seed + 2, {"train": {"seed": run.seed + 2, "init_from": "/ckpt"}}
+    with pytest.raises(ResultsError, match="train.init_from"):
+        plain.merge(other)

@@ -240,11 +240,19 @@ class Comparison:
         """Add ``other``'s runs: new variants, and new seeds of a variant both hold. `ResultsError` (naming
         ``name`` and what differs) when the source, training length, eval lengths, metric or evaluated sequences
         (their number and kind at each length) differ, or when a variant both hold differs in its spec or its
-        runs' configs (apart from ``train.seed``) or repeats a seed."""
+        runs' configs (apart from ``train.seed``) or repeats a seed. Under seed 000's protocol (``retrofit`` with
+        ``base_runs``) each seed starts from its own pretraining run: its ``train.init_from`` is the seed's too, and
+        the protocol (pretraining and finetuning steps, bases) must match instead."""
         for field_name in ("source", "train_length", "eval_lengths", "metric"):
             if getattr(other, field_name) != getattr(self, field_name):
                 raise ResultsError(f"{name}: its {field_name} {getattr(other, field_name)!r} differs from "
                                    f"{getattr(self, field_name)!r}; cannot merge")
+        per_seed = all(r is not None and "base_runs" in r for r in (self.retrofit, other.retrofit))
+        if per_seed:
+            found = differences(_protocol(self.retrofit), _protocol(other.retrofit), "retrofit")
+            if found:
+                key, a, b = found[0]
+                raise ResultsError(f"{name}: ran another protocol ({key}: {a!r} here, {b!r} there); cannot merge")
         batches = {r.length: r for runs in self.variants.values() for r in runs[0].lengths}
         for row in (r for runs in other.variants.values() for run in runs for r in run.lengths):
             mine = batches.setdefault(row.length, row)
@@ -255,7 +263,8 @@ class Comparison:
         for variant, runs in other.variants.items():
             mine = self.variants.get(variant, [])
             found = differences(self.specs.get(variant), other.specs.get(variant), "spec") if mine else []
-            found += [d for a in mine[:1] for b in runs for d in differences(_unseeded(a.config), _unseeded(b.config))]
+            found += [d for a in mine[:1] for b in runs
+                      for d in differences(_unseeded(a.config, per_seed), _unseeded(b.config, per_seed))]
             if found:
                 key, a, b = found[0]
                 raise ResultsError(f"{name}: variant {variant!r} was run differently ({key}: {a!r} here, {b!r} "
@@ -266,6 +275,9 @@ class Comparison:
         for variant, runs in other.variants.items():
             self.variants.setdefault(variant, []).extend(runs)
             self.specs.setdefault(variant, other.specs.get(variant, {}))
+        if per_seed:
+            base_runs = {**self.retrofit["base_runs"], **other.retrofit["base_runs"]}
+            self.retrofit = {**self.retrofit, "base_runs": base_runs}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Comparison":
@@ -288,10 +300,17 @@ def _batch_kind(description: str) -> str:
     return split.group(1) if split else description.split(" ", 1)[-1].split(" (")[0]
 
 
-def _unseeded(config: dict[str, Any]) -> dict[str, Any]:
-    """A run's config without ``train.seed`` (what differs between the seeds of one variant)."""
-    train = {k: v for k, v in config.get("train", {}).items() if k != "seed"}
+def _unseeded(config: dict[str, Any], per_seed_init: bool = False) -> dict[str, Any]:
+    """A run's config without ``train.seed`` (what differs between the seeds of one variant), and without
+    ``train.init_from`` when each seed starts from its own pretraining run (``per_seed_init``)."""
+    drop = {"seed", "init_from"} if per_seed_init else {"seed"}
+    train = {k: v for k, v in config.get("train", {}).items() if k not in drop}
     return {**config, "train": train}
+
+
+def _protocol(retrofit: dict[str, Any]) -> dict[str, Any]:
+    """Seed 000's protocol record without its per-seed pretraining runs (``base_runs``)."""
+    return {k: v for k, v in retrofit.items() if k != "base_runs"}
 
 
 def _save(obj: Any, kind: str, path: str | Path) -> Path:
