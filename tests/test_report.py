@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 
 import pytest
 
@@ -177,6 +178,24 @@ def test_report_lists_each_lengths_documents_for_text():
     text = markdown_report(results)
     assert ("batches by length (seed 0): 16: 4 long documents (val split); 32: 2 long documents (val split; all "
             "there are, the same for every seed); 64: 1 long document (train split, which the run trained on") in text
+
+
+def test_variant_names_are_escaped_as_markdown():
+    """A variant is named by any TOML key: 'a|b' split its table rows into an extra column, '<b>' vanished as an
+    HTML tag, and '*' or '_' at a word's edge turned the text around it into emphasis."""
+    names = ["a|b", "<b>", "x*y*", "_u_", "log_n"]
+    report = markdown_report(comparison({name: [0.9 - 0.1 * i, 0.92 - 0.1 * i, 0.94 - 0.1 * i]
+                                         for i, name in enumerate(names)}))
+    tables: list[list[int]] = [[]]
+    for line in report.splitlines():
+        if line.strip().startswith("|"):
+            tables[-1].append(len(re.split(r"(?<!\\)\|", line.strip())))     # cells, escaped pipes aside
+        elif tables[-1]:
+            tables.append([])
+    assert len(tables) > 3 and all(len(set(widths)) <= 1 for widths in tables)
+    assert "**a\\|b**" in report and "| a\\|b | 0.9 " in report and "| \\<b\\> |" in report
+    assert "| x\\*y\\* |" in report and "| \\_u\\_ |" in report
+    assert "| log_n |" in report            # an underscore inside a word is no emphasis: left as it is
 
 
 def test_report_with_one_seed_says_why_there_is_no_winner():

@@ -3,7 +3,9 @@ the headline table with its chance level and ratios, the other metrics, the plot
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections import Counter
 from typing import Any
 
@@ -22,7 +24,8 @@ CHANCE = ("chance = the expected value of the best predictor that knows the task
 
 def markdown_report(results: Comparison) -> str:
     """The whole report, embedding `EXTRAPOLATION` and, when the runs recorded attention diagnostics,
-    `DIAGNOSTICS`."""
+    `DIAGNOSTICS`; variant names are escaped (`escape`)."""
+    results = _named_as_markdown(results)
     metric = results.metric
     arrow = "higher is better" if results.higher_is_better else "lower is better"
     lines = [f"# {results.title}", ""] + ([results.description, ""] if results.description else [])
@@ -57,6 +60,18 @@ def markdown_report(results: Comparison) -> str:
     lines += needle_section(results)
     lines += [*runs_table(results), "", "Raw numbers, every config and spec: `results.json`.", ""]
     return "\n".join(lines)
+
+
+def escape(text: str) -> str:
+    """``text`` as literal markdown: a backslash before each character that would end a table cell (``|``), open
+    an HTML tag, a link, code or emphasis (``*``, ``~``; ``_`` at a word's edge, where it can emphasize)."""
+    return re.sub(r"([\\|<>\[\]`*~])|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])", lambda m: "\\" + m.group(0), text)
+
+
+def _named_as_markdown(results: Comparison) -> Comparison:
+    """``results`` with its variants (and their specs) renamed by `escape`."""
+    return dataclasses.replace(results, variants={escape(k): v for k, v in results.variants.items()},
+                               specs={escape(k): v for k, v in results.specs.items()})
 
 
 def has_diagnostics(results: Comparison) -> bool:
