@@ -247,6 +247,22 @@ def test_write_report_writes_every_embedded_plot(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({path.name})" in paths[0].read_text()
 
 
+
+def test_retrieval_table_shows_the_seed_spread():
+    """The retrieval table showed only the mean over seeds (and the worst depth): no spread, with several seeds."""
+    from lengthgen.eval import NeedleCell, NeedleMap
+
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for runs in results.variants.values():
+        for seed, run in enumerate(runs):           # seed 0 finds 0.2 (depth 0) and 0.4 (depth 1), seed 1 twice that
+            run.needle = NeedleMap("mqar", 1, [0.0, 1.0], [16], [
+                NeedleCell(depth, 16, 10, (0.2 + 0.2 * depth) * (seed + 1), 0.5, 1.0) for depth in (0.0, 1.0)],
+                0, Provenance.capture("cpu"), train_length=16)
+    report = markdown_report(results)
+    assert "| a | 0.45 [0.30, 0.60], worst depth 0.30 |" in report and "[min, max] over seeds" in report
+    results.variants = {"a": results.variants["a"][:1]}
+    assert "| a | 0.30, worst depth 0.20 |" in markdown_report(results)     # one seed: no range
+
 # ------------------------------------------------------------------ plots
 
 

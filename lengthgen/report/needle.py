@@ -127,8 +127,9 @@ def write_needle(nmap: NeedleMap, out: str | Path) -> list[Path]:
 
 
 def needle_section(results: Comparison) -> list[str]:
-    """``report.md``'s retrieval maps: the heatmap, then exact match by variant and length (mean over depths,
-    and the worst depth); nothing when the runs have no maps."""
+    """``report.md``'s retrieval maps: the heatmap, then exact match by variant and length: the mean over depths
+    and seeds, [min, max] over seeds of each seed's mean over depths when there are several, and the worst depth
+    (of the mean over seeds); nothing when the runs have no maps."""
     maps = variant_maps(results)
     if not maps:
         return []
@@ -136,13 +137,17 @@ def needle_section(results: Comparison) -> list[str]:
     chance = _chance(first)
     rows = [_header(first, "variant")]
     for name, runs in maps.items():
-        grid = mean_grid(runs)
-        rows.append([name, *(f"{mean(column):.2f} [{min(column):.2f}]" for column in zip(*grid))])
+        columns = zip(*mean_grid(runs))
+        per_seed = list(zip(*([mean(column) for column in zip(*mean_grid([run]))] for run in runs)))
+        rows.append([name, *(f"{mean(column):.2f}" + (f" [{min(seeds):.2f}, {max(seeds):.2f}]" if len(seeds) > 1
+                                                     else "") + f", worst depth {min(column):.2f}"
+                             for column, seeds in zip(columns, per_seed))])
     return ["## Retrieval maps", "", f"![exact match by needle depth and context length]({NEEDLE_PLOT})", "",
             f"`{NEEDLE_PLOT}`: exact match of {first.needles} needle(s) per context at depths "
             f"{', '.join(f'{d:g}' for d in first.depths)}, {first.cells[0].samples} sequences per cell, mean over "
             f"seeds; {DEPTH}" + (f"; chance {chance:.3g}" if chance is not None else "") + ".", "",
-            "Cells: mean over depths [worst depth].", "", *table(rows), ""]
+            "Cells: mean over depths and seeds, [min, max] over seeds (of each seed's mean over depths) when "
+            "several, and the worst depth's mean over seeds.", "", *table(rows), ""]
 
 
 __all__ = ["NEEDLE_PLOT", "grid_rows", "mean_grid", "needle_figure", "needle_markdown", "needle_section",
