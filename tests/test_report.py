@@ -263,6 +263,22 @@ def test_retrieval_table_shows_the_seed_spread():
     results.variants = {"a": results.variants["a"][:1]}
     assert "| a | 0.30, worst depth 0.20 |" in markdown_report(results)     # one seed: no range
 
+
+def test_retrieval_panel_titles_fit_their_panels():
+    """Long variant names ran each retrieval panel's title across its neighbours' (one line per title)."""
+    from lengthgen.eval import NeedleCell, NeedleMap
+    from lengthgen.report.needle import needle_figure, plt
+
+    for lengths in ([16], [16, 32, 64, 128, 256]):
+        nmap = NeedleMap("mqar", 1, [0.0, 1.0], lengths, [NeedleCell(d, n, 10, 0.5, 0.5, 1.0) for n in lengths
+                                                         for d in (0.0, 1.0)], 0, Provenance.capture("cpu"))
+        fig = needle_figure({f"variant_with_a_rather_long_name_{i}": [nmap] * 3 for i in range(3)})
+        fig.canvas.draw()
+        for ax in fig.axes[:3]:
+            assert ax.title.get_window_extent().width <= ax.get_window_extent().width, lengths
+            assert ax.get_title().endswith("\n(mean of 3 seeds)")
+        plt.close(fig)
+
 # ------------------------------------------------------------------ plots
 
 

@@ -5,6 +5,7 @@ on one colour scale with the chance level and the training length marked (`plot_
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 from lengthgen.atomic import atomic_write_text
@@ -47,12 +48,13 @@ def _length_labels(nmap: NeedleMap) -> list[str]:
 
 def needle_figure(maps: dict[str, list[NeedleMap]]):
     """Exact match by depth (rows) and length (columns) per variant, mean over its seeds, on one colour scale
-    [0, 1]; a dashed line after the last length within the training length; the chance level on the colour bar."""
+    [0, 1], each panel titled by its variant (wrapped to the panel's width); a dashed line after the last length
+    within the training length; the chance level on the colour bar."""
     first = next(iter(maps.values()))[0]
     depths, lengths = first.depths, first.lengths
+    panel = 0.8 + 0.75 * len(lengths)                # inches per panel
     fig, axes = plt.subplots(1, len(maps), squeeze=False, sharey=True, layout="constrained",
-                             figsize=(2.4 + len(maps) * (0.8 + 0.75 * len(lengths)),
-                                      max(3.6, 2.2 + 0.35 * len(depths))))
+                             figsize=(2.4 + len(maps) * panel, max(3.6, 2.2 + 0.35 * len(depths))))
     for ax, (name, runs) in zip(axes[0], maps.items()):
         grid = mean_grid(runs)
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
@@ -63,7 +65,8 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
         ax.set_xticks(range(len(lengths)), _length_labels(first), fontsize=8)
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
         ax.set_xlabel("context length L (tokens)")
-        ax.set_title(name + (f" (mean of {len(runs)} seeds)" if len(runs) > 1 else ""), fontsize=10)
+        seeds = [f"(mean of {len(runs)} seeds)"] if len(runs) > 1 else []
+        ax.set_title("\n".join(textwrap.wrap(name, int(panel * 13)) + seeds), fontsize=10)   # within its panel
         if first.train_length:
             ax.axvline(sum(n <= first.train_length for n in lengths) - 0.5, **TRAIN_LINE)
     axes[0][0].set_ylabel("needle depth (0: start, 1: before the query)")
