@@ -1292,3 +1292,14 @@ def test_eval_and_report_on_the_wrong_kind_of_folder_say_what_it_is(tmp_path, ca
     code, err = cli(capsys, "report", stopped[0])
     assert code == 2 and f"{stopped[0]} is a training run, which has no results.json" in err
     assert f"lengthgen eval {stopped[0]}" in err
+
+
+def test_report_of_an_interrupted_compare_says_how_to_finish_it(tmp_path, capsys):
+    """report of a compare folder stopped before its results.json said only 'no results file at ...'."""
+    (tmp_path / "cmp" / "runs" / "baseline-seed0").mkdir(parents=True)
+    code, err = cli(capsys, "report", tmp_path / "cmp")
+    assert code == 2 and f"{tmp_path / 'cmp'} holds a comparison that did not finish" in err
+    assert f"--resume --out {tmp_path / 'cmp'}" in err
+    (tmp_path / "rf" / "finetune").mkdir(parents=True)
+    code, err = cli(capsys, "report", tmp_path / "rf")
+    assert code == 2 and "holds a retrofit that did not finish" in err and "--overwrite" in err

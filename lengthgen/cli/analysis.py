@@ -26,9 +26,17 @@ def report_command(args: argparse.Namespace) -> int:
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
     for path in paths:
-        if not path.exists() and (path.parent / "checkpoints").is_dir():
+        held = kinds_held(path.parent) if not path.exists() else {}
+        if "training run" in held:
             raise CommandError(f"{path.parent} is a training run, which has no results.json: report reads compare "
                                f"and retrofit folders; evaluate a run with lengthgen eval {path.parent}")
+        if "comparison" in held or "retrofit" in held:
+            finish = ("finish it with lengthgen compare (its config and variants) --resume --out "
+                      f"{path.parent}, which reuses its finished runs" if "comparison" in held
+                      else f"run it again with lengthgen retrofit ... --overwrite --out {path.parent}")
+            raise CommandError(f"{path.parent} holds a {'comparison' if 'comparison' in held else 'retrofit'} that "
+                               "did not finish: its results.json and report are written once every run is "
+                               f"evaluated; {finish}")
     if len(paths) > 1 and not args.out:
         raise CommandError("merging several results needs --out, a folder of its own for the merged report")
     out = Path(args.out) if args.out else paths[0].parent
