@@ -248,6 +248,25 @@ def test_write_report_writes_every_embedded_plot(tmp_path):
 
 
 
+def test_rewriting_a_report_leaves_no_plot_of_the_results_before(tmp_path):
+    """report --out M of results without diagnostics kept M's diagnostics.png of the results reported there
+    before, beside a report.md and results.json that no longer had it."""
+    write_report(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}), tmp_path)
+    plain = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for run in (run for runs in plain.variants.values() for run in runs):
+        run.lengths[-1].diagnostics = []
+    assert [p.name for p in write_report(plain, tmp_path)] == ["report.md", "extrapolation.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["extrapolation.png", "report.md"]
+    needle = tmp_path / "needle"                    # lengthgen needle's own map stays
+    needle.mkdir()
+    for name in ("needle.json", "needle.png"):
+        (needle / name).write_text("x")
+    write_report(plain, needle)
+    write_report(plain, needle)
+    assert sorted(p.name for p in needle.iterdir()) == ["extrapolation.png", "needle.json", "needle.png", "report.md"]
+
+
+
 def test_retrieval_table_shows_the_seed_spread():
     """The retrieval table showed only the mean over seeds (and the worst depth): no spread, with several seeds."""
     from lengthgen.eval import NeedleCell, NeedleMap
