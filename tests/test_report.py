@@ -413,10 +413,26 @@ def test_an_infinite_seed_is_a_cross_at_the_top_not_a_mean():
     fig = extrapolation_figure(results)
     crosses = [line for line in fig.axes[0].get_lines() if line.get_gid() == "infinite"]   # by length
     assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [64]                   # b at the longest length
-    assert 64 not in list(_lines(fig)["b"][0].get_xdata())                             # no finite-looking mean there
+    mean = dict(zip(*_lines(fig)["b"][0].get_data()))
+    assert math.isnan(mean.get(64, math.nan))                                           # no finite-looking mean there
     assert "a seed's value is infinite" in [t.get_text() for t in fig.legends[0].get_texts()]
     _assert_readable(fig)
 
+
+
+def test_a_length_without_a_value_breaks_the_curve():
+    """A length where every seed's value is NaN (a metric undefined there) was skipped and the curve drawn straight
+    from the length before to the one after, as if measured in between."""
+    from matplotlib.collections import LineCollection
+
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for run in results.variants["b"]:
+        run.at(32).at_length["accuracy"] = math.nan
+    line = _lines(extrapolation_figure(results))["b"][0]
+    x, y = (list(values) for values in line.get_data())
+    assert x == LENGTHS and math.isnan(y[1]) and not math.isnan(y[0]) and not math.isnan(y[2])
+    bars = [c for c in line.axes.collections if isinstance(c, LineCollection)]
+    assert [list(map(list, c.get_segments()[0])) for c in bars] == [[[64, 0.5], [64, 0.6]]]   # b's seeds at 64
 
 def test_other_metrics_are_marked_where_their_direction_is_recorded():
     results = comparison({"a": [0.8, 0.9], "b": [0.05, 0.6]})

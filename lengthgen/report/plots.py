@@ -42,20 +42,26 @@ def variant_styles(variants) -> dict[str, dict]:
 def _draw(ax, xs: list[float], per_x: list[list[float]], style: dict, **extra) -> None:
     """Mean over seeds at each x, and the min-max band when there are several seeds (NaN values dropped); where a
     seed's value is infinite (a model whose output was not finite), no mean but a cross at the top edge (`INF`);
-    ``extra``: more line properties (``gid`` names the curve)."""
+    the line and band break where there is no mean, rather than join its neighbours across it (a mean between
+    two breaks has its band as a bar); ``extra``: more line properties (``gid`` names the curve)."""
     points = [(x, [v for v in vs if not math.isnan(v)]) for x, vs in zip(xs, per_x)]
     infinite = [x for x, vs in points if any(math.isinf(v) for v in vs)]
     if infinite:
         ax.plot(infinite, [1.0] * len(infinite), **{**INF_STYLE, "color": style["color"]},
                 transform=ax.get_xaxis_transform(), clip_on=False)
-    points = [(x, vs) for x, vs in points if vs and x not in infinite]
-    if not points:
+    shown = [vs if x not in infinite else [] for x, vs in points]
+    if not any(shown):
         return
     x = [p[0] for p in points]
-    ax.plot(x, [sum(vs) / len(vs) for _, vs in points], **{**style, **extra})
-    if any(len(vs) > 1 for _, vs in points):
-        ax.fill_between(x, [min(vs) for _, vs in points], [max(vs) for _, vs in points], color=style["color"],
-                        alpha=0.15, linewidth=0)
+    ax.plot(x, [sum(vs) / len(vs) if vs else math.nan for vs in shown], **{**style, **extra})
+    if any(len(vs) > 1 for vs in shown):
+        ax.fill_between(x, [min(vs) if vs else math.nan for vs in shown],
+                        [max(vs) if vs else math.nan for vs in shown], color=style["color"], alpha=0.15, linewidth=0)
+        alone = [i for i, vs in enumerate(shown) if min(vs, default=0) < max(vs, default=0) and not any(
+            0 <= j < len(shown) and shown[j] for j in (i - 1, i + 1))]      # no band to either side: a bar
+        if alone:
+            ax.vlines([x[i] for i in alone], [min(shown[i]) for i in alone], [max(shown[i]) for i in alone],
+                      color=style["color"], alpha=0.3, linewidth=6)
 
 
 def _by_bucket(rows: list[list[Bucket]]) -> tuple[list[int], list[list[float]]]:
