@@ -78,6 +78,16 @@ def test_parallel_choices_are_checked():
         RunConfig().override("train.parallel=zero3")
 
 
+def test_fsdp_in_one_process_says_it_shards_nothing():
+    from lengthgen.train.config import RunConfig
+    from lengthgen.train.setup import split_batch_notes
+
+    cfg = RunConfig().override(*BASE, "train.parallel=fsdp")
+    assert split_batch_notes(cfg, 1) == ["train.parallel='fsdp' has no effect in one process (WORLD_SIZE=1): nothing "
+                                         "is sharded; launch with torchrun --nproc_per_node=N to shard across N ranks"]
+    assert split_batch_notes(cfg, 2) == [] and split_batch_notes(RunConfig().override(*BASE), 1) == []
+
+
 def _worker(out: Path) -> None:
     from lengthgen.train import Trainer, train
     from lengthgen.train.config import RunConfig

@@ -99,7 +99,7 @@ def check_world(cfg: RunConfig, world: int) -> None:
 
 def split_batch_notes(cfg: RunConfig, world: int) -> list[str]:
     """What differs from one full-batch pass when the step's batch is split into ``train.grad_accum`` micro-batches
-    or ``world`` ranks (every other computation matches it to float error)."""
+    or ``world`` ranks (every other computation matches it to float error), and FSDP2 asked of one process."""
     notes = []
     if cfg.model.norm == "batch" and (cfg.train.grad_accum > 1 or world > 1):
         notes.append(f"model.norm='batch' normalizes each micro-batch (train.grad_accum={cfg.train.grad_accum}) and "
@@ -107,6 +107,9 @@ def split_batch_notes(cfg: RunConfig, world: int) -> list[str]:
                      "the whole batch (no SyncBatchNorm)")
     if cfg.model.dropout > 0 and world > 1:
         notes.append(f"model.dropout={cfg.model.dropout}: every rank draws the same dropout masks (one seed)")
+    if cfg.train.parallel == "fsdp" and world == 1:
+        notes.append("train.parallel='fsdp' has no effect in one process (WORLD_SIZE=1): nothing is sharded; launch "
+                     "with torchrun --nproc_per_node=N to shard across N ranks")
     return notes
 
 
