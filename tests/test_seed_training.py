@@ -13,6 +13,7 @@ from lengthgen.data.tasks import CountingTask
 from lengthgen.model import GPT
 from lengthgen.train import Trainer, build_optimizers, lr_multiplier, train
 from lengthgen.train.config import RunConfig
+from lengthgen.train.schedule import momentum_at
 
 
 def config(*overrides: str) -> RunConfig:
@@ -223,6 +224,47 @@ def test_normuon_cautious_run_resumes_exactly(tmp_path):
         assert torch.equal(a, b), name
     muon = full.trainer.optimizers[0]
     assert all("second_moment" in muon.state[p] for g in muon.param_groups for p in g["params"])
+
+
+def seed_muon_momentum(step: int, steps: int, warmup: int = 300, cooldown: int = 50, low: float = 0.85,
+                       high: float = 0.95) -> float:
+    """Seed 000's Muon momentum (its train_gpt.py, get_muon_momentum), restated: up from low over the warmup,
+    down over the last cooldown steps (strictly after steps - cooldown), high between."""
+    if step < warmup:
+        return low + step / warmup * (high - low)
+    if step > steps - cooldown:
+        return high - (step - (steps - cooldown)) / cooldown * (high - low)
+    return high
+
+
+@pytest.mark.parametrize("steps", [400, 2000, 320])
+def test_muon_momentum_schedule_is_the_seeds(steps):
+    kw = dict(total=steps, peak=0.95, low=0.85, warmup=300, cooldown=50)
+    got = [momentum_at(step, **kw) for step in range(steps)]
+    assert got == pytest.approx([seed_muon_momentum(step, steps) for step in range(steps)], abs=1e-15)
+    assert got[0] == 0.85 and got[150] == pytest.approx(0.90) and got[-1] == pytest.approx(0.852)
+    assert momentum_at(7, total=10, peak=0.9, low=0.5) == 0.9          # no warmup, no cooldown: the peak
+
+
+def test_a_run_steps_muon_with_the_scheduled_momentum(tmp_path, monkeypatch):
+    """Each update of Muon (and NorMuon) uses the step's momentum; AdamW's groups get none; resuming keeps it."""
+    from lengthgen.train.normuon import NorMuon
+
+    used = []
+    step = NorMuon.step
+    monkeypatch.setattr(NorMuon, "step", lambda self, *a: used.append(
+        {g["momentum"] for g in self.param_groups}) or step(self, *a))
+    cfg = config("train.optimizer=normuon", "train.muon_momentum_warmup=3", "train.muon_momentum_cooldown=2",
+                 "train.muon_momentum_min=0.5", "train.muon_momentum=0.9")
+    full = train(cfg, tmp_path / "full", progress=False)
+    want = [seed_muon_momentum(s, 6, warmup=3, cooldown=2, low=0.5, high=0.9) for s in range(6)]
+    assert [len(m) for m in used] == [1] * 6 and [m.pop() for m in used] == pytest.approx(want)
+    assert want[0] == 0.5 and want[4] == 0.9 and want[5] == pytest.approx(0.7)
+    assert all("momentum" not in g for g in full.trainer.optimizers[1].param_groups)
+    train(cfg, tmp_path / "resumed", progress=False, stop_at=4)
+    assert train(cfg, tmp_path / "resumed", progress=False, resume=True).history == full.history
+    assert "train.muon_momentum_warmup=3 and train.muon_momentum_cooldown=2: no effect with train.optimizer=" \
+        "'adamw'" in config("train.muon_momentum_warmup=3", "train.muon_momentum_cooldown=2").unused()[0]
 
 
 @pytest.mark.gpu

@@ -74,7 +74,13 @@ class TrainConfig:
                                          "rates: AdamW wd x lr^2, NorMuon muon_weight_decay x muon_lr x the "
                                          "matrix's update lr (scheduled; needs adamw or normuon)")
     muon_lr: float = option(0.02, "Muon learning rate", ge=0)
-    muon_momentum: float = option(0.95, "Muon momentum", ge=0)
+    muon_momentum: float = option(0.95, "Muon momentum (the peak, with a momentum warmup or cooldown)", ge=0, lt=1)
+    muon_momentum_min: float = option(0.85, "Muon momentum at the start of its warmup and the end of its cooldown",
+                                      ge=0, lt=1)
+    muon_momentum_warmup: int = option(0, "steps over which Muon's momentum rises linearly from muon_momentum_min "
+                                       "to muon_momentum (seed 000: 300)", ge=0)
+    muon_momentum_cooldown: int = option(0, "last steps over which Muon's momentum falls linearly back to "
+                                         "muon_momentum_min (seed 000: 50)", ge=0)
     muon_weight_decay: float = option(0.0, "Muon weight decay", ge=0)
     muon_beta2: float = option(0.95, "normuon: decay of the per-neuron second moment", ge=0, lt=1)
     muon_adjust_lr: MuonAdjust = option("original", "torch.optim.Muon's adjust_lr_fn")
@@ -134,8 +140,8 @@ class TrainConfig:
 
     def unused(self) -> list[str]:
         """What this valid config asks for but a run of it never reaches: stages that start at or after the last
-        step, a warmup longer than the run, a BEMA burn-in as long as the run (one message each; ``train`` and
-        ``compare`` warn with them)."""
+        step, a warmup longer than the run, a Muon momentum schedule without Muon, a BEMA burn-in as long as the run
+        (one message each; ``train`` and ``compare`` warn with them)."""
         notes = []
         late = [list(stage) for stage in self.stages if stage[0] >= self.steps]
         if late:
@@ -144,6 +150,10 @@ class TrainConfig:
         if self.warmup_steps > self.steps:
             notes.append(f"train.warmup_steps={self.warmup_steps} > train.steps={self.steps}: the learning rate "
                          f"only reaches {self.steps / self.warmup_steps:.2g} x train.lr")
+        scheduled = [f"train.{k}={getattr(self, k)}" for k in ("muon_momentum_warmup", "muon_momentum_cooldown")
+                     if getattr(self, k)]
+        if scheduled and self.optimizer == "adamw":
+            notes.append(f"{' and '.join(scheduled)}: no effect with train.optimizer='adamw' (Muon's momentum only)")
         if self.bema.enabled and self.bema.tau >= self.steps:
             notes.append(f"train.bema.tau={self.bema.tau} >= train.steps={self.steps}: BEMA never starts (no BEMA "
                          "weights are evaluated or saved)")

@@ -94,6 +94,14 @@ def set_lr(optimizers: list[torch.optim.Optimizer], multiplier: float) -> None:
             group["lr"] = group["initial_lr"] * multiplier
 
 
+def set_muon_momentum(optimizers: list[torch.optim.Optimizer], momentum: float) -> None:
+    """Every Muon (and NorMuon) group's momentum; AdamW keeps its betas."""
+    for opt in optimizers:
+        if isinstance(opt, torch.optim.Muon):
+            for group in opt.param_groups:
+                group["momentum"] = momentum
+
+
 # ---------------------------------------------------------------------------------------------------
 # QK-clip (Kimi K2, "MuonClip"): keep the largest attention logit of every head below tau
 

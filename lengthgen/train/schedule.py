@@ -9,6 +9,11 @@ of updates. Warmup (both schedules): ``(step + 1) / warmup`` for ``step < warmup
   ``1 - (1 - min) * (step - decay_start) / (total - decay_start)``;
 * constant: 1 after warmup.
 
+Muon's momentum (`momentum_at`, seed 000's modded-nanogpt ``get_muon_momentum``): linear from ``low`` to ``peak``
+over the first ``warmup`` updates (``low + (peak - low) step / warmup``), ``peak``, then linear back towards ``low``
+over the last ``cooldown`` updates (``peak - (peak - low) (step - (total - cooldown)) / cooldown`` after
+``total - cooldown``).
+
 Re-warming (``restart``, seed 001 re-creates its optimizer with a fresh warmup at every stage): for ``warmup``
 updates from step ``restart`` on, the multiplier is scaled by ``(step - restart + 1) / warmup``.
 """
@@ -57,3 +62,12 @@ def lr_multiplier(step: int, *, total: int, schedule: str = "cosine", warmup: in
         raise ValueError(f"schedule={schedule!r} is not valid; choose one of cosine, wsd, constant")
     ramp = warmup_multiplier(step - restart, warmup) if 0 < restart <= step else None
     return base if ramp is None else base * ramp
+
+
+def momentum_at(step: int, *, total: int, peak: float, low: float, warmup: int = 0, cooldown: int = 0) -> float:
+    """Muon's momentum at update ``step`` (see the module docstring); ``peak`` without warmup or cooldown."""
+    if step < warmup:
+        return low + (peak - low) * step / warmup
+    if cooldown and step > total - cooldown:
+        return peak - (peak - low) * (step - (total - cooldown)) / cooldown
+    return peak

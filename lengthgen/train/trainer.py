@@ -47,8 +47,9 @@ from lengthgen.train.bema import BEMA
 from lengthgen.train.config import RunConfig, save_config
 from lengthgen.train.data import split_batch
 from lengthgen.train.log import RunLog
-from lengthgen.train.optim import build_optimizers, capture_logits, captured_max_logits, clip_logits, set_lr
-from lengthgen.train.schedule import lr_multiplier
+from lengthgen.train.optim import (build_optimizers, capture_logits, captured_max_logits, clip_logits, set_lr,
+                                   set_muon_momentum)
+from lengthgen.train.schedule import lr_multiplier, momentum_at
 from lengthgen.train.setup import (autocast_dtype, check_backend, check_resume, check_world, device_type,
                                    resolve, split_batch_notes)
 from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
@@ -393,6 +394,9 @@ class Trainer:
         multiplier = lr_multiplier(step, total=tc.steps, schedule=tc.schedule, warmup=tc.warmup_steps,
                                    cooldown_frac=tc.cooldown_frac, min_ratio=tc.min_lr_ratio, restart=restart)
         set_lr(self.optimizers, multiplier)
+        set_muon_momentum(self.optimizers, momentum_at(step, total=tc.steps, peak=tc.muon_momentum,
+                                                       low=tc.muon_momentum_min, warmup=tc.muon_momentum_warmup,
+                                                       cooldown=tc.muon_momentum_cooldown))
         loss, max_logits = self._forward_backward(batch)
         entry: dict[str, Any] = {}
         grad_norm = None
