@@ -111,6 +111,23 @@ def test_config_show_names_the_choices_of_a_bad_argument(capsys, monkeypatch):
     assert "train.lr=nan is not valid" in capsys.readouterr().err
 
 
+def test_config_list_names_every_shipped_config_as_config_takes_it(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(ROOT)
+    assert main(["config", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split()[0] for line in lines]
+    assert sorted(names) == sorted(p.relative_to(ROOT / "configs").with_suffix("").as_posix()
+                                   for p in (ROOT / "configs").rglob("*.toml"))
+    assert "cpu/seed000_avnorm" in names and names.index("seed000_avnorm") < names.index("cpu/seed000_avnorm")
+    assert any(re.match(r"seed003_tomita +Seed 003 .*the Tomita grammars$", line) for line in lines)
+    assert any(re.match(r"mqar +Multi-query associative recall \(Zoology, Arora et al\. 2023\): 8", line)
+               for line in lines)
+    assert main(["config", "show", "cpu/seed001_counting"]) == 0          # a listed name is a --config name
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "list"]) == 2 and "no configs/ folder" in capsys.readouterr().err
+
+
 def test_config_show_takes_set_before_or_after_what(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     shown = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import re
 from pathlib import Path
 
 from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, non_negative_float,
@@ -226,9 +227,12 @@ def theory_command(args: argparse.Namespace) -> int:
 def _config_args(p: argparse.ArgumentParser) -> None:
     # `show` is a subcommand (not a positional beside `what`): argparse takes a command's positionals in one run, so
     # `config show --set K=V counting` would leave `counting` unrecognized
-    show = p.add_subparsers(dest="action", metavar="ACTION", required=True).add_parser(
-        "show", help="print a resolved config, each key with its value, meaning and valid values",
-        description="Print a resolved config, each key with its value, meaning and valid values.")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions.add_parser("list", help="list the configs in configs/ (the seeds' presets, their CPU analogs, examples)",
+                       description="List the configs in configs/, each with its header's first sentence.")
+    show = actions.add_parser("show", help="print a resolved config, each key with its value, meaning and valid "
+                              "values", description="Print a resolved config, each key with its value, meaning and "
+                              "valid values.")
     show.add_argument("what", nargs="?", help="a TOML or JSON config file, a run folder, a name in configs/ "
                       "(counting, mqar, ...), compare (its embedded default), attention (every AttentionSpec field "
                       "and the presets) or an attention preset (l2, avnorm, ...); default: lengthgen train's defaults")
@@ -238,13 +242,16 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 @command("config", _config_args)
 def config_command(args: argparse.Namespace) -> int:
-    """Show a resolved config: each key with its value, meaning and valid values (set any with --set KEY=VALUE)."""
+    """Show a resolved config: each key with its value, meaning and valid values (set any with --set KEY=VALUE);
+    or list the configs in configs/."""
     from lengthgen.attention import PRESETS
     from lengthgen.config import format_config
     from lengthgen.experiments.compare import compare_config
     from lengthgen.train.setup import resolve
     from lengthgen.train.tracking import spec_changes
 
+    if args.action == "list":
+        return _list_configs()
     what = args.what
     if what == "attention" or what in PRESETS:
         if args.overrides:
@@ -265,6 +272,24 @@ def config_command(args: argparse.Namespace) -> int:
         arguments = inspect.signature(TASKS[cfg.data.task]).parameters.values()
         print(f"\n# data.task_kwargs of {cfg.data.task}: " + ", ".join(
             f"{a.name} (default {a.default!r})" for a in arguments if a.default is not inspect.Parameter.empty))
+    return 0
+
+
+def _list_configs() -> int:
+    """Each config in configs/ (and its subfolders) by the name --config takes, with its header's first sentence."""
+    paths = sorted(Path("configs").rglob("*.toml"), key=lambda p: (len(p.parts), p))
+    if not paths:
+        raise CommandError("no configs/ folder with .toml files here: run from a lengthgen checkout, whose configs/ "
+                           "holds the seeds' presets")
+    for path in paths:
+        header = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if not line.startswith("#") or line.strip() == "#":
+                break
+            header.append(line.lstrip("# ").strip())
+        sentence = re.split(r"\.\s+(?=[A-Z])", " ".join(header))[0].rstrip(".")   # not at "et al. 2023"
+        name = path.relative_to("configs").with_suffix("").as_posix()
+        print(f"{name:<28} {sentence[:90] + '...' if len(sentence) > 93 else sentence}")
     return 0
 
 
