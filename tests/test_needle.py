@@ -195,6 +195,26 @@ def test_exact_match_needs_every_token_of_every_answer():
     assert cell.exact_match == pytest.approx(0.5) and cell.token_accuracy == pytest.approx(0.5)
 
 
+def test_a_non_finite_output_is_wrong_with_infinite_loss_not_the_nans_index():
+    """argmax returns a NaN's index: a diverged model (NaN logits) was scored right on every answer token 0,
+    above chance on passkey; greedy decoding refuses such logits, so the answers are wrong."""
+    task = make_task("passkey", num_digits=2)
+    batch = task.at_depth(4, 20, 0.5, g(0))
+    logits = F.one_hot(batch.targets[batch.loss_mask], task.vocab_size).float() * 20   # right by construction
+    logits[1, 0] = math.nan                          # row 0's second answer token
+    with pytest.warns(UserWarning, match="not finite at 1 of 8 answer tokens"):
+        scores = answer_scores(logits, batch)
+    assert scores["exact_match"].tolist() == [0, 1, 1, 1] and scores["token_accuracy"].tolist() == [0.5, 1, 1, 1]
+    assert scores["answer_loss"][0] == math.inf and bool((scores["answer_loss"][1:] < 1e-3).all())
+    one = make_task("passkey", num_digits=1)
+    model = GPT(GPTConfig(vocab_size=one.vocab_size, dim=16, layers=1, heads=2))
+    with torch.no_grad():
+        model.head.weight.fill_(math.nan)
+    with pytest.warns(UserWarning, match="not finite"):
+        cells = needle_map(model, one, [16], [0, 1], samples=50, progress=False).cells
+    assert all(c.exact_match == 0 and c.token_accuracy == 0 and c.answer_loss == math.inf for c in cells)
+
+
 def test_untrained_models_score_at_most_chance_and_a_format_only_guess_scores_chance():
     task = make_task("passkey", num_digits=1, num_filler=8)
     torch.manual_seed(0)

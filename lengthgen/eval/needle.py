@@ -15,8 +15,10 @@ prefix as the teacher-forced input), so one forward pass scores exact match and 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -36,11 +38,19 @@ DEPTHS = tuple(i / 10 for i in range(11))
 def answer_scores(logits: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
     """Per sequence (B,): ``exact_match`` (the fraction of its answers whose every token's argmax is the target),
     ``token_accuracy`` and ``answer_loss`` (mean cross-entropy, nats) over its answer tokens. ``logits``: (N, V)
-    at the N positions of ``batch.loss_mask`` in row-major order; ``batch.extra["answer"]`` numbers the answers."""
+    at the N positions of ``batch.loss_mask`` in row-major order; ``batch.extra["answer"]`` numbers the answers.
+
+    An answer token whose logits are not all finite (a diverged model) is wrong, with loss +inf, and a warning:
+    greedy decoding has no token to pick there (`lengthgen.model.gpt.next_token` refuses), whereas argmax would
+    return a NaN's index, scoring the answers that start with token 0 right."""
     mask = batch.loss_mask
     rows, targets, groups = mask.nonzero()[:, 0], batch.targets[mask], batch.extra["answer"][mask]
-    right = (logits.argmax(-1) == targets).float()
-    loss = F.cross_entropy(logits.float(), targets, reduction="none")
+    failed = ~logits.isfinite().all(-1)
+    right = ((logits.argmax(-1) == targets) & ~failed).float()
+    loss = F.cross_entropy(logits.float(), targets, reduction="none").masked_fill(failed, math.inf)
+    if bool(failed.any()):
+        warnings.warn(f"the model's output is not finite at {int(failed.sum())} of {failed.numel()} answer tokens: "
+                      "they count as wrong, with loss +inf", stacklevel=2)
     count, width = mask.shape[0], int(groups.max()) + 1
     answers = rows * width + groups                                   # one index per (sequence, answer)
     ones = torch.ones_like(loss)
