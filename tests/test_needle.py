@@ -248,6 +248,24 @@ def test_gpt_scores_equal_the_full_forward_and_do_not_depend_on_chunking():
     assert [c.answer_loss for c in whole.cells] == pytest.approx([c.answer_loss for c in chunked.cells], rel=1e-5)
 
 
+def test_gpt_scores_under_autocast_take_float32_logits_as_greedy_decoding_does():
+    """`GPT.generate` computes the head's logits outside autocast; bfloat16 logits (spacing 0.5 at 64) tie close
+    answers and shift the answer loss."""
+    task = make_task("passkey", num_digits=2)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2)).eval()
+    with torch.no_grad():
+        model.head.weight.mul_(300)                   # logits of tens: bfloat16 keeps 8 significant bits
+    batch = task.at_depth(64, 24, 0.5, g(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = measure_needle_gpt(model, None, batch)
+        hidden = model.features(batch.tokens)[batch.loss_mask]
+        with torch.autocast("cpu", enabled=False):
+            want = answer_scores(model.logits(hidden.float()), batch)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0)
+
+
 def test_a_cell_is_the_evaluators_value_on_its_seeded_batch():
     task = make_task("passkey", num_digits=2)
     model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2))
