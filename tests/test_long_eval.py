@@ -99,3 +99,24 @@ def test_long_evaluation_holds_one_chunk_of_logits_at_any_length(monkeypatch):
     with WidestVocabTensor(source.vocab_size) as widest, torch.no_grad():
         model(batch.tokens)                    # the whole forward: every logit at once
     assert widest.most == 2 * 1024 * 97
+
+
+def test_lengthgen_eval_runs_forward_passes_no_larger_than_the_trainers(tmp_path, monkeypatch):
+    """`eval_run` ran each length's whole batch (``--tokens`` of them) in one forward pass, so its memory grew with
+    --tokens; the trainer and compare pass at most ``train.eval_batch_size`` x training length tokens."""
+    from lengthgen.experiments.eval_run import eval_run
+    from lengthgen.train import train
+    from lengthgen.train.config import RunConfig
+
+    cfg = RunConfig().override("model.dim=16", "model.layers=1", "model.heads=2", "train.steps=1", "train.batch_size=2",
+                               "train.eval_batches=0", "train.eval_batch_size=4", "data.task=counting",
+                               "data.length=8", "train.threads=1")
+    train(cfg, tmp_path / "run", progress=False)
+    rows: list[tuple[int, int]] = []
+    features = GPT.features
+    monkeypatch.setattr(GPT, "features", lambda self, tokens, *a, **k: (
+        rows.append(tuple(tokens.shape)), features(self, tokens, *a, **k))[1])
+    result = eval_run(tmp_path / "run", lengths=[8, 32], tokens=512)
+    assert [r.batch_size for r in result.lengths] == [64, 16]
+    assert max(n * length for n, length in rows) <= 4 * 8           # the diagnostics pass: one row
+    assert sum(n for n, length in rows if length == 8) == 64 and sum(n for n, length in rows if length == 32) == 17

@@ -16,8 +16,9 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
              ) -> RunEval:
     """Evaluate the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) with the one evaluator,
     on the run's device and autocast (`for_inference`), seeded with its ``train.seed``, at ``lengths`` (default:
-    the training length x `MULTIPLES`) with ``tokens`` tokens per length; text runs on single long documents. A bad
-    length or token count is a `ConfigError`, checked before the model is run."""
+    the training length x `MULTIPLES`) with ``tokens`` tokens per length, in forward passes of at most
+    ``train.eval_batch_size`` x training length tokens as the trainer's and compare's evaluations; text runs on
+    single long documents. A bad length or token count is a `ConfigError`, checked before the model is run."""
     tokens = check_value("tokens", tokens, int, ge=1, le=MAX_SIZE)
     cfg, model = load_run(path, bema=bema)
     model, kind = for_inference(model, cfg.train)
@@ -27,7 +28,8 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
         check_length(data, "lengths", length)
     source = eval_source(cfg.data, data)
     result = evaluate(model, source, lengths, tokens_per_length=tokens, seed=cfg.train.seed,
-                      autocast=autocast_dtype(cfg.train, kind))
+                      autocast=autocast_dtype(cfg.train, kind),
+                      forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
     return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path), bema=bema)
 
 
