@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lengthgen.attention import Attention, AttentionSpec, attend
+from lengthgen.config import ConfigError
 from lengthgen.data.tasks import make_task
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval import LongDocuments, eval_generator, evaluate
@@ -125,6 +126,17 @@ def test_evaluate_rejects_lengths_beyond_the_task():
     model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2))
     with pytest.raises(ValueError, match="set_complement"):
         evaluate(model, task, [8, 64], tokens_per_length=64)
+
+
+@pytest.mark.parametrize("lengths, match", [([16, 0], r"lengths\[1\]=0 is not valid"),
+                                            ([-3], r"lengths\[0\]=-3 is not valid"),
+                                            ([8.5], r"lengths\[0\]=8.5 is not valid")])
+def test_evaluate_refuses_lengths_below_one_naming_them(lengths, match):
+    """A length of 0 was a ZeroDivisionError, a negative one torch's 'expected non-negative integer'."""
+    task = make_task("counting")
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, head="regress", dim=16, layers=1, heads=2))
+    with pytest.raises(ConfigError, match=match):
+        evaluate(model, task, lengths, tokens_per_length=64)
 
 
 def test_eval_batches_follow_the_seeding_rule():

@@ -284,6 +284,8 @@ def test_bad_requests_are_one_line_errors_naming_the_value():
         check_needles(make_task("passkey"), [64], [0, 1.5], 1)
     with pytest.raises(ConfigError, match=r"lengths: length 600 exceeds the data's maximum length 515"):
         check_needles(make_task("mqar"), [64, 600], [0, 1], 1)
+    with pytest.raises(ConfigError, match=r"lengths: give at least one context length"):   # was UnboundLocalError
+        needle_map(GPT(GPTConfig(vocab_size=32, dim=16, layers=1, heads=2)), make_task("passkey"), [], [0.5])
     with pytest.raises(ConfigError, match=r"'dyck' has no needles.*passkey, mqar"):
         check_needles(make_task("dyck"), [64], [0], 1)
     with pytest.raises(ConfigError, match=r"compare.needle_depths: lengths: length 8: .*minimum length 11"):

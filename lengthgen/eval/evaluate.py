@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.data.config import step_generator
 from lengthgen.data.tasks.base import Batch, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
@@ -176,9 +177,9 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
 
     ``autocast``: the training autocast dtype (None: none). ``forward_tokens``: at most this many tokens per
     forward pass (None: each length's batch at once). Returns a `RunEval` with the seed, timing, parameter count
-    and provenance; callers fill in the run's config and seeds.
+    and provenance; callers fill in the run's config and seeds. A length below 1 is a `ConfigError` naming it.
     """
-    lengths = sorted(set(lengths))
+    lengths = sorted(set(check_value("lengths", list(lengths), list[int], ge=1, le=MAX_SIZE)))
     limit = getattr(source, "max_length", None)
     for length in lengths:
         if limit is not None and length > limit:

@@ -85,6 +85,8 @@ def check_needles(source: Any, lengths: list[int], depths: list[float], needles:
         check_value("needles", needles, int, ge=1)
         if not depths:
             raise ConfigError("depths: give at least one depth in [0, 1], e.g. 0,0.5,1", "depths")
+        if not lengths:
+            raise ConfigError("lengths: give at least one context length, e.g. 256,1024", "lengths")
         limit = getattr(source, "max_length", None)
         for length in lengths:
             if limit is not None and length > limit:
