@@ -1204,6 +1204,19 @@ def test_huge_eval_arguments_are_errors(capsys, stopped, args):
     assert code == 2 and f"argument {args[0]}" in err and "up to 2147483647" in err
 
 
+@pytest.mark.parametrize("command", ["eval", "needle"])
+def test_default_lengths_the_data_cannot_generate_name_the_default(tmp_path, capsys, command):
+    """Without --lengths, eval and needle take 1..16 x the training length; where the data stops before (the
+    shipped mqar.toml: 512 > 131) the error said 'lengths: length 128 ...', a flag the user never gave."""
+    run = tmp_path / "run"
+    train(config("data.task=mqar", "data.task_kwargs={vocab_size = 16}"), run, progress=False)
+    small = ["--samples" if command == "needle" else "--tokens", "8"]
+    code, err = cli(capsys, command, run, *small)
+    assert code == 2 and err.endswith("error: lengths (default 8 x 1, 2, 4, 8, 16): length 64 exceeds the data's "
+                                      "maximum length 35")
+    assert cli(capsys, command, run, "--lengths", "8,32", *small)[0] == 0
+
+
 @pytest.mark.parametrize("command", [["train"], ["compare"], ["theory"], ["eval", "run"], ["bench", "attention"]])
 def test_an_empty_out_is_an_error(capsys, command):
     """--out '' meant runs/run for train, the current folder for compare and a traceback for theory."""

@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.eval import MULTIPLES, RunEval, eval_source, evaluate
 from lengthgen.train import load_run
+from lengthgen.train.config import RunConfig
 from lengthgen.data.config import make_source
 from lengthgen.train.setup import autocast_dtype, check_length, for_inference
+
+
+def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None) -> list[int]:
+    """``lengths``, or by default the training length x `MULTIPLES`, each one ``source`` can generate
+    (`check_length`); an error about a default names it, as ``compare.eval_lengths``'s does."""
+    train_length = max(cfg.lengths())
+    key = "lengths" if lengths else f"lengths (default {train_length} x {', '.join(map(str, MULTIPLES))})"
+    lengths = lengths or [train_length * m for m in MULTIPLES]
+    for length in lengths:
+        check_length(source, key, length)
+    return lengths
 
 
 def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int = 8192, bema: bool = False
@@ -22,10 +35,8 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
     tokens = check_value("tokens", tokens, int, ge=1, le=MAX_SIZE)
     cfg, model = load_run(path, bema=bema)
     model, kind = for_inference(model, cfg.train)
-    lengths = lengths or [max(cfg.lengths()) * m for m in MULTIPLES]
     data = make_source(cfg.data)
-    for length in lengths:
-        check_length(data, "lengths", length)
+    lengths = checked_lengths(cfg, data, lengths)
     source = eval_source(cfg.data, data)
     result = evaluate(model, source, lengths, tokens_per_length=tokens, seed=cfg.train.seed,
                       autocast=autocast_dtype(cfg.train, kind),
@@ -33,4 +44,4 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
     return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path), bema=bema)
 
 
-__all__ = ["eval_run"]
+__all__ = ["checked_lengths", "eval_run"]

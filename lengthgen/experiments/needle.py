@@ -11,8 +11,9 @@ import torch
 import torch.nn as nn
 
 from lengthgen.data.config import DataConfig, make_source
-from lengthgen.eval import MULTIPLES, NeedleMap
+from lengthgen.eval import NeedleMap
 from lengthgen.eval import DEPTHS, check_needles, needle_map, validation_text
+from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.train import load_run
 from lengthgen.train.config import RunConfig
 from lengthgen.train.setup import autocast_dtype, for_inference
@@ -46,8 +47,8 @@ def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: li
     the model runs."""
     cfg, model = load_run(path, bema=bema)
     model, kind = for_inference(model, cfg.train)
-    lengths = lengths or [max(cfg.lengths()) * m for m in MULTIPLES]
     source = needle_filler(cfg.data, make_source(cfg.data))
+    lengths = checked_lengths(cfg, source, lengths)
     check_needles(source, lengths, list(depths), needles)
     result = run_map(model, cfg, source, lengths, list(depths), needles=needles, samples=samples,
                      autocast=autocast_dtype(cfg.train, kind), progress=progress)
