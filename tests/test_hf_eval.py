@@ -40,6 +40,24 @@ def test_eval_hf_writes_loss_by_position(tiny_llama_dir, tmp_path, capsys):
     assert "loss by position (columns: eval length)" in capsys.readouterr().out
 
 
+def test_eval_hf_runs_forward_passes_of_at_most_its_cap(tiny_llama_dir, monkeypatch):
+    """Memory stays that of a few rows whatever --tokens asks for; the numbers are those of one pass."""
+    import torch
+
+    from lengthgen.hf import eval as hf_eval
+
+    rows, measure = [], hf_eval.measure_hf
+    monkeypatch.setattr(hf_eval, "measure_hf", lambda model, source, batch: rows.append(batch.tokens.shape[0])
+                        or measure(model, source, batch))
+    capped = hf_eval.evaluate_hf(tiny_llama_dir, lengths=[64], tokens=64 * 6, forward_tokens=128)
+    assert rows == [2, 2, 2]
+    whole = hf_eval.evaluate_hf(tiny_llama_dir, lengths=[64], tokens=64 * 6, forward_tokens=None)
+    assert rows[3:] == [6]
+    torch.testing.assert_close(capped.lengths[0].at_length["loss"], whole.lengths[0].at_length["loss"])
+    assert hf_eval.evaluate_hf.__kwdefaults__["forward_tokens"] == hf_eval.needle_hf.__kwdefaults__[
+        "forward_tokens"] == hf_eval.HF_FORWARD_TOKENS
+
+
 def test_eval_hf_missing_model_is_a_clear_error(tmp_path, capsys):
     assert main(["eval", "--hf", str(tmp_path / "absent")]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -195,10 +195,17 @@ def _text_and_model(path: str | os.PathLike, tokenizer: str | None, corpus: str,
     return tok, data, model
 
 
+#: tokens per forward pass of an HF model's evaluation (at least one row): its memory stays that of a few rows
+#: whatever --tokens or --samples ask for
+HF_FORWARD_TOKENS = 16384
+
+
 def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 1024),
-                tokens: int = 8192, split: str = "val", seed: int = 0, tokenizer: str | None = None) -> RunEval:
+                tokens: int = 8192, split: str = "val", seed: int = 0, tokenizer: str | None = None,
+                forward_tokens: int | None = HF_FORWARD_TOKENS) -> RunEval:
     """Loss by position of a local HF model (`load_local_model`) on single long documents of ``corpus``'s
-    ``split``: `lengthgen.eval.evaluate` with `measure_hf`, in the model's own dtype.
+    ``split``: `lengthgen.eval.evaluate` with `measure_hf`, in the model's own dtype, ``forward_tokens`` tokens per
+    forward pass at most (None: a length's sequences at once).
 
     ``tokenizer``: a lengthgen tokenizer name (``byte``, ``gpt2``, ``hf:PATH``); default the folder's own
     ``tokenizer.json`` (FileNotFoundError naming the folder when it has none). A tokenizer with more ids than
@@ -207,14 +214,14 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
     tok, data, model = _text_and_model(path, tokenizer, corpus, split)
     source = LongDocuments([(f"{split} split", data)], data)
     result = evaluate(model, source, list(lengths), tokens_per_length=tokens, seed=seed, diagnostics=False,
-                      measure=measure_hf)
+                      measure=measure_hf, forward_tokens=forward_tokens)
     return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split, "tokenizer": tok.name})
 
 
 def needle_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[int] = (256, 512, 1024, 2048),
               depths: list[float] = DEPTHS, needles: int = 1, samples: int = 100, split: str = "val", seed: int = 0,
-              tokenizer: str | None = None, train_length: int | None = None, forward_tokens: int | None = None,
-              progress: bool = True) -> NeedleMap:
+              tokenizer: str | None = None, train_length: int | None = None,
+              forward_tokens: int | None = HF_FORWARD_TOKENS, progress: bool = True) -> NeedleMap:
     """The retrieval map of a local HF model (`lengthgen.eval.needle_map`): text needles in ``corpus``'s ``split``
     tokenized with ``tokenizer`` (as `evaluate_hf`), in the model's own dtype, ``forward_tokens`` tokens per
     forward pass at most (None: a cell's sequences at once). ``train_length`` marks the map."""
