@@ -67,7 +67,7 @@ def test_config_show_values_read_back_as_overrides(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     keys = shown(capsys, "configs/seed000_avnorm.toml")
     cfg = load_config("configs/seed000_avnorm.toml")
-    assert keys["train.muon_lr_mul"][0] == '{"blocks.*.mlp.proj.weight" = 4.0}'
+    assert keys["train.muon_lr_mul"][0] == '{"blocks.*.attn.*_proj.weight" = 2.0, "blocks.*.mlp.proj.weight" = 4.0}'
     assert cfg.override(*(f"{key}={value}" for key, (value, _) in keys.items())) == cfg
 
 

@@ -86,6 +86,32 @@ def test_seed000_protocol_runs_tiny(tmp_path):
     assert nope["position"] == "nope" and nope["out_norm"] == "head_rms" and nope["out_norm_eps"] == 1e-6
 
 
+@pytest.mark.parametrize("path", [ROOT / "seed000_avnorm.toml", ROOT / "cpu" / "seed000_avnorm.toml"], ids=label)
+def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
+    """The seed's NorMuon lr per matrix is muon_lr x max(1, rows / cols)^0.5 x lr_mul of its stored parameter: Q, K,
+    V and O share one 3072 x 768 parameter (x2, each 768 x 768 block orthogonalized on its own), the MLP input is
+    x2 and its output (stored 3072 x 768, lr_mul 2) x4; the gates (Adam in the seed) stay at x1."""
+    from torch.optim._muon import _adjust_lr
+
+    from lengthgen.model import GPT
+    from lengthgen.train.optim import build_optimizers
+    from lengthgen.train.setup import resolve
+
+    cfg, _ = resolve(load_config(path, ["model.dim=48", "model.heads=2", "model.head_dim=24", "model.layers=11"]))
+    model = GPT(cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = build_optimizers(model, cfg.train)[0]
+    expected = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "fc": 2, "proj": 4, "gate": 1, "value_gate": 1}
+    seen = set()
+    for group in muon.param_groups:
+        for p in group["params"]:
+            kind = names[id(p)].split(".")[-2]
+            seen.add(kind)
+            lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape)
+            assert lr == pytest.approx(cfg.train.muon_lr * expected[kind]), names[id(p)]
+    assert seen == set(expected)
+
+
 def test_every_seed_has_a_cpu_analog():
     assert {p.stem for p in ANALOGS} == SEEDS
 
