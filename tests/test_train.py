@@ -283,6 +283,25 @@ def test_muon_gets_hidden_matrices_adamw_the_rest():
     assert all(p.ndim >= 2 for p in decay["params"])
 
 
+def test_muon_exclude_sends_the_matched_block_matrices_to_adamw():
+    cfg = config("train.optimizer=normuon", "model.attention.gate=head",
+                 'train.muon_exclude=["blocks.*.attn.gate.weight"]',
+                 'train.adam_betas={"blocks.*.gate.*" = [0.9, 0.99]}')
+    model = GPT(cfg.model.replace(vocab_size=8, head="lm"))
+    muon, adamw = build_optimizers(model, cfg.train)
+    names = {id(p): n for n, p in model.named_parameters()}
+    in_muon = {names[id(p)] for g in muon.param_groups for p in g["params"]}
+    betas = {names[id(p)]: g["betas"] for g in adamw.param_groups for p in g["params"]}
+    gates = {n for n in names.values() if n.endswith("attn.gate.weight")}
+    assert len(gates) == 2 and not gates & in_muon and in_muon == set(muon_param_names(model)) - gates
+    assert {betas[n] for n in gates} == {(0.9, 0.99)} and "blocks.0.attn.q_proj.weight" in in_muon
+    with pytest.raises(ConfigError, match=r"train.muon_exclude: pattern 'blocks.\*.nothing' matches no Muon "
+                                          r"parameter; the Muon parameters are blocks.0.attn.q_proj.weight"):
+        build_optimizers(model, config("train.optimizer=muon", 'train.muon_exclude=["blocks.*.nothing"]').train)
+    with pytest.raises(ConfigError, match="train.muon_exclude applies only with train.optimizer=muon or normuon"):
+        build_optimizers(model, config('train.muon_exclude=["blocks.*"]').train)
+
+
 def test_muon_lr_mul_scales_the_matched_matrices_and_follows_the_schedule():
     cfg = config("train.optimizer=muon", "train.muon_lr=0.01",
                  "train.muon_lr_mul={\"blocks.*.attn.*_proj.weight\" = 2.0, \"blocks.*.mlp.proj.weight\" = 4.0, "

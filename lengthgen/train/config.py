@@ -84,6 +84,8 @@ class TrainConfig:
     muon_weight_decay: float = option(0.0, "Muon weight decay", ge=0)
     muon_beta2: float = option(0.95, "normuon: decay of the per-neuron second moment", ge=0, lt=1)
     muon_adjust_lr: MuonAdjust = option("original", "torch.optim.Muon's adjust_lr_fn")
+    muon_exclude: list[str] = option([], "block-matrix name patterns (fnmatch, e.g. 'blocks.*.attn.gate.weight') "
+                                     "that AdamW updates instead of Muon (seed 000's gates)")
     muon_lr_mul: dict[str, float] = option({}, "Muon parameter-name pattern (fnmatch, e.g. 'blocks.*.mlp.proj."
                                            "weight') -> learning-rate multiplier (modded-nanogpt's lr_mul); "
                                            "later patterns win", gt=0)

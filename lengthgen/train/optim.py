@@ -42,15 +42,19 @@ def by_pattern(key: str, names: list[str], patterns: dict[str, Any], default: An
 
 
 def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [Muon or NorMuon, AdamW] per ``train_cfg.optimizer``. Muon has one group per ``muon_lr_mul``
+    """[AdamW] or [Muon or NorMuon, AdamW] per ``train_cfg.optimizer``: Muon takes `muon_param_names` but those
+    ``muon_exclude`` matches, AdamW the rest. Muon has one group per ``muon_lr_mul``
     multiplier (lr ``muon_lr * multiplier``), AdamW one per weight decay, ``adam_lr_mul`` multiplier and
     ``adam_betas`` (decayed groups first). With ``cautious_weight_decay``, `CautiousAdamW` and NorMuon decay
     cautiously (`lengthgen.train.normuon`). Each group records its peak lr in ``initial_lr``."""
     tc = train_cfg
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     muon_names = muon_param_names(model) if tc.optimizer in ("muon", "normuon") else []
-    if tc.muon_lr_mul and not muon_names:
-        raise ConfigError("train.muon_lr_mul applies only with train.optimizer=muon or normuon", "train.muon_lr_mul")
+    for key in ("muon_lr_mul", "muon_exclude"):
+        if getattr(tc, key) and not muon_names:
+            raise ConfigError(f"train.{key} applies only with train.optimizer=muon or normuon", f"train.{key}")
+    excluded = pattern_matches("train.muon_exclude", dict.fromkeys(tc.muon_exclude), muon_names, "Muon parameter")
+    muon_names = [name for name in muon_names if not any(name in matched for matched, _ in excluded)]
     muon_mul = by_pattern("train.muon_lr_mul", muon_names, tc.muon_lr_mul, 1.0, "Muon parameter")
     adam_names = [name for name in params if name not in muon_mul]
     adam_mul = by_pattern("train.adam_lr_mul", adam_names, tc.adam_lr_mul, 1.0, "AdamW parameter")
