@@ -90,7 +90,8 @@ def test_seed000_protocol_runs_tiny(tmp_path):
 def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
     """The seed's NorMuon lr per matrix is muon_lr x max(1, rows / cols)^0.5 x lr_mul of its stored parameter: Q, K,
     V and O share one 3072 x 768 parameter (x2, each 768 x 768 block orthogonalized on its own), the MLP input is
-    x2 and its output (stored 3072 x 768, lr_mul 2) x4; the gates (Adam in the seed) stay at x1."""
+    x2 and its output (stored 3072 x 768, lr_mul 2) x4; the gates go to AdamW (the seed's Adam: lr 0.008, betas
+    0.9 / 0.99)."""
     from torch.optim._muon import _adjust_lr
 
     from lengthgen.model import GPT
@@ -101,7 +102,7 @@ def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
     model = GPT(cfg.model)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = build_optimizers(model, cfg.train)[0]
-    expected = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "fc": 2, "proj": 4, "gate": 1, "value_gate": 1}
+    expected = {"q_proj": 2, "k_proj": 2, "v_proj": 2, "o_proj": 2, "fc": 2, "proj": 4}
     seen = set()
     for group in muon.param_groups:
         for p in group["params"]:
@@ -110,6 +111,10 @@ def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
             lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape)
             assert lr == pytest.approx(cfg.train.muon_lr * expected[kind]), names[id(p)]
     assert seen == set(expected)
+    adamw = build_optimizers(model, cfg.train)[1]
+    gates = {(names[id(p)].split(".")[-2], g["lr"], g["betas"]) for g in adamw.param_groups for p in g["params"]
+             if names[id(p)].startswith("blocks.") and names[id(p)].endswith("gate.weight")}
+    assert gates == {("gate", 0.008, (0.9, 0.99)), ("value_gate", 0.008, (0.9, 0.99))}
 
 
 def test_every_seed_has_a_cpu_analog():
