@@ -28,6 +28,10 @@ RUN_N = BASE + ["train.optimizer=normuon", "train.muon_lr=0.05", "model.tie_embe
                 "train.cautious_weight_decay=true", "train.weight_decay=0.1", "train.muon_weight_decay=1.0"]
 #: a language model: its evaluation calls the model's features and logits, not forward (FSDP2 hooks forward only)
 RUN_T = BASE + ["data.kind=text", "data.task_kwargs={}", 'data.text={corpus = "stdlib", tokenizer = "byte"}']
+#: 0-d parameters, which FSDP2 cannot shard (kept whole on every rank, their gradients averaged): seed 000's U-net
+#: skip weight and a global query-scaling multiplier shared by every layer
+RUN_S = BASE + ["model.skips=[[0, 1]]", "model.attention.query_scaling=log_n",
+                "model.attention.learnable_scaling=global"]
 
 
 def test_two_sharded_processes_match_one(tmp_path):
@@ -37,7 +41,8 @@ def test_two_sharded_processes_match_one(tmp_path):
     from lengthgen.train.weights import load_run
 
     torchrun_two(__file__, tmp_path)
-    for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("n", RUN_N, 3e-3), ("t", RUN_T, 1e-5)):
+    for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("n", RUN_N, 3e-3), ("t", RUN_T, 1e-5),
+                                 ("s", RUN_S, 1e-5)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
         sharded = logged_losses(tmp_path / f"fsdp-{name}")
         assert len(sharded) == 5
@@ -47,7 +52,7 @@ def test_two_sharded_processes_match_one(tmp_path):
         # bfloat16 differences grow through 5 steps of a tiny model: its losses are the check)
         cfg, model = load_run(tmp_path / f"fsdp-{name}")
         assert cfg.train.parallel == "fsdp"
-        if name == "a":
+        if name in ("a", "s"):
             for (key, got), want in zip(model.state_dict().items(), single.model.state_dict().values()):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=key)
         evaluation = RunEval.load(tmp_path / f"fsdp-{name}" / "eval.json")
@@ -99,6 +104,7 @@ def _worker(out: Path) -> None:
     train(RunConfig().override(*RUN_M, "train.parallel=fsdp"), out / "fsdp-m", progress=False)
     train(RunConfig().override(*RUN_N, "train.parallel=fsdp"), out / "fsdp-n", progress=False)
     train(RunConfig().override(*RUN_T, "train.parallel=fsdp"), out / "fsdp-t", progress=False)
+    train(RunConfig().override(*RUN_S, "train.parallel=fsdp"), out / "fsdp-s", progress=False)
     cleanup()
 
 

@@ -92,12 +92,23 @@ def parallelize(model: nn.Module, parallel: str, device: torch.device) -> nn.Mod
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # FSDP2 shards no 0-d parameter (seed 000's U-net skip weights, a global or per-layer query-scaling multiplier):
+    # those stay whole on every rank, their gradients averaged by `sync_replicated`
+    scalars = {p for p in model.parameters() if p.ndim == 0} or None
     for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, ignored_params=scalars)
+    fully_shard(model, mesh=mesh, ignored_params=scalars)
     for method in ("features", "logits"):     # the evaluator's lm path calls these, not forward
         register_fsdp_forward_method(model, method)
     return model
+
+
+def sync_replicated(model: nn.Module) -> None:
+    """Average over ranks the gradients of the 0-d parameters FSDP2 leaves whole (see `parallelize`); call it
+    after the backward of a step's last micro-batch."""
+    for p in model.parameters():
+        if p.ndim == 0 and p.grad is not None:
+            all_reduce_mean(p.grad)
 
 
 def is_sharded(model: nn.Module) -> bool:

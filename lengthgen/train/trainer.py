@@ -378,6 +378,8 @@ class Trainer:
                 loss, _ = self.loss_fn(output, micro)
                 (loss * weight).backward()
             total += loss.detach() * weight
+        if distributed.is_sharded(self.model):
+            distributed.sync_replicated(self.model)
         return distributed.all_reduce_mean(total), maxima
 
     def _train_step(self, step: int) -> dict[str, Any]:
