@@ -195,3 +195,18 @@ def test_lengths_beyond_max_size_are_a_one_line_error():
     parser = cli_bench.add_arguments(argparse.ArgumentParser())
     with pytest.raises(SystemExit):
         parser.parse_args(["--lengths", "99999999999999999999"])
+
+
+def test_oracle_check_warns_of_nothing():
+    """`lengthgen bench attention` printed torch's 'Converting a tensor with requires_grad=True to a scalar'
+    warning from the oracle check of a backend's training output, in the middle of its table."""
+    import warnings
+
+    from lengthgen.attention import AttentionSpec, attend
+
+    q, k, v, grad = (torch.randn(1, 2, 32, 16) for _ in range(4))
+    spec = AttentionSpec()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        error = bench._check(lambda *x: attend(*x, spec, backend="tiled"), spec, None, q, k, v, grad, True)
+    assert error < 1e-4

@@ -145,7 +145,8 @@ def _check(forward: Callable[..., torch.Tensor], spec: AttentionSpec, doc_ids, q
     if train:
         want += torch.autograd.grad(want[0], ref_inputs, grad.float())
         got += torch.autograd.grad(got[0], inputs, grad)
-    return max(float((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-30)) for g, w in zip(got, want))
+    return max(float((g.detach().float() - w.detach()).abs().max() / w.detach().abs().max().clamp_min(1e-30))
+               for g, w in zip(got, want))
 
 
 def _with_tflops(row: dict, flops: tuple[float, float]) -> dict:
