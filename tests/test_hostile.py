@@ -364,6 +364,28 @@ def test_report_refuses_to_merge_different_configs_under_one_variant(tmp_path, c
     assert files(a) == before and not (tmp_path / "m" / "report.md").exists()
 
 
+def test_report_merges_results_written_before_a_key_existed(tmp_path, capsys, two_compares):
+    """A results.json from before a config key or spec field was added lacks it; its runs had the key's default
+    (the earlier behaviour), so it merges with newer results, unless those set the key otherwise."""
+    a, b, _ = two_compares
+    old = tmp_path / "old"
+    shutil.copytree(b, old)
+    data = json.loads((old / "results.json").read_text())
+    for runs in data["variants"].values():
+        for run in runs:
+            del run["config"]["train"]["muon_momentum_cooldown"], run["config"]["model"]["attention"]["gate_width"]
+    for spec in data["specs"].values():
+        del spec["gate_width"]
+    (old / "results.json").write_text(json.dumps(data))
+    assert cli(capsys, "report", a, old, "--out", tmp_path / "m")[0] == 0
+    newer = Comparison.load(a / "results.json")
+    for run in newer.variants["baseline"]:
+        run.config["train"]["muon_momentum_cooldown"] = 5
+    newer.save(tmp_path / "n" / "results.json")
+    code, err = cli(capsys, "report", tmp_path / "n", old, "--out", tmp_path / "m2")
+    assert code == 2 and "(train.muon_momentum_cooldown: 5 here, 0 there)" in err
+
+
 def test_report_refuses_to_merge_evaluations_of_other_tokens(tmp_path, capsys, two_compares):
     a = two_compares[0]
     other = _compare(tmp_path / "d", seeds=(1,), tokens=32)

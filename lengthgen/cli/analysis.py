@@ -47,9 +47,9 @@ def report_command(args: argparse.Namespace) -> int:
     if runs and out.resolve() != paths[0].parent.resolve():
         raise CommandError(f"--out {out} holds another experiment ({', '.join(runs)}), whose results.json and "
                            "report this would replace; give a folder of its own")
-    merged = Comparison.load(paths[0])
+    merged = _current_keys(Comparison.load(paths[0]))
     for path in paths[1:]:
-        merged.merge(Comparison.load(path), str(path))
+        merged.merge(_current_keys(Comparison.load(path)), str(path))
     with lock(out):
         if out.resolve() != paths[0].parent.resolve():
             merged.save(out / "results.json")
@@ -57,6 +57,27 @@ def report_command(args: argparse.Namespace) -> int:
     print(terminal_table(merged))
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _current_keys(results):
+    """``results`` with each run's config and each variant's spec read by this lengthgen (`RunConfig`,
+    `AttentionSpec`), so that a results.json written before a key existed holds it at its default, which is the
+    behaviour before the key (each new key's default keeps it): merging it with newer results compares like with
+    like. A config this lengthgen cannot read is left as it is (merge then names what differs)."""
+    from lengthgen.attention import AttentionSpec
+    from lengthgen.config import ConfigError
+    from lengthgen.train.config import RunConfig
+
+    def current(kind, data):
+        try:
+            return kind.from_dict(data).to_dict()
+        except (ConfigError, TypeError, ValueError):
+            return data
+    for runs in results.variants.values():
+        for run in runs:
+            run.config = current(RunConfig, run.config)
+    results.specs = {name: current(AttentionSpec, spec) for name, spec in results.specs.items()}
+    return results
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
