@@ -73,6 +73,21 @@ def test_seed_preset_compare_plans_every_run(path):
     assert len(set(configs.values())) == len(configs)
 
 
+@pytest.mark.parametrize("path", CONFIGS + ANALOGS, ids=label)
+def test_compare_of_every_config_evaluates_at_lengths_its_data_has(path):
+    """``lengthgen compare --config PATH`` as shipped: its eval lengths (the [compare] section's, else the training
+    length x 1 ... 16) are lengths its data can generate (mqar's vocabulary stops at 131: compare refused it)."""
+    from lengthgen.eval import MULTIPLES
+    from lengthgen.experiments.compare import compare_config
+    from lengthgen.train.setup import check_length, resolve
+
+    cfg = base_config(path)
+    lengths = compare_config(cfg).eval_lengths or [max(cfg.lengths()) * m for m in MULTIPLES]
+    cfg, source = resolve(cfg)
+    for length in lengths:
+        check_length(source, "compare.eval_lengths", length)
+
+
 def test_seed000_protocol_runs_tiny(tmp_path):
     """One command: pretrain the pe and nope bases, finetune 4 variants from each, evaluate."""
     path = next(p for p in CONFIGS if p.stem == "seed000_avnorm")
