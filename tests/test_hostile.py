@@ -1084,6 +1084,62 @@ def test_compare_workers_end_with_a_killed_parent(tmp_path):
     assert workers and not left, f"orphaned workers {left} of {workers}"
 
 
+def _start_two_workers(out: Path, *flags: str) -> tuple[subprocess.Popen, list[int]]:
+    """`lengthgen compare --workers 2` of two long runs in its own session (Ctrl-C reaches its process group, as
+    from a terminal), once both runs train; and the two worker processes."""
+    proc = subprocess.Popen([sys.executable, "-m", "lengthgen", "compare", "--variants", "baseline,l2", "--workers",
+                             "2", "--out", str(out), "--no-progress", *flags, *sets("train.steps=100000")],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline, workers = time.monotonic() + 120, []
+    while proc.poll() is None and time.monotonic() < deadline and \
+            (len(list(out.glob("runs/*/metrics.jsonl"))) < 2 or len(workers) < 2):
+        time.sleep(0.05)
+        workers = [pid for pid in _children(proc.pid) if b"spawn_main" in _cmdline(pid)]
+    if proc.poll() is not None or len(workers) != 2:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the runs did not start: {proc.communicate()[1]}")
+    return proc, workers
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ended(proc: subprocess.Popen) -> tuple[int, str]:
+    """(exit status, stderr) of ``proc`` within 60 s (its runs have 100000 steps to go); killed and failed else."""
+    try:
+        return proc.wait(60), proc.stderr.read()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("compare went on after its workers were interrupted or lost")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the workers through Linux's /proc")
+def test_compare_workers_ctrl_c_and_a_killed_worker_end_in_one_line(tmp_path):
+    """Ctrl-C of compare --workers 2 printed a KeyboardInterrupt traceback from every worker (SIGINT to the parent
+    alone waited for the running runs to finish), and a worker killed with -9 (the system's out-of-memory killer)
+    ended compare in a BrokenProcessPool traceback. Now: the workers ignore SIGINT, the parent ends them at once,
+    and each case is one line; --resume continues from the checkpoints."""
+    out = tmp_path / "c"
+    proc, workers = _start_two_workers(out)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = _ended(proc)
+    assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "lengthgen compare: interrupted"), err
+    assert not any(map(_alive, workers))
+    proc, workers = _start_two_workers(out, "--resume")
+    os.kill(workers[0], signal.SIGKILL)
+    code, err = _ended(proc)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("lengthgen compare: error: a worker process ended abruptly"), err
+    assert "--resume continues" in err and not any(map(_alive, workers))
+
+
 def test_a_shipped_config_named_without_its_path(tmp_path, capsys, monkeypatch):
     """``--config counting`` said only "not found"; from a clone it is configs/counting.toml, as for lengthgen
     config show (one rule for both); the library's load_config points at it."""

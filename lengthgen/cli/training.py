@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from lengthgen.cli.common import (
@@ -107,6 +108,7 @@ def compare_command(args: argparse.Namespace) -> int:
     from lengthgen.config import ConfigError
     from lengthgen.data.config import make_source
     from lengthgen.experiments.compare import base_config, check_metric, default_metric, plan, run_compare
+    from lengthgen.experiments.jobs import WorkerLost
     from lengthgen.report import terminal_table
 
     if args.resume and args.overwrite:
@@ -131,8 +133,12 @@ def compare_command(args: argparse.Namespace) -> int:
         raise
     except ValueError as err:
         raise CommandError(f"{err}") from None
-    results = run_compare(cfg, args.out, variants=variants, bases=bases, progress=not args.no_progress,
-                          resume=args.resume, overwrite=args.overwrite)
+    try:
+        results = run_compare(cfg, args.out, variants=variants, bases=bases, progress=not args.no_progress,
+                              resume=args.resume, overwrite=args.overwrite)
+    except WorkerLost as err:           # not bad input, but no traceback either
+        print(f"lengthgen compare: error: {err}", file=sys.stderr)
+        return 1
     print(terminal_table(results))
     plots = ", ".join(sorted(path.name for path in Path(args.out).glob("*.png")))
     print(f"report: {Path(args.out) / 'report.md'} (plots {plots}; raw results.json)")

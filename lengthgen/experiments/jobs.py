@@ -13,9 +13,11 @@ import json
 import math
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,6 +31,11 @@ from lengthgen.train import train
 from lengthgen.train.config import RunConfig
 
 Log = Callable[[str], None]
+
+
+class WorkerLost(Exception):
+    """A worker process of `Runner` ended without a result (killed by a signal, e.g. by the system when out of
+    memory); the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,9 @@ class Job:
 
 class Runner:
     """Runs lists of jobs (`run`), one after another or, with ``workers`` > 1, that many at once in spawned
-    processes (started once, kept until `close`; a context manager)."""
+    processes (started once, kept until `close`; a context manager). The workers ignore Ctrl-C: the comparison's
+    process gets it and, leaving the context on it or on any error, ends the workers at once instead of waiting
+    for their runs to finish (their checkpoints are atomic: ``--resume`` continues them)."""
 
     def __init__(self, workers: int, log: Log) -> None:
         self.log, self.sources = log, {}
@@ -64,30 +73,56 @@ class Runner:
         processes: without progress bars, each job's log lines logged when it ends."""
         if self.pool is None:
             return [run_job(job, self.log, self.sources) for job in jobs]
-        futures = [self.pool.submit(_in_worker, dataclasses.replace(job, progress=False)) for job in jobs]
+        with _sigint_ignored():         # the workers, spawned by submit, inherit it
+            futures = [self.pool.submit(_in_worker, dataclasses.replace(job, progress=False)) for job in jobs]
         results = []
-        for future in futures:
-            evaluations, lines = future.result()
+        for job, future in zip(jobs, futures):
+            try:
+                evaluations, lines = future.result()
+            except BrokenProcessPool:
+                raise WorkerLost(f"a worker process ended abruptly (killed by a signal, e.g. by the system when out "
+                                 f"of memory) while {job.label} or a run beside it trained or was evaluated; the "
+                                 "checkpoints on disk are intact: --resume continues the comparison") from None
             for line in lines:
                 self.log(line)
             results.append(evaluations)
         return results
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+    def close(self, abort: bool = False) -> None:
+        """Shut the workers down after their runs (``abort``: now, ending the runs they are in)."""
+        if self.pool is None:
+            return
+        if abort:
+            for process in list((getattr(self.pool, "_processes", None) or {}).values()):
+                process.terminate()
+        self.pool.shutdown(cancel_futures=True)
 
     def __enter__(self) -> "Runner":
         return self
 
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(abort=kind is not None)
+
+
+class _sigint_ignored:
+    """Ignore SIGINT in this process while inside (spawned processes inherit it; only from the main thread)."""
+
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.saved = signal.getsignal(signal.SIGINT) if main else None
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        if self.saved is not None:
+            signal.signal(signal.SIGINT, self.saved)
 
 
 def _exit_with_parent() -> None:
     """A worker's initializer: a daemon thread ends the worker as soon as the comparison's process is gone, even
     after ``kill -9`` (orphans kept training under their run folders' locks). Checkpoints are atomic: ``--resume``
     continues the runs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the parent's to handle (`Runner`)
     parent = multiprocessing.parent_process()
 
     def watch() -> None:
@@ -163,4 +198,4 @@ def evaluate_run(trained, job: Job, sources: dict[str, Any]) -> list[tuple[str, 
     return out
 
 
-__all__ = ["Job", "Runner", "evaluate_run", "run_job"]
+__all__ = ["Job", "Runner", "WorkerLost", "evaluate_run", "run_job"]
