@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -305,6 +306,26 @@ def test_compare_checks_eval_lengths_and_variants_before_training(tmp_path):
     with pytest.raises(ConfigError, match="seeds"):
         run_compare(cfg.override("compare.seeds=[]"), tmp_path / "c", variants=["baseline"], progress=False)
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("key, changes, message", [
+    ("variants", "{data.length = 16}", "compare.variants.x trains on task 'counting' at length 16, the comparison "
+                                       "on task 'counting' at length 8"),
+    ("variants", "{train.stages = [[1, 16]]}", "compare.variants.x trains on task 'counting' at length 16"),
+    ("variants", '{data.task = "mqar", data.task_kwargs.vocab_size = 16}',
+     "compare.variants.x trains on task 'mqar'"),
+    ("bases", "{data.length = 16}", "compare.bases.x trains on task 'counting' at length 16")])
+def test_compare_refuses_a_variant_or_base_of_another_length_or_task(tmp_path, key, changes, message):
+    """A variant setting data.length 16 was reported beside the others at "16x the training length" 8; one setting
+    another task trained its runs, then failed (a KeyError on the headline metric, or its data could not generate
+    the comparison's eval lengths). Both are refused before anything trains."""
+    cfg = config(f"compare.{key}.x={changes}", "compare.eval_tokens=32")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run_compare(cfg, tmp_path / "c", variants=["baseline"] if key == "bases" else ["x"], progress=False)
+    assert not (tmp_path / "c").exists()
+    same = "{data.task_kwargs = {vocab_size = 5}}"       # another law of the same task and length: compared
+    run_compare(config(f"compare.{key}.x={same}", "compare.eval_tokens=32"), tmp_path / "ok",
+                variants=["baseline"] if key == "bases" else ["x"], progress=False, log=lambda _: None)
 
 
 @pytest.mark.parametrize("tokens", ["0", "-100", "x"])

@@ -190,6 +190,7 @@ def plan(cfg: RunConfig, variants: list[str] | None = None, bases: list[str] | N
     result = Plan(cc, runs, base_cfgs)
     for run in runs:
         run_cfg = result.config(run, 0, "pretrained" if cc.pretrain_steps else None)
+        _check_comparable(cfg, run_cfg, *runs[run], cc)
         if cc.workers > 1 and not run_cfg.train.threads:
             raise ConfigError(f"compare.workers={cc.workers} runs several runs at once: set train.threads (each "
                               "run's CPU threads, e.g. 1), so they share the cores", "compare.workers")
@@ -197,6 +198,24 @@ def plan(cfg: RunConfig, variants: list[str] | None = None, bases: list[str] | N
             model = GPT(dataclasses.replace(run_cfg.model, vocab_size=run_cfg.model.vocab_size or 2))
         check_backend(model, run_cfg, torch.device(device_type(run_cfg.train)))
     return result
+
+
+def _check_comparable(cfg: RunConfig, run_cfg: RunConfig, base: str | None, variant: str, cc: CompareConfig
+                      ) -> None:
+    """`ConfigError` naming the base or variant that makes a run train on another task or kind of data, or at
+    another training length, than the comparison: its report measures every run with one metric and from one
+    training length (a variant at data.length 32 was reported at "16x the training length" 8; another task
+    ended in a KeyError on the headline metric after every run had trained)."""
+    what = lambda c: (c.data.kind, c.data.task, max(c.lengths()))  # noqa: E731
+    if what(run_cfg) == what(cfg):
+        return
+    base_cfg = cfg if base is None else apply_variant(cfg, base, cc.bases[base], "")
+    key = f"compare.variants.{variant}" if what(base_cfg) == what(cfg) else f"compare.bases.{base}"
+    kind, task, length = what(run_cfg)
+    raise ConfigError(f"{key} trains on {kind} {task!r} at length {length}, the comparison on {cfg.data.kind} "
+                      f"{cfg.data.task!r} at length {max(cfg.lengths())}: one report measures every run with one "
+                      "metric from one training length; leave data.kind, data.task, data.length and train.stages "
+                      "to the config (--task, --train-length), or compare them in separate comparisons", key)
 
 
 def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None = None,
