@@ -6,6 +6,7 @@ written or lost."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from lengthgen.cli import main
 from lengthgen.config import ConfigError, describe, set_key
 from lengthgen.eval import Comparison, ResultsError, RunEval
-from lengthgen.experiments.compare import run_compare
+from lengthgen.experiments.compare import plan, run_compare
 from lengthgen.experiments.eval_run import eval_run
 from lengthgen.model import GPT, GPTConfig
 from lengthgen.optional import MissingPackageError
@@ -326,6 +327,17 @@ def test_compare_refuses_a_variant_or_base_of_another_length_or_task(tmp_path, k
     same = "{data.task_kwargs = {vocab_size = 5}}"       # another law of the same task and length: compared
     run_compare(config(f"compare.{key}.x={same}", "compare.eval_tokens=32"), tmp_path / "ok",
                 variants=["baseline"] if key == "bases" else ["x"], progress=False, log=lambda _: None)
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", " "])
+def test_compare_base_or_variant_names_stay_inside_runs(name):
+    """A base named "" (["compare.bases".""] in TOML) put its runs' folders at /VARIANT-seedN (runs/ +
+    "/VARIANT-seedN"), one named ".." beside runs/ in --out, where --resume does not look for them; a variant
+    named "" was dropped without a word."""
+    for key in ("bases", "variants"):
+        cfg = dataclasses.replace(config(), compare={key: {name: {"model": {"norm_placement": "post"}}}})
+        with pytest.raises(ConfigError, match=rf"^compare\.{key}\..*other than '', '\.' and '\.\.'"):
+            plan(cfg)           # checked before anything trains (run_compare plans first)
 
 
 @pytest.mark.parametrize("tokens", ["0", "-100", "x"])

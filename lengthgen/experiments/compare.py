@@ -87,9 +87,10 @@ class CompareConfig:
             raise invalid("CompareConfig.seeds", self.seeds, "one or more different seeds, e.g. [0, 1, 2]")
         for key in ("variants", "bases"):
             for name, changes in getattr(self, key).items():
-                if not isinstance(changes, dict) or "/" in name:
+                if not isinstance(changes, dict) or "/" in name or name.strip() in ("", ".", ".."):
+                    # a run's folder is runs/BASE/VARIANT-seedN: base "" put it at /VARIANT-seedN, ".." beside runs/
                     raise invalid(f"CompareConfig.{key}.{name}", changes, "a table of config changes, under a "
-                                  "name without '/'")
+                                  "name without '/', other than '', '.' and '..'")
                 train = changes.get("train")
                 if isinstance(train, dict) and "seed" in train:   # it would replace every seed: n copies of one run
                     raise ConfigError(f"compare.{key}.{name} sets train.seed, which compare.seeds sets for every run "
