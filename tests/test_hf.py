@@ -343,6 +343,11 @@ def test_retrofit_warns_when_outputs_change():
         lhf.retrofit(tiny("llama"), "alibi")
     notes = lhf.retrofit_notes("sqrt_log_n")
     assert any("qk_norm" in n for n in notes) and any("query_scaling" in n for n in notes)
+    assert lhf.retrofit_notes(AttentionSpec(query_scaling="log_n")) == [
+        "query_scaling='log_n' multiplies the logits by a factor of n, the keys the query sees (not 1 at init)"]
+    # every position field is the model's own: seed 000's truncated RoPE is not applied either, and says so
+    assert lhf.retrofit_notes(AttentionSpec(rope_min_freq=1 / 1024)) == [
+        "rope_min_freq=0.0009765625 is not applied on HF models (the model applies its own RoPE)"]
 
 
 @pytest.mark.parametrize("kind", MODELS)

@@ -3,8 +3,9 @@
 `retrofit` works on models whose attention modules use transformers' functional attention interface (Llama,
 Mistral, Qwen2, Qwen3, ...). Not applied on them (the model keeps its own): ``position`` / ``rope_theta`` /
 ``prope_fraction`` (the model applies its RoPE before the attention function; NoPE or p-RoPE retrofits are not
-supported), ``qk_norm*`` (Qwen3 has its own q_norm/k_norm), ``kv_heads`` (taken from the tensors);
-``doc_masking`` is implied by the mask transformers builds (padding, packed sequences from ``position_ids``).
+supported), ``rope_min_freq``, ``qk_norm*`` (Qwen3 has its own q_norm/k_norm), ``kv_heads`` (taken from the tensors);
+``doc_masking`` is implied by the mask transformers builds (padding; packed sequences from ``position_ids``
+resets, which transformers reads only without ``attention_mask`` and without a cache: pass ``use_cache=False``).
 `retrofit` warns about these fields. A plain ``AutoModelForCausalLM.from_pretrained`` of a retrofitted
 checkpoint ignores the spec and drops the retrofit parameters: use `from_pretrained` here. A
 ``learnable_scaling="global"`` multiplier is shared by reference (not for FSDP-style sharding).
@@ -41,6 +42,7 @@ IGNORED_FIELDS = {
     "position": "the model applies its own RoPE before the attention function",
     "rope_theta": "the model applies its own RoPE",
     "prope_fraction": "the model applies its own RoPE",
+    "rope_min_freq": "the model applies its own RoPE",
     "qk_norm": "QK-norm is the model's own (e.g. Qwen3 q_norm/k_norm)",
     "qk_norm_affine": "QK-norm is the model's own",
     "qk_norm_eps": "QK-norm is the model's own",
@@ -59,7 +61,8 @@ def retrofit_notes(spec: AttentionSpec | str | dict | None) -> list[str]:
     if spec.softmax_p != 1:
         notes.append(f"softmax_p={spec.softmax_p} changes the attention weights")
     if spec.query_scaling != "none":
-        notes.append(f"query_scaling={spec.query_scaling!r} multiplies the logits by g(n) != 1")
+        notes.append(f"query_scaling={spec.query_scaling!r} multiplies the logits by a factor of n, the keys the "
+                     "query sees (not 1 at init)")
     if spec.distance != "none":
         notes.append(f"distance={spec.distance!r} changes the logits")
     if spec.window is not None:
