@@ -102,6 +102,19 @@ def test_auto_backend_module_runs_and_matches_dense():
         torch.testing.assert_close(auto(x, docs), dense(x, docs), **F64)
 
 
+def test_rope_frequencies_stay_float32_in_a_bfloat16_layer():
+    """``.to(torch.bfloat16)`` casts buffers: rounded frequencies would turn position 4096 by up to ~2 rad wrong."""
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half()):
+        own = cast(Attention(64, 4, AttentionSpec(position="rope"), head_dim=16))
+        assert own.rope_freqs.dtype == torch.float32
+        assert torch.equal(own.rope_freqs, own.rope_frequencies())
+    x = torch.randn(1, 4, 1, 16, dtype=torch.bfloat16).expand(1, 4, 4096, 16)
+    pos = torch.arange(4096)
+    exact = fn.apply_rope(x.float(), pos, own.rope_frequencies())
+    err = (fn.apply_rope(x, pos, own.rope_freqs).float() - exact).abs().max()
+    assert err < 0.05 < (fn.apply_rope(x, pos, own.rope_frequencies().bfloat16()).float() - exact).abs().max()
+
+
 def test_2sigmoid_gate_is_identity_at_init():
     x, docs = x_and_docs()
     for gate in ("head", "elementwise"):

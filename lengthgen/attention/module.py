@@ -81,6 +81,15 @@ class Attention(nn.Module):
         fraction = {"nope": 0.0, "rope": 1.0, "prope": self.spec.prope_fraction}[self.spec.position]
         return fn.rope_frequencies(self.head_dim, self.spec.rope_theta, fraction, min_freq=self.spec.rope_min_freq)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``module.to(torch.bfloat16)`` (``.half()``, ...) casts every floating buffer; a half-precision ``rope_freqs``
+        is recomputed in float32: bfloat16 frequencies are off by up to 2^-9 relative, an angle error of about 2 rad
+        at position 4096 (transformers' Llama rotary embedding likewise builds its ``inv_freq`` in float32)."""
+        super()._apply(fn, recurse)
+        if self.rope_freqs.dtype in (torch.float16, torch.bfloat16):
+            self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device)
+        return self
+
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """``value``: an optional (B, L, Hkv*D) term added to the values (seed 000's value embeddings).
