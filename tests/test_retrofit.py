@@ -137,3 +137,17 @@ def test_control_is_the_same_finetuning_without_the_change(checkpoint, tmp_path)
     assert [r.at_length for r in control.lengths] == [r.at_length for r in after.lengths]
     assert control.final_train_loss == after.final_train_loss
     assert [r.at_length for r in control.lengths] != [r.at_length for r in results.variants["before"][0].lengths]
+
+
+def test_retrofit_evaluates_in_forward_passes_no_larger_than_the_trainers(checkpoint, tmp_path, monkeypatch):
+    """Its evaluations, like compare's and eval's, pass at most train.eval_batch_size (4) x training length (16)
+    tokens at once: memory does not grow with eval_tokens."""
+    rows = []
+    features = GPT.features
+    monkeypatch.setattr(GPT, "features", lambda self, tokens, *a, **k: (   # the evaluations' passes (no grad)
+        torch.is_grad_enabled() or rows.append(tuple(tokens.shape)), features(self, tokens, *a, **k))[1])
+    results = run_retrofit(checkpoint, tmp_path / "r", overrides=["model.attention.out_norm=head_rms"], steps=1,
+                           eval_lengths=[16, 32], eval_tokens=512, diagnostics=False, progress=False,
+                           log=lambda _: None)
+    assert [r.batch_size for r in results.variants["before"][0].lengths] == [32, 16]
+    assert rows and max(n * length for n, length in rows) <= 4 * 16

@@ -88,7 +88,8 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     evaluated_on = eval_source(cfg.data, source)
     def evaluate_model(model: torch.nn.Module) -> RunEval:
         return evaluate(model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=cfg.train.seed,
-                        autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics)
+                        autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics,
+                        forward_tokens=cfg.train.eval_batch_size * train_length)   # as compare's and eval's
 
     with lock(out):
         check_fresh(out, overwrite=overwrite, resumable=False, kind="retrofit")
