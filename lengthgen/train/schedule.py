@@ -1,4 +1,4 @@
-"""Learning-rate schedules as pure functions of the step: the multiplier of the peak learning rate.
+"""Learning-rate and Muon-momentum schedules as pure functions of the step (the lr as a multiplier of its peak).
 
 ``step`` counts optimizer updates from 0 (the multiplier used for update ``step``), ``total`` is the number
 of updates. Warmup (both schedules): ``(step + 1) / warmup`` for ``step < warmup``.
