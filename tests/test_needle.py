@@ -278,8 +278,10 @@ def test_a_cell_is_the_evaluators_value_on_its_seeded_batch():
 # ------------------------------------------------------------------ errors
 
 def test_bad_requests_are_one_line_errors_naming_the_value():
-    with pytest.raises(ValueError, match=r"passkey.*needles=2.*at most 1"):
+    with pytest.raises(ConfigError, match=r"^needles=2 is not valid; task 'passkey' holds at most 1"):
         make_task("passkey").at_depth(1, 40, 0.5, g(0), needles=2)
+    with pytest.raises(ConfigError, match=r"^needles=2 is not valid; task 'passkey'"):   # not headed "lengths:"
+        check_needles(make_task("passkey"), [40], [0, 1], 2)
     with pytest.raises(ConfigError, match=r"depths\[1\]=1.5 is not valid"):
         check_needles(make_task("passkey"), [64], [0, 1.5], 1)
     with pytest.raises(ConfigError, match=r"lengths: length 600 exceeds the data's maximum length 515"):

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from lengthgen.config import check_value
+from lengthgen.config import ConfigError, check_value
 from lengthgen.data.tasks.base import Task
 
 
@@ -23,13 +23,13 @@ def check_sample_args(task: Task, batch_size: int, length: int) -> None:
 
 
 def check_needle(task: Task, depth: float, needles: int, most: int) -> None:
-    """Raise a ValueError naming the task and the bad value for a depth outside [0, 1] or a needle count outside
-    1..``most``."""
+    """Raise a ValueError naming the task and the bad value for a depth outside [0, 1], and a `ConfigError` keyed
+    ``needles`` for a needle count outside 1..``most`` (a request, not a length, is at fault)."""
     check_value(f"{task.name}.depth", depth, float, ge=0, le=1)
     check_value(f"{task.name}.needles", needles, int, ge=1)
     if needles > most:
-        raise ValueError(f"task {task.name!r}: needles={needles} is not valid here; it holds at most {most}"
-                         + (" (its query names no key)" if most == 1 else ""))
+        raise ConfigError(f"needles={needles} is not valid; task {task.name!r} holds at most {most}"
+                          + (" (its query names no key)" if most == 1 else ""), "needles")
 
 
 def masked_accuracy(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
