@@ -70,6 +70,32 @@ def test_parallel_block_is_seed_001s_block():
     torch.testing.assert_close(lone(x), x + F.linear(causal_attention(h, lone.attn), lone.out.weight), **F64)
 
 
+def rms(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("block", ["sequential", "parallel"])
+def test_peri_dropout_acts_on_the_normalized_branch(block):
+    """peri with dropout p: x + drop(N'(F(N(x)))), the residual branch dropped after its output norm (dropping
+    before N' would let the norm undo the 1/(1-p) rescaling: train and eval outputs would differ in mean)."""
+    model = model64(block=block, norm="rms", norm_affine=False, norm_placement="peri", dropout=0.5, mlp="relu2")
+    b = model.blocks[0].train()
+    x = torch.randn(3, 6, 8, dtype=torch.float64)
+    torch.manual_seed(5)
+    out = b(x)
+    torch.manual_seed(5)   # the same dropout masks, drawn in the same order
+    if block == "parallel":
+        h = rms(x)
+        branch = torch.cat([F.relu(F.linear(h, b.fc.weight)).square(), causal_attention(h, b.attn)], -1)
+        expected = x + F.dropout(rms(F.linear(branch, b.out.weight)), 0.5)
+    else:
+        a = F.linear(causal_attention(rms(x), b.attn), b.attn.o_proj.weight)
+        x1 = x + F.dropout(rms(a), 0.5)
+        m = F.linear(F.relu(F.linear(rms(x1), b.mlp.fc.weight)).square(), b.mlp.proj.weight)
+        expected = x1 + F.dropout(rms(m), 0.5)
+    torch.testing.assert_close(out, expected, **F64)
+
+
 def test_gelu_tanh_mlp():
     model = model64(mlp="gelu_tanh")
     mlp, x = model.blocks[0].mlp, torch.randn(2, 5, 8, dtype=torch.float64)

@@ -120,8 +120,9 @@ class SequentialBlock(nn.Module):
         p = self.placement
         if self.attn is not None:
             h = x if self.norm1 is None or p == "post" else self.norm1(x)
-            y = self.drop(self.attn(h, doc_ids, None if ve is None else self.value_gate(h, ve), cache))
-            x = self.norm1(x + y) if p == "post" else x + (self.norm1_out(y) if p == "peri" else y)
+            y = self.attn(h, doc_ids, None if ve is None else self.value_gate(h, ve), cache)
+            # dropout on the residual branch: after peri's output norm (before it, the norm would undo its scaling)
+            x = self.norm1(x + self.drop(y)) if p == "post" else x + self.drop(self.norm1_out(y) if p == "peri" else y)
         if self.mlp is None:
             return x
         if p == "post":
@@ -129,8 +130,8 @@ class SequentialBlock(nn.Module):
         if p.startswith("hybrid"):   # z = N(y); x' = z + FFN(z)
             z = self.norm2(x)
             return z + self.drop(self.mlp(z))
-        y = self.drop(self.mlp(self.norm2(x)))
-        return x + (self.norm2_out(y) if p == "peri" else y)
+        y = self.mlp(self.norm2(x))
+        return x + self.drop(self.norm2_out(y) if p == "peri" else y)
 
 
 class ParallelBlock(nn.Module):
@@ -162,10 +163,10 @@ class ParallelBlock(nn.Module):
         branches = [self.attn(h, doc_ids, None if ve is None else self.value_gate(h, ve), cache)]
         if self.fc is not None:
             branches.insert(0, self.act(self.fc(h)))
-        y = self.drop(self.out(torch.cat(branches, dim=-1)))
+        y = self.out(torch.cat(branches, dim=-1))
         if post:
-            return self.norm1(x + y)
-        return x + (self.norm1_out(y) if self.norm1_out is not None else y)
+            return self.norm1(x + self.drop(y))
+        return x + self.drop(self.norm1_out(y) if self.norm1_out is not None else y)
 
 
 BLOCKS = {"sequential": SequentialBlock, "parallel": ParallelBlock}
