@@ -184,7 +184,13 @@ def dense_attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: At
 
 
 def head_norm(x: torch.Tensor, kind: str, eps: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm (``rms``) or LayerNorm without affine (``layer``) over the last axis, then an optional weight."""
+    """RMSNorm (``rms``, x / sqrt(mean(x^2) + eps)) or LayerNorm without affine (``layer``) over the last axis,
+    then an optional weight.
+
+    As QK-norm: rms-normed q and k have norm sqrt(D), so q.k = D cos(q, k) and the default scale 1/sqrt(D) gives
+    sqrt(D) cos (modded-nanogpt, seed 004). Seed 002's QKNorm (Henry et al. 2020) is cos / tau with a learnable
+    scalar tau (init 1): ``rms`` with ``base_scale = 1/D``, where only the per-channel QK-norm weights learn a
+    temperature. A finite eps keeps some norm information (seed 004: |x_hat|^2 = |x|^2 / (|x|^2/D + eps))."""
     if kind == "rms":
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     elif kind == "layer":

@@ -63,9 +63,13 @@ class GPTConfig:
     ``hybrid`` (HybridNorm, Zhuo et al. 2025): attention with QKV-norm and no pre-norm, y = x + MHA(x), then
     z = N(y), x' = z + FFN(z); QKV-norm is the spec's ``qk_norm`` on Q and K (set to the model's norm kind,
     ``rms`` for rms and ``layer`` otherwise, when the spec has none) plus the same per-head norm on V
-    (`HeadNormLinear` replacing ``v_proj``); ``hybrid_star``: hybrid, and the first block also pre-norms its
-    attention input; ``mix`` (Mix-LN, Li et al. 2024): post for the first ceil(mix_alpha * layers) layers,
-    pre after. A final norm precedes the head for every placement except ``post``.
+    (`HeadNormLinear` replacing ``v_proj``); seed 002 writes norm(Q), norm(K), norm(V) without naming the axis:
+    here each head is normalized over head_dim, with the QK-norm's eps and affine; ``hybrid_star``: hybrid, and
+    the first block also pre-norms its attention input (keeping its QKV-norm), Y = X + MHA(N(X)) as seed 002's
+    HybridNorm*; ``mix`` (Mix-LN, Li et al. 2024): post for the first ceil(mix_alpha * layers) layers, pre
+    after (seed 002 names no fraction). A final norm precedes the head for every placement except ``post``
+    (seed 002's formulas stop at the block; for hybrid and mix the final norm is lengthgen's, as in
+    pre-norm models, and mix keeps it even when mix_alpha = 1 makes every layer post).
 
     Blocks (`lengthgen.model.blocks`): ``sequential`` (attention, then MLP) or ``parallel`` (seed 001: one norm,
     one input projection to q, k, v and an MLP branch, one output projection over [MLP branch, attention]);

@@ -1,5 +1,11 @@
 """Normalization layers of the GPT: ``layer`` (LayerNorm), ``rms`` (RMSNorm), ``batch`` (BatchNorm).
 
+Formulas (seed 002, "A Note on Normalization"), over the last axis unless said: ``layer`` (x - mean) /
+sqrt(var + eps) with the biased variance, as seed 002; ``rms`` x / sqrt(mean(x^2) + eps) (torch's RMSNorm, as
+seed 000's and seed 004's code), where seed 002 writes x / (RMS(x) + eps): the two differ only for RMS(x)
+near sqrt(eps); ``batch`` per channel over the batch. Each then has a learnable weight (and, for layer and
+batch, a bias) when affine.
+
 ``batch`` exists only to reproduce seed 001 ("Attention Normalizes the Wrong Norm"), whose counting models
 used BatchNorm. It is NOT causal: in training mode its mean and variance are taken over every position of
 every sequence in the batch, so a token's normalized value depends on later tokens and on other sequences
@@ -22,7 +28,9 @@ NORMS = typing.get_args(Norm)
 
 
 class SequenceBatchNorm(nn.BatchNorm1d):
-    """BatchNorm over (B, L, D) inputs: statistics per channel over all B*L tokens (see module docstring)."""
+    """BatchNorm over (B, L, D) inputs: statistics per channel over all B*L tokens (see module docstring), as seed
+    001's BatchNorm1d on (B, D, L): training normalizes by the biased batch variance and updates the running
+    mean and (unbiased) variance with momentum 0.1; eval normalizes by the running statistics."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -45,7 +53,8 @@ class HeadNormLinear(nn.Linear):
     """A linear projection followed by a per-head norm over ``head_dim`` (the V part of HybridNorm's QKV-norm).
 
     It replaces `Attention.v_proj` (same ``weight`` name, so checkpoints and optimizer grouping are unchanged);
-    ``kind`` is ``rms`` or ``layer`` as in `functional.head_norm`, with an optional per-channel weight.
+    ``kind`` is ``rms`` or ``layer`` as in `functional.head_norm`, with an optional per-channel weight. A value
+    embedding (seed 000's, `ValueGate`) is added to the values after this norm.
     """
 
     def __init__(self, linear: nn.Linear, head_dim: int, kind: str, eps: float, affine: bool) -> None:
