@@ -39,6 +39,24 @@ def test_p_softmax_normalizes_the_p_norm():
     torch.testing.assert_close(fn.p_softmax(x, 1.0), torch.softmax(x, -1), **F64)
 
 
+@pytest.mark.parametrize("p", [0.5, 1.0, 1.5, 3.0])
+def test_p_softmax_gradient_is_finite_on_a_row_of_only_minus_inf(p):
+    """A row that sees nothing has weights 0 and gradient 0 (logsumexp of an all -inf row has a NaN gradient, 0 *
+    exp(-inf + inf), even where its value is not used); the other rows' gradients are unchanged."""
+    x = randn(3, 5, seed=6)
+    x[0] = float("-inf")
+    x[1, :2] = float("-inf")
+    x.requires_grad_()
+    w, (lse_1, lse_p) = fn.p_softmax(x, p), fn._p_softmax(x, p, lse=True)[1:]
+    assert (w[0] == 0).all() and (lse_1[0] == float("-inf")).all() and (lse_p[0] == float("-inf")).all()
+    gout = randn(3, 5, seed=7)
+    (grad,) = torch.autograd.grad(w, x, gout)
+    assert torch.isfinite(grad).all() and (grad[0] == 0).all() and (grad[1, :2] == 0).all()
+    rest = x.detach()[1:].clone().requires_grad_()
+    (want,) = torch.autograd.grad(fn.p_softmax(rest, p), rest, gout[1:])
+    torch.testing.assert_close(grad[1:], want, **F64)
+
+
 @pytest.mark.parametrize("kind", ["head_layer", "global_layer", "head_rms", "global_rms"])
 def test_out_norm_matches_torch_norms(kind):
     b, h, length, d = 2, 4, 5, 6

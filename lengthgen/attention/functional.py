@@ -128,14 +128,18 @@ def p_softmax(x: torch.Tensor, p: float = 1.0, dim: int = -1) -> torch.Tensor:
 def _p_softmax(x: torch.Tensor, p: float, dim: int = -1, lse: bool = False):
     """`p_softmax`'s weights and, with ``lse``, the natural-log logsumexps LSE_1 of x and LSE_p of p x."""
     m = x.detach().amax(dim, keepdim=True)                      # a stabilizer: w does not depend on it
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))   # rows that see nothing
+    empty = m == float("-inf")                                   # rows that see nothing
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     y = x - m
-    lse_p = torch.logsumexp(p * y, dim, keepdim=True)
+    # logsumexp of an all -inf row has a NaN gradient (0 * exp(-inf + inf)), even where its value is unused:
+    # such rows take it of zeros (their weights exp(-inf - c) stay 0, their gradient 0)
+    y_lse = y.masked_fill(empty, 0.0)
+    lse_p = torch.logsumexp(p * y_lse, dim, keepdim=True)
     w = torch.exp(y - torch.where(torch.isfinite(lse_p), lse_p, torch.zeros_like(lse_p)) / p)
     if not lse:
         return w, None, None
-    lse_1 = lse_p if p == 1 else torch.logsumexp(y, dim, keepdim=True)
-    return w, m + lse_1, p * m + lse_p
+    lse_1 = lse_p if p == 1 else torch.logsumexp(y_lse, dim, keepdim=True)
+    return w, (m + lse_1).masked_fill(empty, float("-inf")), (p * m + lse_p).masked_fill(empty, float("-inf"))
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
