@@ -4,7 +4,9 @@ before anything runs."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
+from typing import Callable
 
 
 class Parser(argparse.ArgumentParser):
@@ -14,25 +16,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
+def number(text: str, kind: Callable[[str], float], valid: Callable[[float], bool], give: str) -> float:
+    """``kind(text)`` when it parses and is ``valid``, else argparse's error ``'TEXT' is not valid; give GIVE``."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a positive integer")
+        value = None
+    if value is None or not valid(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give {give}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0 (a timeout in seconds, a p-softmax power)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a finite number > 0")
-    return value
+    return number(text, float, lambda v: 0 < v < math.inf, "a finite number > 0")
 
 
 def ints(text: str) -> tuple[int, ...]:

@@ -234,13 +234,8 @@ def check(args: argparse.Namespace) -> Path:
 
 def _budget(text: str) -> float:
     """``--budget``: seconds, at least `MIN_PART_S`."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not MIN_PART_S <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give a number of seconds >= {MIN_PART_S}")
-    return value
+    return bench_args.number(text, float, lambda v: MIN_PART_S <= v < math.inf,
+                             f"a number of seconds >= {MIN_PART_S}")
 
 
 def _parts(text: str) -> tuple[str, ...]:
@@ -255,13 +250,7 @@ def _parts(text: str) -> tuple[str, ...]:
 
 def _workers(text: str) -> int:
     """``--pytest-workers``: an integer >= 0 (0: no pytest-xdist)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not valid; give an integer >= 0 (0: no pytest-xdist)")
-    return value
+    return bench_args.number(text, int, lambda v: v >= 0, "an integer >= 0 (0: no pytest-xdist)")
 
 
 def _groups(text: str) -> list[tuple[int, int]]:
