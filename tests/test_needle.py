@@ -109,13 +109,13 @@ class Oracle(nn.Module):
     def __init__(self, vocab: int, predict):
         super().__init__()
         self.vocab, self.predict = vocab, predict
-        self.head, self.anchor = nn.Identity(), nn.Parameter(torch.zeros(1))
+        self.anchor = nn.Parameter(torch.zeros(1))
 
     def features(self, tokens, doc_ids=None):
         return 20 * F.one_hot(self.predict(tokens), self.vocab).float()
 
-    def cap_logits(self, logits):
-        return logits
+    def head_logits(self, hidden):
+        return hidden
 
     def forward(self, input_ids, use_cache=False):   # the transformers interface, for measure_needle_hf
         return types.SimpleNamespace(logits=self.features(input_ids))

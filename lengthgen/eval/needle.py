@@ -67,13 +67,11 @@ def _sums(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
 
 def measure_needle_gpt(model: nn.Module, source: Any, batch: Batch) -> dict[str, torch.Tensor]:
     """The evaluator's adapter for a lengthgen `GPT`: logits only at the answer positions (the head never sees
-    the rest of the sequence), then `answer_scores`. The head runs in its weights' dtype outside autocast, as
-    `GPT.generate` runs it: bfloat16 logits would tie close candidates (argmax then takes the lowest id) and shift
+    the rest of the sequence), then `answer_scores`. The logits are `GPT.head_logits`, outside autocast as
+    `GPT.generate` reads them: bfloat16 logits would tie close candidates (argmax then takes the lowest id) and shift
     the answer loss, so exact match would not be greedy decoding's."""
     hidden = model.features(batch.tokens, doc_ids=batch.doc_ids)[batch.loss_mask]
-    with torch.autocast(hidden.device.type, enabled=False):
-        logits = model.head(hidden.to(getattr(model.head, "weight", hidden).dtype))
-        return answer_scores(model.cap_logits(logits), batch)
+    return answer_scores(model.head_logits(hidden), batch)
 
 
 def check_needles(source: Any, lengths: list[int], depths: list[float], needles: int, key: str | None = None

@@ -168,6 +168,13 @@ class GPT(nn.Module):
         """The lm head's (capped) logits (B, L, V) of final hidden states x (B, L, dim)."""
         return self.cap_logits(self.head(x))
 
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """`logits` computed outside autocast, in the head weights' dtype: what greedy decoding and the retrieval
+        maps read (bf16 keeps 8 significant bits: a logit of 20 would move by up to 0.04, its token's probability
+        by 4%, and close candidates would tie)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return self.logits(x.to(self.head.weight.dtype))
+
     def logit_chunks(self, x: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
         """`logits` of x (B, L, dim) a chunk of positions at a time: ``(lo, hi, logits of positions lo:hi)``, each
         chunk at most `LOGIT_CHUNK` logits (at least one position), so (B, L, V) is never held at once."""
@@ -226,8 +233,7 @@ class GPT(nn.Module):
         against a `KVCache`; without, the whole sequence again (the same tokens, slower). ``bos_id``: for a model
         that masks documents, the token that starts each document (as in training), prompt and continuation
         alike; without it the whole sequence is one document. Runs in eval mode (the mode is restored after);
-        the head's logits are computed in its weights' dtype even under autocast (bf16 keeps 8 significant bits:
-        a logit of 20 would move by up to 0.04, its token's probability by 4%).
+        the logits are `head_logits`, in the head's dtype even under autocast.
         lm heads only; a bad ``max_new_tokens``, ``temperature``, ``top_k`` or ``bos_id`` is a `ConfigError`
         naming it."""
         if self.head_kind != "lm":
@@ -253,9 +259,7 @@ class GPT(nn.Module):
                 run = new if cache else tokens
                 doc_ids = None if docs is None else docs[:, -run.shape[1]:]
                 last = self.features(run, doc_ids, cache=kv)[:, -1:]
-                with torch.autocast(last.device.type, enabled=False):   # autocast would round logits to bf16
-                    logits = self.logits(last.to(self.head.weight.dtype))[:, -1]
-                new = next_token(logits, temperature, top_k, generator)
+                new = next_token(self.head_logits(last)[:, -1], temperature, top_k, generator)
                 tokens = torch.cat([tokens, new], dim=1)
                 if docs is not None:
                     docs = torch.cat([docs, docs[:, -1:] + (new == bos_id).long()], dim=1)
