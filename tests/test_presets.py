@@ -77,15 +77,13 @@ def test_seed_preset_compare_plans_every_run(path):
 def test_compare_of_every_config_evaluates_at_lengths_its_data_has(path):
     """``lengthgen compare --config PATH`` as shipped: its eval lengths (the [compare] section's, else the training
     length x 1 ... 16) are lengths its data can generate (mqar's vocabulary stops at 131: compare refused it)."""
-    from lengthgen.eval import MULTIPLES
     from lengthgen.experiments.compare import compare_config
-    from lengthgen.train.setup import check_length, resolve
+    from lengthgen.experiments.eval_run import checked_lengths
+    from lengthgen.train.setup import resolve
 
     cfg = base_config(path)
-    lengths = compare_config(cfg).eval_lengths or [max(cfg.lengths()) * m for m in MULTIPLES]
-    cfg, source = resolve(cfg)
-    for length in lengths:
-        check_length(source, "compare.eval_lengths", length)
+    lengths = compare_config(cfg).eval_lengths
+    checked_lengths(*resolve(cfg), lengths, "compare.eval_lengths")        # what run_compare checks first
 
 
 def test_seed000_protocol_runs_tiny(tmp_path):

@@ -32,7 +32,8 @@ import torch
 from lengthgen.attention import PRESETS
 from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, leaves, option
 from lengthgen.data.tasks.base import metric_directions
-from lengthgen.eval import MULTIPLES, Comparison, RunEval, check_needles
+from lengthgen.eval import Comparison, RunEval, check_needles
+from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.experiments.jobs import Job, Runner
 from lengthgen.experiments.needle import needle_filler
 from lengthgen.experiments.retrofit import finetune_config
@@ -40,7 +41,7 @@ from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, lock, saved_run_config
-from lengthgen.train.setup import check_backend, check_length, device_type, resolve
+from lengthgen.train.setup import check_backend, device_type, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 
@@ -234,11 +235,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     cc = runs.compare
     cfg, source = resolve(cfg)
     train_length = max(cfg.lengths())
-    eval_lengths = sorted(set(cc.eval_lengths or [train_length * m for m in MULTIPLES]))
-    key = "compare.eval_lengths" + ("" if cc.eval_lengths else
-                                    f" (default {train_length} x {', '.join(map(str, MULTIPLES))})")
-    for length in eval_lengths:
-        check_length(source, key, length)
+    eval_lengths = checked_lengths(cfg, source, cc.eval_lengths, "compare.eval_lengths")
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric, higher_is_better = check_metric(source, cc.metric)

@@ -14,12 +14,14 @@ from lengthgen.data.config import make_source
 from lengthgen.train.setup import autocast_dtype, check_length, for_inference
 
 
-def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None) -> list[int]:
-    """``lengths``, or by default the training length x `MULTIPLES`, each one ``source`` can generate
-    (`check_length`); an error about a default names it, as ``compare.eval_lengths``'s does."""
+def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None, key: str = "lengths") -> list[int]:
+    """The evaluation lengths, sorted: ``lengths``, or by default the training length x `MULTIPLES`, each one
+    ``source`` can generate (`check_length`; the error names ``key``, and the default when it is one). Used by
+    eval, needle, compare and retrofit."""
     train_length = max(cfg.lengths())
-    key = "lengths" if lengths else f"lengths (default {train_length} x {', '.join(map(str, MULTIPLES))})"
-    lengths = lengths or [train_length * m for m in MULTIPLES]
+    if not lengths:
+        key += f" (default {train_length} x {', '.join(map(str, MULTIPLES))})"
+    lengths = sorted(set(lengths or [train_length * m for m in MULTIPLES]))
     for length in lengths:
         check_length(source, key, length)
     return lengths

@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 
 from lengthgen.config import MAX_SIZE, ConfigError, check_value
-from lengthgen.eval import MULTIPLES, Comparison, RunEval, eval_source, evaluate
+from lengthgen.eval import Comparison, RunEval, eval_source, evaluate
+from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train import checkpoint as ckpt_io
@@ -35,7 +36,7 @@ from lengthgen.train import load_run, train
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.train.config import RunConfig
 from lengthgen.train.run_folder import RunFolderError, check_fresh, load_newest, lock
-from lengthgen.train.setup import autocast_dtype, check_length, device_type, resolve
+from lengthgen.train.setup import autocast_dtype, device_type, resolve
 from lengthgen.train.weights import load_initial_weights
 
 
@@ -62,7 +63,7 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
                  diagnostics: bool = True, progress: bool = True, overwrite: bool = False,
                  log: Callable[[str], None] = print) -> Comparison:
     """Retrofit ``checkpoint`` (a run folder or checkpoint) with the config ``overrides``, finetune it and the
-    control ``steps`` steps, evaluate all three at ``eval_lengths`` (default the training length x `MULTIPLES`)
+    control ``steps`` steps, evaluate all three at ``eval_lengths`` (default: `checked_lengths`)
     with the one evaluator (seeded with the finetuning run's ``train.seed``, under its device and autocast) and
     write the report into ``out``, which must be empty (``overwrite``: emptied first). Returns the `Comparison`
     (variants ``before``, ``control``, ``after``)."""
@@ -80,11 +81,9 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     torch.manual_seed(cfg.train.seed)
     load_initial_weights(GPT(cfg.model), ckpt)
     train_length = max(cfg.lengths())
-    eval_lengths = sorted(set(eval_lengths or [train_length * m for m in MULTIPLES]))
     eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1, le=MAX_SIZE)
     cfg, source = resolve(cfg)      # the checkpoint's model must fit data.* overrides: vocabulary and head
-    for length in eval_lengths:
-        check_length(source, "eval_lengths", length)
+    eval_lengths = checked_lengths(cfg, source, eval_lengths, "eval_lengths")
     evaluated_on = eval_source(cfg.data, source)
     def evaluate_model(model: torch.nn.Module) -> RunEval:
         return evaluate(model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=cfg.train.seed,
