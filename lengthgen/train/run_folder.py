@@ -33,7 +33,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
-from typing import IO, Any, Callable, TypeVar
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 from lengthgen.atomic import atomic_write_text
 from lengthgen.train.checkpoint import COMPLETE, CheckpointError, complete_checkpoints, saved_config
@@ -287,34 +287,31 @@ def _free(path: Path) -> Path:
     return free
 
 
-def cut_metrics(folder: str | Path, step: int) -> None:
-    """Keep the entries of ``metrics.jsonl`` up to ``step`` (a resumed run logs the later ones again); lines that
-    are not JSON entries (a partial last line) go too."""
+def _metrics_to(folder: str | Path, step: int) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each line of ``metrics.jsonl`` that is a JSON entry logged at or before ``step``, with its entry."""
     path = Path(folder) / METRICS
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step:
-            kept.append(line + "\n")
-    atomic_write_text(path, "".join(kept))
-
-
-def last_evaluation(folder: str | Path, step: int) -> dict[str, Any]:
-    """The evaluation (``eval``, ``bema_eval``: length -> metric -> mean) that ``metrics.jsonl`` logged last at or
-    before ``step``; {} when there is none."""
-    path = Path(folder) / METRICS
-    found: dict[str, Any] = {}
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if isinstance(entry, dict) and "eval" in entry and isinstance(entry.get("step"), int) and entry["step"] <= step:
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= step:
+            yield line, entry
+
+
+def cut_metrics(folder: str | Path, step: int) -> None:
+    """Keep the entries of ``metrics.jsonl`` up to ``step`` (a resumed run logs the later ones again); lines that
+    are not JSON entries (a partial last line) go too."""
+    if (Path(folder) / METRICS).exists():
+        atomic_write_text(Path(folder) / METRICS, "".join(line + "\n" for line, _ in _metrics_to(folder, step)))
+
+
+def last_evaluation(folder: str | Path, step: int) -> dict[str, Any]:
+    """The evaluation (``eval``, ``bema_eval``: length -> metric -> mean) that ``metrics.jsonl`` logged last at or
+    before ``step``; {} when there is none."""
+    found: dict[str, Any] = {}
+    for _, entry in _metrics_to(folder, step):
+        if "eval" in entry:
             found = {k: entry[k] for k in ("eval", "bema_eval") if k in entry}
     return found
 
