@@ -7,9 +7,12 @@
   fields and the document layout (see `_BlockMaskCache`). Explicit masks are not taken (use dense, tiled, sdpa,
   cpu_flash).
 * ``p != 1`` uses ``out_p = out_1 * exp(LSE_1 - LSE_p / p)`` with ``LSE_p = logsumexp_j(p * logit_ij)``: a
-  second FlexAttention call with the logits multiplied by p returns LSE_p (its output is discarded, so it
-  runs with a 16-wide zero value tensor). FlexAttention's returned LSE is in natural log in torch 2.13
-  (the kernels work in base 2 and ``flex_attention`` converts back), and gradients flow through both LSEs.
+  second FlexAttention call with the logits multiplied by p returns LSE_p (it runs with a 16-wide zero value
+  tensor; its output, exactly 0, is added to keep it in the graph). FlexAttention's returned LSE is in natural
+  log in torch 2.11 and 2.13 (the kernels work in base 2 and ``flex_attention`` converts back), and gradients
+  flow through both LSEs.
+* Grouped queries with fewer than 128 rows force the main kernel (``FORCE_USE_FLEX_ATTENTION``) where torch's
+  decoding kernel has no configuration (``Lq x heads per kv head > 128``).
 
 Inputs: `functional.kernel_inputs` (float32 for half-precision inputs on CPU, the input dtype on CUDA).
 On CUDA ``torch.compile(flex_attention)`` runs the fused Triton kernels (forward and backward); in a compiled
@@ -220,15 +223,22 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     else:
         block_mask = BLOCK_MASKS.get(lq, lk, spec, doc_ids, device)
     kw = dict(block_mask=block_mask, scale=1.0, enable_gqa=hkv != h, return_aux=AuxRequest(lse=True))
+    if lq < BLOCK_SIZE < lq * (h // hkv):
+        # torch's decoding kernel (picked for Lq < 128) puts the G query heads of a kv head in one block of
+        # next_pow2(Lq * G) rows and has no config beyond the 128-row sparse block (NoValidChoicesError)
+        kw["kernel_options"] = {"FORCE_USE_FLEX_ATTENTION": True}
     compute = fn.compute_dtype(qs.dtype)    # float64 inputs stay float64 (slopes, the p-norm factor)
     score_mod = mods.score_mod_for(spec, h, lq, lk, device, compute)
     out, aux = flex(qs, k, v, score_mod=score_mod, **kw)
     lse_1 = lse_p = aux.lse
     if p != 1:
         v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
-        lse_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)[1].lse
+        zeros, aux_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)
+        lse_p = aux_p.lse
         factor = torch.exp(lse_1.to(compute) - lse_p.to(compute) / p).unsqueeze(-1)
-        out = out.to(compute) * factor
+        # + the pass's output, exactly 0 (zero values; its gradients are exactly 0 too): in a compiled model's
+        # backward an unused output has no gradient, and Inductor (torch 2.11) fails to lower that
+        out = out.to(compute) * factor + zeros[..., :1]
     out = out.to(dtype)
     return (out, lse_1.detach(), lse_p.detach()) if return_lse else out
 
