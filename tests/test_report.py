@@ -156,6 +156,21 @@ def test_report_names_the_winner_only_when_separated():
     assert "no variant is named best (not separated)" in terminal_table(overlapping)
 
 
+def test_a_named_winner_is_printed_apart_from_the_others():
+    """Means of 0.11072 and 0.11067 both printed "0.1107" while the verdict named a best: the winner's column gets
+    the digits that show the separation; the other columns, without a winner, keep 4."""
+    results = comparison({"a": [0.11071, 0.11072, 0.11073, 0.11072], "b": [0.11066, 0.11067, 0.11068, 0.11067]},
+                         chance=0.110708)
+    assert verdicts(results)[64].winner == "a"
+    text, terminal = markdown_report(results), terminal_table(results)
+    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.11072 [0.11071, 0.11073] (0.123x) |" in text
+    assert "| b | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.11067 [0.11066, 0.11068]° (0.123x) |" in text
+    assert "| chance | 0.1107 | 0.1107 | 0.110708 |" in text      # the winner's worst seed 0.11071 beats it
+    assert "Means: a 0.11072, b 0.11067." in text
+    assert "Not better than chance (0.110708) in every seed: b." in text
+    assert "Means: a 0.11072, b 0.11067." in terminal and "0.11072 [0.11071, 0.11073]" in terminal
+
+
 def test_nan_seeds_are_counted_in_cells_and_listed_last():
     results = comparison({"c": [math.nan] * 3, "a": [0.5, math.nan, math.nan], "b": [0.8, 0.9, 0.7]})
     text = markdown_report(results)

@@ -59,6 +59,25 @@ def verdicts(results: Comparison, names: list[str] | None = None) -> dict[int, V
                        chance_level(results, results.metric, n)) for n in results.eval_lengths}
 
 
+def digits(results: Comparison) -> dict[int, int]:
+    """Significant digits of the headline metric at each length: 4, or as many more as it takes for a named
+    winner's mean and worst seed to print apart from each other variant's mean and best seed and from the chance
+    level (a winner is never shown beside an equal number)."""
+    best, worst = (max, min) if results.higher_is_better else (min, max)
+    out = dict.fromkeys(results.eval_lengths, 4)
+    for names in groups(results).values():
+        for n, found in verdicts(results, names).items():
+            if found.winner is None:
+                continue
+            values, chance = seed_values(results, results.metric, n), chance_level(results, results.metric, n)
+            floor = worst(values[found.winner])
+            pairs = [pair for other in names if other != found.winner
+                     for pair in ((mean(values[found.winner]), mean(values[other])), (floor, best(values[other])))]
+            pairs += [(floor, chance)] if chance is not None else []
+            out[n] = max(out[n], next(d for d in range(4, 18) if all(f"{a:.{d}g}" != f"{b:.{d}g}" for a, b in pairs)))
+    return out
+
+
 def verdict_rows(results: Comparison, label: str = "verdict") -> list[list[str]]:
     """One row of the rule's short verdicts by length per group of variants (`groups`)."""
     return [[f"{label} ({group})" if group else label,
@@ -71,13 +90,14 @@ def mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
-def cell(values: list[float], chance: float | None = None, higher_is_better: bool = True) -> str:
-    """``mean`` (one seed) or ``mean [min, max]`` over seeds, and how many seeds have a value when some are NaN;
-    ``°`` when not above chance in every seed with a value."""
+def cell(values: list[float], chance: float | None = None, higher_is_better: bool = True, digits: int = 4) -> str:
+    """``mean`` (one seed) or ``mean [min, max]`` over seeds to ``digits`` significant digits, and how many seeds
+    have a value when some are NaN; ``°`` when not above chance in every seed with a value."""
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
         return "n/a"
-    text = f"{mean(finite):.4g}" + (f" [{min(finite):.4g}, {max(finite):.4g}]" if len(finite) > 1 else "")
+    text = f"{mean(finite):.{digits}g}" + (f" [{min(finite):.{digits}g}, {max(finite):.{digits}g}]"
+                                           if len(finite) > 1 else "")
     text += _seeds_with_value(values)
     return text + (AT_CHANCE if chance is not None and not above_chance(finite, chance, higher_is_better) else "")
 
@@ -101,9 +121,11 @@ def length_label(length: int, train_length: int) -> str:
 def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: bool = False) -> list[list[str]]:
     """Header, one row per variant and the chance row of ``name`` by length; values not above chance are marked
     where the comparison records ``name``'s direction; ``ratio``: each mean's ratio to the variant's mean at the
-    training length, where that is finite."""
+    training length, where that is finite. The headline at length L has the `digits` that show a named winner
+    apart."""
     lengths, train_length = results.eval_lengths, results.train_length
     chance = {n: chance_level(results, name, n) if field == "at_length" else None for n in lengths}
+    places = digits(results) if (name, field) == (results.metric, "at_length") else dict.fromkeys(lengths, 4)
     rows = [["variant", *(length_label(n, train_length) for n in lengths)]]
     by_length = {n: seed_values(results, name, n, field) for n in lengths}
     higher = results.higher_is_better_for(name)
@@ -111,13 +133,13 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
         base = mean(by_length[train_length][variant]) if train_length in by_length else math.nan
         cells = []
         for n in lengths:
-            text = cell(by_length[n][variant], chance[n] if higher is not None else None, bool(higher))
+            text = cell(by_length[n][variant], chance[n] if higher is not None else None, bool(higher), places[n])
             if ratio and base and math.isfinite(base):
                 text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
             cells.append(text)
         rows.append([variant, *cells])
     if any(c is not None for c in chance.values()):
-        rows.append(["chance", *(f"{chance[n]:.4g}" if chance[n] is not None else "n/a" for n in lengths)])
+        rows.append(["chance", *(f"{chance[n]:.{places[n]}g}" if chance[n] is not None else "n/a" for n in lengths)])
     return rows
 
 
@@ -136,7 +158,8 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
     means = {name: mean(v) for name, v in values.items()}
     order = sorted((name for name in means if not math.isnan(means[name])), key=means.get,
                    reverse=results.higher_is_better)
-    listed = ", ".join(f"{name} {means[name]:.4g}" + _seeds_with_value(values[name]) for name in order)
+    places = digits(results)[longest]
+    listed = ", ".join(f"{name} {means[name]:.{places}g}" + _seeds_with_value(values[name]) for name in order)
     direction = "highest" if results.higher_is_better else "lowest"
     if found.winner:
         text = f"{where} **{found.winner}** has the {direction} {metric}: {found.reason}."
@@ -144,7 +167,7 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
         text = f"{where} no variant is named best ({found.status}): {found.reason}."
     chance = chance_level(results, metric, longest)
     if chance is not None and found.at_chance:
-        text += f" Not better than chance ({chance:.4g}) in every seed: {', '.join(found.at_chance)}."
+        text += f" Not better than chance ({chance:.{places}g}) in every seed: {', '.join(found.at_chance)}."
     return text + (f" Means: {listed}." if listed else "")
 
 
