@@ -1,6 +1,7 @@
 """Evaluation: position buckets, blockwise diagnostics against the dense weights, the one evaluator on a tiny
 model (its device, autocast, mode and seeding), long-document sources."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,7 +12,7 @@ from lengthgen.attention import Attention, AttentionSpec, attend
 from lengthgen.config import ConfigError
 from lengthgen.data.tasks import make_task
 from lengthgen.data.tasks.base import Batch
-from lengthgen.eval import LongDocuments, eval_generator, evaluate
+from lengthgen.eval import LengthEval, LongDocuments, eval_generator, evaluate
 from lengthgen.eval.buckets import bucket_edges, bucket_means, prefix_means
 from lengthgen.eval.diagnostics import attention_stats, model_diagnostics
 from lengthgen.model import GPT, GPTConfig
@@ -119,6 +120,18 @@ def test_a_non_finite_output_counts_as_the_worst_value_not_as_unscored(name, kwa
         failed = evaluate(model, task, [16], tokens_per_length=128, diagnostics=False).lengths[0]
     assert failed.at_length["loss"] == math.inf and failed.mean["loss"] == math.inf
     assert failed.at_length[metric] == worst and failed.buckets[metric][-1].mean == worst
+
+
+def test_a_roc_auc_over_one_class_is_undefined_with_its_reason():
+    """Tomita's ROC AUC over a length's batch of one sequence (one class) is NaN: the evaluation says why, and keeps
+    the reason through results.json; a batch of two or more holds both classes."""
+    task = make_task("tomita")
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, dim=16, layers=1, heads=2, head="classify", num_classes=2))
+    short, long = evaluate(model, task, [16, 64], tokens_per_length=96, diagnostics=False).lengths   # 6 and 1 rows
+    assert math.isfinite(short.at_length["roc_auc"]) and short.undefined == {}
+    assert math.isnan(long.at_length["roc_auc"]) and math.isfinite(long.at_length["accuracy"])
+    assert long.undefined == {"roc_auc": "one class at this length (a batch of 1 sequence)"}
+    assert LengthEval.from_dict(dataclasses.asdict(long)).undefined == long.undefined
 
 
 def test_evaluate_rejects_lengths_beyond_the_task():

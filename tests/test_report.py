@@ -12,7 +12,7 @@ import pytest
 
 from lengthgen.eval import Bucket, Comparison, LengthEval, Provenance, RunEval
 from lengthgen.eval.buckets import bucket_edges
-from lengthgen.report import markdown_report, terminal_table, verdict, verdicts, write_report
+from lengthgen.report import markdown_report, run_summary, terminal_table, verdict, verdicts, write_report
 from lengthgen.report.plots import diagnostics_figure, extrapolation_figure, variant_styles
 from lengthgen.report.stats import above_chance
 from lengthgen.report.tables import groups, position_table
@@ -178,6 +178,22 @@ def test_nan_seeds_are_counted_in_cells_and_listed_last():
     assert "no variant is named best (NaN seeds): c, a have seeds without a value" in text
     assert text.count("Means: b 0.8, a 0.5 (1 of 3 seeds).") == 1
     assert "Not better than chance" not in text         # a's seed with a value beats chance; c has none
+
+
+def test_an_undefined_metric_says_why_and_never_prints_nan():
+    """Tomita's ROC AUC over a batch of one sequence (one class) is NaN: run summaries printed "nan (nan)", report.md
+    "n/a (nanx)" and a verdict "no value" without a reason."""
+    results = comparison({"a": [math.nan, math.nan], "b": [math.nan, math.nan]})
+    why = "one class at this length (a batch of 1 sequence)"
+    for run in (run for runs in results.variants.values() for run in runs):
+        run.at(64).undefined["accuracy"] = why
+    text, terminal = markdown_report(results), terminal_table(results)
+    summary = run_summary(results.variants["a"][0], "accuracy")
+    assert f"| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | undefined: {why} |" in text
+    assert (f"no variant is named best (no value): no variant has a finite value in every seed; accuracy is "
+            f"undefined there: {why}.") in terminal
+    assert f"length 64: accuracy undefined: {why} [chance 0.1], loss n/a" in summary
+    assert not re.search(r"\bnan", text + terminal + summary)
 
 
 def test_report_lists_each_lengths_documents_for_text():

@@ -5,16 +5,16 @@ the model's parameters (every batch is moved there), under the training autocast
 previous mode is restored), without gradients. Every caller uses it: the trainer's periodic and final
 evaluations, ``lengthgen compare``, ``lengthgen retrofit``, ``lengthgen eval`` and `lengthgen.hf.evaluate_hf`.
 
-For each length L one batch of ``tokens_per_length // L`` sequences (at least one) is drawn and every
-per-position quantity is averaged in power-of-2 position buckets (seed 000). NaN marks what is not scored (outside
-the loss mask, or where a metric is undefined). Where a scored position's loss is NaN (the model's output was not
-finite), the loss and every metric whose direction the source states take their worst value, +inf or -inf, with a
-warning, so that a failure is never left out of a mean. The value "at length L" of a
-per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket): how the model does at
-positions only that length reaches; its ``mean`` is over all positions ``[0, L)``. Per-sequence metrics (classify
-tasks) are averaged over the batch; a task's `batch_metrics` (Tomita's ROC AUC) are one value for the whole
-batch, kept like a per-sequence metric. A task's chance level of each quantity (`lengthgen.data.tasks.Task.chance`)
-is averaged over the same positions and buckets.
+For each length L one batch of ``tokens_per_length // L`` sequences (at least one) is drawn and every per-position
+quantity is averaged in power-of-2 position buckets (seed 000). NaN marks what is not scored (outside the loss mask,
+or where a metric is undefined; the source's reason, where it gives one, in `LengthEval.undefined`). Where a scored
+position's loss is NaN (the model's output was not finite), the loss and every metric whose direction the source
+states take their worst value, +inf or -inf, with a warning, so that a failure is never left out of a mean. The
+value "at length L" of a per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket):
+how the model does at positions only that length reaches; its ``mean`` is over all positions ``[0, L)``.
+Per-sequence metrics (classify tasks) are averaged over the batch; a task's `batch_metrics` (Tomita's ROC AUC) are
+one value for the whole batch, kept like a per-sequence metric. A task's chance level of each quantity
+(`lengthgen.data.tasks.Task.chance`) is averaged over the same positions and buckets.
 
 Seeding rule (the only one for evaluation batches): the batch at length L for seed s is drawn from a
 ``torch.Generator`` seeded with ``step_seed(s, L, stream=EVAL_STREAM)``, i.e. numpy's ``SeedSequence([s, 1, L])``:
@@ -152,10 +152,13 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     per_position = {name: v for name, v in values.items() if v.dim() == 2}
     describe = getattr(source, "describe", None)
     chance, chance_buckets = _chance(source, values, length)
+    at_length = {name: _at_length(v) for name, v in values.items()}
+    why = getattr(source, "undefined", lambda name, batch: None)
+    reasons = {name: why(name, batch) for name, v in at_length.items() if math.isnan(v)}
     result = LengthEval(
         length=length, batch_size=int(batch.tokens.shape[0]),
         batch=describe(batch_size, length) if describe else f"{batch.tokens.shape[0]} sampled sequences",
-        at_length={name: _at_length(v) for name, v in values.items()},
+        at_length=at_length, undefined={name: r for name, r in reasons.items() if r},
         mean={name: float(v.nanmean()) for name, v in values.items()},
         buckets={name: bucket_means(v) for name, v in per_position.items()},
         prefix={name: prefix_means(v) for name, v in per_position.items()}, chance=chance,

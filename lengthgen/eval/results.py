@@ -95,8 +95,9 @@ class LengthEval:
     documents of a split). Value dicts map a name (``loss``, the source's metrics) to a number; per-sequence
     metrics (classify tasks) have no buckets. ``chance``: the source's chance level of a value (its trivial
     baseline, `lengthgen.data.tasks.Task.chance`) over the positions of ``at_length``, and ``chance_buckets``
-    over each bucket; values without one (text, some metrics) are absent. ``diagnostics``: per layer,
-    statistic -> buckets."""
+    over each bucket; values without one (text, some metrics) are absent. ``undefined``: why a value is NaN, where
+    the source says (Tomita's ROC AUC: one class at this length). ``diagnostics``: per layer, statistic ->
+    buckets."""
     length: int
     batch_size: int
     batch: str
@@ -107,13 +108,14 @@ class LengthEval:
     diagnostics: list[dict[str, list[Bucket]]] = field(default_factory=list)
     chance: dict[str, float] = field(default_factory=dict)
     chance_buckets: dict[str, list[Bucket]] = field(default_factory=dict)
+    undefined: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LengthEval":
         rows = lambda named: {k: [Bucket(**b) for b in v] for k, v in named.items()}  # noqa: E731
         return cls(d["length"], d["batch_size"], d["batch"], d["at_length"], d["mean"], rows(d["buckets"]),
                    rows(d["prefix"]), [rows(layer) for layer in d.get("diagnostics", [])], d.get("chance", {}),
-                   rows(d.get("chance_buckets", {})))
+                   rows(d.get("chance_buckets", {})), d.get("undefined", {}))
 
 
 @dataclass

@@ -14,7 +14,8 @@ from lengthgen.eval.results import Comparison, RunEval
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
 from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, at_length, chance_level, conclusion, groups,
-                                     length_label, mean, metric_names, seed_values, table, value_rows, verdict_rows)
+                                     length_label, mean, metric_names, same, seed_values, table, value_rows,
+                                     verdict_rows)
 
 #: the plots beside ``report.md``
 EXTRAPOLATION, DIAGNOSTICS = "extrapolation.png", "diagnostics.png"
@@ -37,7 +38,7 @@ def markdown_report(results: Comparison) -> str:
               f"{CHANCE}.", ""]
     rows = value_rows(results, metric, ratio=True) + verdict_rows(results, "best (rule)")
     lines += table(rows)
-    if any(run.at(n).mean.get(metric) != run.at(n).at_length.get(metric)
+    if any(not same(run.at(n).mean.get(metric), run.at(n).at_length.get(metric))
            for runs in results.variants.values() for run in runs for n in results.eval_lengths):
         lines += ["", f"## {metric}, {ALL_POSITIONS}", "",
                   f"The same runs over every position of each length ({ALL_POSITIONS}, not only [L/2, L)).", "",

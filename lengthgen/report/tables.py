@@ -35,6 +35,18 @@ def chance_level(results: Comparison, name: str, length: int) -> float | None:
     return None
 
 
+def undefined(results: Comparison, name: str, length: int) -> str | None:
+    """Why ``name`` is NaN at ``length``, as the runs that have no value there say (`LengthEval.undefined`)."""
+    reasons = dict.fromkeys(run.at(length).undefined[name] for runs in results.variants.values() for run in runs
+                            if name in run.at(length).undefined)
+    return "; ".join(reasons) or None
+
+
+def same(a: float | None, b: float | None) -> bool:
+    """Whether two values are equal, NaN (undefined) equal to NaN."""
+    return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+
+
 def metric_names(results: Comparison) -> list[str]:
     """The headline metric first, then every other quantity measured at each length."""
     first = next(iter(results.variants.values()))[0].lengths[0].at_length
@@ -90,12 +102,14 @@ def mean(values: list[float]) -> float:
     return sum(finite) / len(finite) if finite else math.nan
 
 
-def cell(values: list[float], chance: float | None = None, higher_is_better: bool = True, digits: int = 4) -> str:
+def cell(values: list[float], chance: float | None = None, higher_is_better: bool = True, digits: int = 4,
+         why: str | None = None) -> str:
     """``mean`` (one seed) or ``mean [min, max]`` over seeds to ``digits`` significant digits, and how many seeds
-    have a value when some are NaN; ``°`` when not above chance in every seed with a value."""
+    have a value when some are NaN; ``°`` when not above chance in every seed with a value; ``undefined: why``
+    (else ``n/a``) when no seed has a value."""
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
-        return "n/a"
+        return f"undefined: {why}" if why else "n/a"
     text = f"{mean(finite):.{digits}g}" + (f" [{min(finite):.{digits}g}, {max(finite):.{digits}g}]"
                                            if len(finite) > 1 else "")
     text += _seeds_with_value(values)
@@ -133,8 +147,9 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
         base = mean(by_length[train_length][variant]) if train_length in by_length else math.nan
         cells = []
         for n in lengths:
-            text = cell(by_length[n][variant], chance[n] if higher is not None else None, bool(higher), places[n])
-            if ratio and base and math.isfinite(base):
+            text = cell(by_length[n][variant], chance[n] if higher is not None else None, bool(higher), places[n],
+                        undefined(results, name, n))
+            if ratio and base and math.isfinite(base) and not math.isnan(mean(by_length[n][variant])):
                 text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
             cells.append(text)
         rows.append([variant, *cells])
@@ -164,7 +179,9 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
     if found.winner:
         text = f"{where} **{found.winner}** has the {direction} {metric}: {found.reason}."
     else:
-        text = f"{where} no variant is named best ({found.status}): {found.reason}."
+        why = undefined(results, metric, longest)
+        text = (f"{where} no variant is named best ({found.status}): {found.reason}"
+                + (f"; {metric} is undefined there: {why}." if why else "."))
     chance = chance_level(results, metric, longest)
     if chance is not None and found.at_chance:
         text += f" Not better than chance ({chance:.{places}g}) in every seed: {', '.join(found.at_chance)}."
@@ -223,8 +240,9 @@ def position_table(rows: list[LengthEval], metric: str = "loss", *, train_length
             value = own[i].mean if i < len(own) and own[i].lo == bucket.lo else math.nan
             cells.append("" if math.isnan(value) else f"{value:.4f}")
         body.append([label, *cells])
-    body.append([f"at length L ({metric})", *(f"{r.at_length.get(metric, math.nan):.4f}" for r in rows)])
-    body.append([f"all positions ({metric})", *(f"{r.mean.get(metric, math.nan):.4f}" for r in rows)])
+    fixed = lambda v: "n/a" if math.isnan(v) else f"{v:.4f}"  # noqa: E731
+    body.append([f"at length L ({metric})", *(fixed(r.at_length.get(metric, math.nan)) for r in rows)])
+    body.append([f"all positions ({metric})", *(fixed(r.mean.get(metric, math.nan)) for r in rows)])
     title = (f"{metric} by position (columns: eval length)"
              + (f"; * = the bucket reaches beyond the training length {train_length}" if train_length else ""))
     header = ["positions", *(str(r.length) for r in rows)]
@@ -232,13 +250,21 @@ def position_table(rows: list[LengthEval], metric: str = "loss", *, train_length
                       *(f"  length {r.length}: {r.batch}" for r in rows)])
 
 
+def _summary_value(r: LengthEval, name: str) -> str:
+    """``name 0.5 (0.4)``: at length L and, where it differs, over all positions; ``name undefined: why`` for NaN."""
+    v = r.at_length[name]
+    if math.isnan(v):
+        return f"{name} " + (f"undefined: {r.undefined[name]}" if name in r.undefined else "n/a")
+    return f"{name} {v:.4g}" + (f" ({r.mean[name]:.4g})" if name in r.mean and not same(r.mean[name], v) else "")
+
+
 def run_summary(run: RunEval, metric: str = "loss", *, train_length: int | None = None) -> str:
     """Every value at each evaluated length (at length L and over all positions, each defined), then
     `position_table` of the loss (and of ``metric`` when it is another per-position quantity)."""
     lines = [f"values {AT_LENGTH}; in parentheses: {ALL_POSITIONS}"]
     for r in run.lengths:
-        values = ", ".join(f"{k} {v:.4g}" + (f" ({r.mean[k]:.4g})" if k in r.mean and r.mean[k] != v else "")
-                           + (f" [chance {r.chance[k]:.4g}]" if k in r.chance else "") for k, v in r.at_length.items())
+        values = ", ".join(_summary_value(r, k) + (f" [chance {r.chance[k]:.4g}]" if k in r.chance else "")
+                           for k in r.at_length)
         lines.append(f"length {r.length}: {values}")
     lines.append(position_table(run.lengths, "loss", train_length=train_length))
     if metric != "loss" and any(r.buckets.get(metric) != r.buckets.get("loss") for r in run.lengths):

@@ -91,6 +91,10 @@ class Task:
         per-position values (``loss`` and `metrics`, on the CPU); none by default."""
         return {}
 
+    def undefined(self, metric: str, batch: Batch) -> str | None:
+        """Why ``metric`` is NaN over ``batch`` (a few words for reports), where the task knows; None by default."""
+        return None
+
     def chance(self, metric: str, length: int) -> torch.Tensor | float | None:
         """The chance level of ``metric`` (``loss`` or a metric of `metrics`) at ``length``: the expected
         value of the best predictor that knows the task's format and each position but not the sampled

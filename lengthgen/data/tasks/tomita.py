@@ -180,6 +180,13 @@ class TomitaTask(Task):
         """``roc_auc`` of the batch's scores (`roc_auc`): the seed's metric for sequence classification."""
         return {"roc_auc": roc_auc(values["score"], batch.targets)}
 
+    def undefined(self, metric: str, batch: Batch) -> str | None:
+        """ROC AUC needs both classes: a batch of one sequence has one (balanced batches of two or more have both)."""
+        rows = len(batch.targets)
+        if metric != "roc_auc" or batch.targets.unique().numel() > 1:
+            return None
+        return f"one class at this length (a batch of {rows} sequence{'s' if rows > 1 else ''})"
+
     def chance(self, metric: str, length: int) -> float | None:
         """Labels are balanced (half of every batch accepted): ``accuracy`` and ``roc_auc`` 1/2
         (any score that ignores the string), ``loss`` (cross-entropy of the label) log 2."""
