@@ -1,8 +1,11 @@
 """`lengthgen compare` / `report` end to end on a tiny setting, and their errors."""
 
+import warnings
+
 import pytest
 
 from lengthgen.cli import main
+from lengthgen.config import ConfigWarning
 from lengthgen.data.tasks import make_task
 from lengthgen.eval import Comparison, RunEval
 from lengthgen.experiments.compare import base_config, parse_variants, run_compare
@@ -179,3 +182,18 @@ def test_eval_lengths_the_data_cannot_generate_fail_before_training(tmp_path, ca
     assert not (tmp_path / "c").exists()                      # nothing was trained
     assert main(args + ["--eval-lengths", "64,600"]) == 2
     assert "compare.eval_lengths: length 600 exceeds the data's maximum length 515" in capsys.readouterr().err
+
+
+def test_a_window_no_length_reaches_is_one_warning_naming_the_key_and_lengths(tmp_path):
+    """A window at least as long as every trained and evaluated length hides no key: that variant is its base in
+    disguise, once warned about; a window shorter than the longest length is not."""
+    windows = "compare.variants={baseline = {}, wide = {model.attention.window = 16}, narrow = " \
+              "{model.attention.window = 8}}"
+    cfg = base_config(None, TINY + ["data.length=8", "compare.eval_lengths=[8, 16]", "compare.eval_tokens=32",
+                                    windows])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_compare(cfg, tmp_path / "out", progress=False, log=lambda _: None)
+    said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert said == ["variant wide: model.attention.window=16 has no effect at lengths 8, 16: it hides no key, so its "
+                    "layers are full causal attention, as without a window; set a window below 16"]

@@ -23,6 +23,7 @@ fails alike beyond the training length, or none learns the task in a few hundred
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -30,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from lengthgen.attention import PRESETS
-from lengthgen.config import MAX_SIZE, ConfigError, build, check, invalid, leaves, option
+from lengthgen.config import MAX_SIZE, ConfigError, ConfigWarning, build, check, invalid, leaves, option
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.eval import Comparison, RunEval, check_needles
 from lengthgen.experiments.eval_run import checked_lengths
@@ -239,6 +240,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric, higher_is_better = check_metric(source, cc.metric)
+    _warn_idle_windows(runs, sorted({train_length, *eval_lengths}))
     folders = {(name, seed): f"{name}-seed{seed}" for name in runs.runs for seed in cc.seeds}   # under out/runs
     with lock(out), Runner(cc.workers, log) as runner:
         if resume:
@@ -268,6 +270,19 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         comparison.save(out / "results.json")
         write_report(comparison, out)
     return comparison
+
+
+def _warn_idle_windows(runs: Plan, lengths: list[int]) -> None:
+    """One `ConfigWarning` per attention window at least as long as every length the comparison trains and evaluates
+    at (``lengths``; `GPTConfig.idle_windows`), naming the variants that have it: each is its base without the
+    window."""
+    having: dict[str, list[str]] = {}
+    for run in runs.runs:
+        for note in runs.config(run, runs.compare.seeds[0]).model.idle_windows(lengths):
+            having.setdefault(note, []).append(run)
+    for note, names in having.items():
+        warnings.warn(f"variant{'s' if len(names) > 1 else ''} {', '.join(names)}: {note}; set a window below "
+                      f"{max(lengths)}", ConfigWarning, stacklevel=2)
 
 
 def _check_kept(folder: Path, planned: set[str]) -> None:

@@ -191,6 +191,18 @@ class GPTConfig:
                                                      f"{needs}")
         return list(notes.values())
 
+    def idle_windows(self, lengths: list[int]) -> list[str]:
+        """A note for each sliding window at least as long as every length in ``lengths`` (those the model runs at):
+        key j is visible iff i - j < window, so such a window hides no key and its layers are full causal attention."""
+        notes = {}
+        for spec, attention in zip(self.layer_specs(), self.attention_layers()):
+            if attention and spec.window is not None and spec.window >= max(lengths):
+                key = "model.attention" if spec is self.attention else "model.layer_attention"
+                notes.setdefault((key, spec.window), f"{key}.window={spec.window} has no effect at lengths "
+                                 f"{', '.join(map(str, lengths))}: it hides no key, so its layers are full causal "
+                                 "attention, as without a window")
+        return list(notes.values())
+
     def attention_layers(self) -> list[bool]:
         """Whether each layer has attention (`no_attention_layers`, negative indices from the end)."""
         key, n = "GPTConfig.no_attention_layers", self.layers
