@@ -86,7 +86,8 @@ def digits(results: Comparison) -> dict[int, int]:
             pairs = [pair for other in names if other != found.winner
                      for pair in ((mean(values[found.winner]), mean(values[other])), (floor, best(values[other])))]
             pairs += [(floor, chance)] if chance is not None else []
-            out[n] = max(out[n], next(d for d in range(4, 18) if all(f"{a:.{d}g}" != f"{b:.{d}g}" for a, b in pairs)))
+            out[n] = max(out[n], next((d for d in range(4, 18)
+                                       if all(f"{a:.{d}g}" != f"{b:.{d}g}" for a, b in pairs)), 17))
     return out
 
 
