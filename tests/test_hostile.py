@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from lengthgen.cli import main
 from lengthgen.config import ConfigError, describe, set_key
-from lengthgen.eval import Comparison, ResultsError, RunEval
+from lengthgen.eval import Comparison, NeedleMap, ResultsError, RunEval
 from lengthgen.experiments.compare import plan, run_compare
 from lengthgen.experiments.eval_run import eval_run
 from lengthgen.model import GPT, GPTConfig
@@ -1316,16 +1316,20 @@ def test_huge_eval_arguments_are_errors(capsys, stopped, args):
 
 
 @pytest.mark.parametrize("command", ["eval", "needle"])
-def test_default_lengths_the_data_cannot_generate_name_the_default(tmp_path, capsys, command):
-    """Without --lengths, eval and needle take 1..16 x the training length; where the data stops before (the
-    shipped mqar.toml: 512 > 131) the error said 'lengths: length 128 ...', a flag the user never gave."""
+def test_default_lengths_stop_at_the_datas_maximum_length(tmp_path, capsys, command):
+    """Without --lengths, eval and needle take 1..16 x the training length up to the data's maximum length (mqar
+    with 16 tokens: 35, so 8, 16, 32); the default 16x failed on every mqar run. An explicit length beyond it is
+    one line naming the limit."""
     run = tmp_path / "run"
     train(config("data.task=mqar", "data.task_kwargs={vocab_size = 16}"), run, progress=False)
     small = ["--samples" if command == "needle" else "--tokens", "8"]
-    code, err = cli(capsys, command, run, *small)
-    assert code == 2 and err.endswith("error: lengths (default 8 x 1, 2, 4, 8, 16): length 64 exceeds the data's "
-                                      "maximum length 35")
-    assert cli(capsys, command, run, "--lengths", "8,32", *small)[0] == 0
+    out = tmp_path / "eval.json" if command == "eval" else tmp_path / "map"
+    assert cli(capsys, command, run, *small, "--out", out)[0] == 0
+    lengths = [r.length for r in RunEval.load(out).lengths] if command == "eval" else \
+        NeedleMap.load(out / "needle.json").lengths
+    assert lengths == [8, 16, 32]
+    code, err = cli(capsys, command, run, "--lengths", "8,64", *small)
+    assert code == 2 and err.endswith("error: lengths: length 64 exceeds the data's maximum length 35")
 
 
 @pytest.mark.parametrize("command", [["train"], ["compare"], ["theory"], ["eval", "run"], ["bench", "attention"]])

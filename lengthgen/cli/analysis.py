@@ -82,7 +82,8 @@ def _current_keys(results):
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
-    p.add_argument("--lengths", type=int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
+    p.add_argument("--lengths", type=int_list,
+                   help="comma-separated lengths (default 1,2,4,8,16 x training, up to the data's maximum length)")
     p.add_argument("--tokens", type=positive_int, default=8192,
                    help="tokens per evaluated length (default %(default)s)")
     p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
@@ -133,7 +134,7 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
     p.add_argument("--lengths", type=int_list, help="comma-separated context lengths, any the data can generate "
-                   "(default 1,2,4,8,16 x training; with --hf 256,512,1024,2048)")
+                   "(default 1,2,4,8,16 x training, up to the data's maximum length; with --hf 256,512,1024,2048)")
     p.add_argument("--depths", type=float_list, default=list(DEPTHS), help="comma-separated needle depths in [0, 1], "
                    "the fraction of the filler before the needle (default 0,0.1,...,1)")
     p.add_argument("--samples", type=positive_int, default=100,

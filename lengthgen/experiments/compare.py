@@ -72,8 +72,8 @@ class CompareConfig:
                                  "it for train.steps steps with a fresh optimizer (seed 000)", ge=0)
     seeds: list[int] = option([0], "train.seed of each run of a variant (--seeds N: 0, 1, ..., N-1)", ge=0,
                               le=2**63 - 1)
-    eval_lengths: list[int] = option([], "evaluation lengths (default: the training length x 1, 2, 4, 8, 16)",
-                                     ge=1, le=MAX_SIZE)
+    eval_lengths: list[int] = option([], "evaluation lengths (default: the training length x 1, 2, 4, 8, 16, up "
+                                     "to the data's maximum length)", ge=1, le=MAX_SIZE)
     eval_tokens: int = option(8192, "tokens per evaluated length", ge=1, le=MAX_SIZE)
     metric: str | None = option(None, "the report's headline: loss, the source's metric or one it also reports "
                                 "(default: the source's)")

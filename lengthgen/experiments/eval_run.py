@@ -15,13 +15,15 @@ from lengthgen.train.setup import autocast_dtype, check_length, for_inference
 
 
 def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None, key: str = "lengths") -> list[int]:
-    """The evaluation lengths, sorted: ``lengths``, or by default the training length x `MULTIPLES`, each one
-    ``source`` can generate (`check_length`; the error names ``key``, and the default when it is one). Used by
-    eval, needle, compare and retrofit."""
+    """The evaluation lengths, sorted: ``lengths``, or by default the training length x `MULTIPLES` up to the
+    data's ``max_length`` (mqar's vocabulary bounds it), each one ``source`` can generate (`check_length`; the
+    error names ``key``, and the default when it is one). Used by eval, needle, compare and retrofit."""
     train_length = max(cfg.lengths())
     if not lengths:
         key += f" (default {train_length} x {', '.join(map(str, MULTIPLES))})"
-    lengths = sorted(set(lengths or [train_length * m for m in MULTIPLES]))
+        limit = getattr(source, "max_length", None)
+        lengths = [train_length * m for m in MULTIPLES if limit is None or train_length * m <= limit]
+    lengths = sorted(set(lengths))
     for length in lengths:
         check_length(source, key, length)
     return lengths
@@ -31,7 +33,7 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
              ) -> RunEval:
     """Evaluate the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) with the one evaluator,
     on the run's device and autocast (`for_inference`), seeded with its ``train.seed``, at ``lengths`` (default:
-    the training length x `MULTIPLES`) with ``tokens`` tokens per length, in forward passes of at most
+    `checked_lengths`') with ``tokens`` tokens per length, in forward passes of at most
     ``train.eval_batch_size`` x training length tokens as the trainer's and compare's evaluations; text runs on
     single long documents. A bad length or token count is a `ConfigError`, checked before the model is run."""
     tokens = check_value("tokens", tokens, int, ge=1, le=MAX_SIZE)

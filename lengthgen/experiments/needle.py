@@ -42,7 +42,7 @@ def run_map(model: nn.Module, cfg: RunConfig, source: Any, lengths: list[int], d
 def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: list[float] = DEPTHS,
                needles: int = 1, samples: int = 100, bema: bool = False, progress: bool = True) -> NeedleMap:
     """The retrieval map of the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) at ``lengths``
-    (default: the training length x `MULTIPLES`) and ``depths``, on the run's device and autocast
+    (default: `checked_lengths`') and ``depths``, on the run's device and autocast
     (`for_inference`). Bad lengths, depths or needle counts, and a run without needles, are `ConfigError` before
     the model runs."""
     cfg, model = load_run(path, bema=bema)
