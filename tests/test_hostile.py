@@ -1332,6 +1332,30 @@ def test_default_lengths_stop_at_the_datas_maximum_length(tmp_path, capsys, comm
     assert code == 2 and err.endswith("error: lengths: length 64 exceeds the data's maximum length 35")
 
 
+def test_eval_and_needle_run_under_the_runs_threads(tmp_path, capsys, monkeypatch):
+    """train.threads set training's and compare's CPU threads but not eval's or needle's (torch's default there)."""
+    import lengthgen.experiments.eval_run as eval_module
+    import lengthgen.experiments.needle as needle_module
+
+    run = tmp_path / "run"
+    train(config("data.task=mqar", "data.task_kwargs={vocab_size = 16}", "train.threads=1"), run, progress=False)
+    seen = []
+    for module, name in ((eval_module, "evaluate"), (needle_module, "needle_map")):
+        def spy(*args, original=getattr(module, name), **kwargs):
+            seen.append(torch.get_num_threads())
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert cli(capsys, "eval", run, "--lengths", "8", "--tokens", "8")[0] == 0
+        assert cli(capsys, "needle", run, "--lengths", "8", "--samples", "2", "--out", tmp_path / "map",
+                   "--no-progress")[0] == 0
+        assert seen == [1, 1] and torch.get_num_threads() == 3      # the caller's threads again after
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("command", [["train"], ["compare"], ["theory"], ["eval", "run"], ["bench", "attention"]])
 def test_an_empty_out_is_an_error(capsys, command):
     """--out '' meant runs/run for train, the current folder for compare and a traceback for theory."""

@@ -11,7 +11,7 @@ from lengthgen.eval import MULTIPLES, RunEval, eval_source, evaluate
 from lengthgen.train import load_run
 from lengthgen.train.config import RunConfig
 from lengthgen.data.config import make_source
-from lengthgen.train.setup import autocast_dtype, check_length, for_inference
+from lengthgen.train.setup import autocast_dtype, check_length, for_inference, run_threads
 
 
 def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None, key: str = "lengths") -> list[int]:
@@ -31,20 +31,21 @@ def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None, key:
 
 def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int = 8192, bema: bool = False
              ) -> RunEval:
-    """Evaluate the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) with the one evaluator,
-    on the run's device and autocast (`for_inference`), seeded with its ``train.seed``, at ``lengths`` (default:
-    `checked_lengths`') with ``tokens`` tokens per length, in forward passes of at most
-    ``train.eval_batch_size`` x training length tokens as the trainer's and compare's evaluations; text runs on
-    single long documents. A bad length or token count is a `ConfigError`, checked before the model is run."""
+    """Evaluate the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) with the one evaluator, on the
+    run's device, autocast (`for_inference`) and CPU threads (`run_threads`), seeded with its ``train.seed``, at
+    ``lengths`` (default: `checked_lengths`') with ``tokens`` tokens per length, in forward passes of at most
+    ``train.eval_batch_size`` x training length tokens as the trainer's and compare's evaluations; text runs on single
+    long documents. A bad length or token count is a `ConfigError`, checked before the model is run."""
     tokens = check_value("tokens", tokens, int, ge=1, le=MAX_SIZE)
     cfg, model = load_run(path, bema=bema)
     model, kind = for_inference(model, cfg.train)
     data = make_source(cfg.data)
     lengths = checked_lengths(cfg, data, lengths)
     source = eval_source(cfg.data, data)
-    result = evaluate(model, source, lengths, tokens_per_length=tokens, seed=cfg.train.seed,
-                      autocast=autocast_dtype(cfg.train, kind),
-                      forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
+    with run_threads(cfg.train):
+        result = evaluate(model, source, lengths, tokens_per_length=tokens, seed=cfg.train.seed,
+                          autocast=autocast_dtype(cfg.train, kind),
+                          forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
     return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path), bema=bema)
 
 

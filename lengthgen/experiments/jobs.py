@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from lengthgen.config import to_plain
 from lengthgen.eval import RunEval, evaluate
 from lengthgen.experiments.needle import needle_filler, run_map
 from lengthgen.train import train
 from lengthgen.train.config import RunConfig
+from lengthgen.train.setup import run_threads
 
 Log = Callable[[str], None]
 
@@ -178,17 +177,13 @@ def evaluate_run(trained, job: Job, sources: dict[str, Any]) -> list[tuple[str, 
                         needle_filler(cfg.data, trainer.source) if job.needle_depths else None)
 
     def one(bema: bool) -> RunEval:
-        saved = torch.get_num_threads()
-        torch.set_num_threads(cfg.train.threads or saved)     # the run's CPU threads, as in training
-        try:
+        with run_threads(cfg.train):
             evaluation = evaluate(trained.model, sources[key][0], lengths, tokens_per_length=job.tokens,
                                   seed=cfg.train.seed, autocast=trainer.autocast_dtype,
                                   forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
             if job.needle_depths:
                 evaluation.needle = run_map(trained.model, cfg, sources[key][1], lengths, list(job.needle_depths),
                                             samples=job.needle_samples, autocast=trainer.autocast_dtype)
-        finally:
-            torch.set_num_threads(saved)
         return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,
                                    run_dir=str(trained.run_dir), final_train_loss=trained.history[-1])
 

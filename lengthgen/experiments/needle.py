@@ -16,7 +16,7 @@ from lengthgen.eval import DEPTHS, check_needles, needle_map, validation_text
 from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.train import load_run
 from lengthgen.train.config import RunConfig
-from lengthgen.train.setup import autocast_dtype, for_inference
+from lengthgen.train.setup import autocast_dtype, for_inference, run_threads
 
 
 def needle_filler(data: DataConfig, source: Any) -> Any:
@@ -42,16 +42,17 @@ def run_map(model: nn.Module, cfg: RunConfig, source: Any, lengths: list[int], d
 def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: list[float] = DEPTHS,
                needles: int = 1, samples: int = 100, bema: bool = False, progress: bool = True) -> NeedleMap:
     """The retrieval map of the run folder or checkpoint ``path`` (its BEMA weights with ``bema``) at ``lengths``
-    (default: `checked_lengths`') and ``depths``, on the run's device and autocast
-    (`for_inference`). Bad lengths, depths or needle counts, and a run without needles, are `ConfigError` before
-    the model runs."""
+    (default: `checked_lengths`') and ``depths``, on the run's device, autocast (`for_inference`) and CPU threads
+    (`run_threads`). Bad lengths, depths or needle counts, and a run without needles, are `ConfigError` before the model
+    runs."""
     cfg, model = load_run(path, bema=bema)
     model, kind = for_inference(model, cfg.train)
     source = needle_filler(cfg.data, make_source(cfg.data))
     lengths = checked_lengths(cfg, source, lengths)
     check_needles(source, lengths, list(depths), needles)
-    result = run_map(model, cfg, source, lengths, list(depths), needles=needles, samples=samples,
-                     autocast=autocast_dtype(cfg.train, kind), progress=progress)
+    with run_threads(cfg.train):
+        result = run_map(model, cfg, source, lengths, list(depths), needles=needles, samples=samples,
+                         autocast=autocast_dtype(cfg.train, kind), progress=progress)
     return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path))
 
 

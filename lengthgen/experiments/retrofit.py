@@ -36,7 +36,7 @@ from lengthgen.train import load_run, train
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.train.config import RunConfig
 from lengthgen.train.run_folder import RunFolderError, check_fresh, load_newest, lock
-from lengthgen.train.setup import autocast_dtype, device_type, resolve
+from lengthgen.train.setup import autocast_dtype, device_type, resolve, run_threads
 from lengthgen.train.weights import load_initial_weights
 
 
@@ -86,9 +86,10 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     eval_lengths = checked_lengths(cfg, source, eval_lengths, "eval_lengths")
     evaluated_on = eval_source(cfg.data, source)
     def evaluate_model(model: torch.nn.Module) -> RunEval:
-        return evaluate(model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=cfg.train.seed,
-                        autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics,
-                        forward_tokens=cfg.train.eval_batch_size * train_length)   # as compare's and eval's
+        with run_threads(cfg.train):
+            return evaluate(model, evaluated_on, eval_lengths, tokens_per_length=eval_tokens, seed=cfg.train.seed,
+                            autocast=autocast_dtype(cfg.train, kind), diagnostics=diagnostics,
+                            forward_tokens=cfg.train.eval_batch_size * train_length)   # as compare's and eval's
 
     with lock(out):
         check_fresh(out, overwrite=overwrite, resumable=False, kind="retrofit")

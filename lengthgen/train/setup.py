@@ -4,7 +4,9 @@ fails with `ConfigError`."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +206,19 @@ def for_inference(model: torch.nn.Module, train: Any) -> tuple[torch.nn.Module, 
     return model.to(kind), kind
 
 
+@contextlib.contextmanager
+def run_threads(train: Any) -> Iterator[None]:
+    """torch's CPU threads set to ``train.threads`` (0: left as they are) inside, the caller's again after: what
+    training, compare's, retrofit's, eval's and needle's evaluations run under."""
+    saved = torch.get_num_threads()
+    if train.threads:
+        torch.set_num_threads(train.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
     """The dtype training and evaluation autocast to: bfloat16 when ``train.dtype`` says so, or by default
     (``auto``) on CUDA; None (float32) otherwise."""
@@ -213,4 +228,5 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
 
 
 __all__ = ["DATA_LOCATION", "MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths",
-           "check_resume", "check_world", "device_type", "fill_model_from_source", "for_inference", "resolve"]
+           "check_resume", "check_world", "device_type", "fill_model_from_source", "for_inference", "resolve",
+           "run_threads"]

@@ -51,7 +51,7 @@ from lengthgen.train.optim import (build_optimizers, capture_logits, captured_ma
                                    set_muon_momentum)
 from lengthgen.train.schedule import lr_multiplier, momentum_at
 from lengthgen.train.setup import (autocast_dtype, check_backend, check_resume, check_world, device_type,
-                                   resolve, split_batch_notes)
+                                   resolve, run_threads, split_batch_notes)
 from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
 from lengthgen.train.weights import load_initial_weights
 
@@ -461,36 +461,34 @@ class Trainer:
             self.extended = None
         start_time, start_tokens = time.perf_counter(), self.tokens
         self._session = (start_time, self.train_seconds)
-        saved_threads, saved_precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
+        saved_precision = torch.get_float32_matmul_precision()
         if self.device.type == "cuda":   # TF32 for float32 matmuls while training; the caller's setting after
             torch.set_float32_matmul_precision("high")
         ran = self.step < end
         last: tuple[RunEval, RunEval | None] | None = None     # the evaluations at train.steps, for eval.json
         try:
-            while self.step < end:
-                entry = self._train_step(self.step)
-                step, elapsed = self.step, time.perf_counter() - start_time
-                tokens_per_s = (self.tokens - start_tokens) / max(elapsed, 1e-9)
-                entry.update(step=step, tokens=self.tokens, tokens_per_s=tokens_per_s, time=elapsed)
-                log.step(entry, tc.log_every, end)
-                # the checkpoint first: an evaluation that fails or is interrupted (Ctrl-C, out of memory at a long
-                # length) loses no step
-                if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
+            with run_threads(tc):          # train.threads, the caller's after
+                while self.step < end:
+                    entry = self._train_step(self.step)
+                    step, elapsed = self.step, time.perf_counter() - start_time
+                    tokens_per_s = (self.tokens - start_tokens) / max(elapsed, 1e-9)
+                    entry.update(step=step, tokens=self.tokens, tokens_per_s=tokens_per_s, time=elapsed)
+                    log.step(entry, tc.log_every, end)
+                    # the checkpoint first: an evaluation that fails or is interrupted (Ctrl-C, out of memory at a long
+                    # length) loses no step
+                    if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
+                        self.save_checkpoint()
+                    if tc.eval_batches and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
+                        evaluations = self._evaluations()
+                        last = evaluations if step == tc.steps else None
+                        self.metrics = self._log_entry(*evaluations)
+                        log.evaluation(step, self.metrics)
+                if self._saved_step != self.step:
                     self.save_checkpoint()
-                if tc.eval_batches and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
-                    evaluations = self._evaluations()
-                    last = evaluations if step == tc.steps else None
-                    self.metrics = self._log_entry(*evaluations)
-                    log.evaluation(step, self.metrics)
-            if self._saved_step != self.step:
-                self.save_checkpoint()
-            if self.step >= tc.steps and (ran or not self._evaluated()):
-                self._final_eval(last)
+                if self.step >= tc.steps and (ran or not self._evaluated()):
+                    self._final_eval(last)
         finally:
             self._session = None        # train_seconds stays as of the last checkpoint, which ends the loop
-            torch.set_num_threads(saved_threads)
             torch.set_float32_matmul_precision(saved_precision)
             log.close()
         self.model.eval()
