@@ -384,6 +384,30 @@ def test_packed_rows_beyond_every_document_are_held_out_text(tmp_path):
     assert eval_source(alone, make_source(alone)).describe(2, 2048) == (
         "2 packed rows of the all split, which the run trained on (no document of 2048 tokens)")
 
+def test_a_run_trained_on_the_val_split_is_warned_and_labelled_when_evaluated(tmp_path, capsys):
+    """data.text.split='val' trains on the validation text: `lengthgen eval` said "long documents (val split)" as
+    if held out, with no warning; now one warning line, and eval.json's batches say the run trained on them."""
+    from lengthgen.cli import main
+    from lengthgen.eval import RunEval
+    from lengthgen.train import train
+    from lengthgen.train.config import RunConfig
+
+    path = write_docs(tmp_path, [f"document {i} " * 8 for i in range(40)])
+    text = {"corpus": str(path), "tokenizer": "byte", "split": "val", "val_fraction": 0.5, "cache": False}
+    cfg = RunConfig.from_dict({"data": {"kind": "text", "text": text, "length": 16},
+                               "model": {"dim": 16, "layers": 1, "heads": 2},
+                               "train": {"steps": 1, "batch_size": 2, "eval_batches": 0}})
+    with pytest.warns(UserWarning, match="trains on the validation split"):
+        train(cfg, tmp_path / "run", progress=False)
+    assert main(["eval", str(tmp_path / "run"), "--lengths", "16", "--tokens", "16",
+                 "--out", str(tmp_path / "eval.json")]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == [
+        "lengthgen eval: warning: the run trains on the validation split (data.text.split='val'): long documents "
+        "are evaluated on the text it trained on"]
+    batch = RunEval.load(tmp_path / "eval.json").lengths[0].batch
+    assert batch == "1 long document (val split, which the run trained on)"
+
+
 # ------------------------------------------------------------------------------------------------
 # stdlib corpus
 

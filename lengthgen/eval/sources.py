@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, ConfigWarning
 from lengthgen.data.tasks.base import Batch
 
 
@@ -101,14 +101,19 @@ def validation_text(data_cfg: Any) -> Any:
 def eval_source(data_cfg: Any, source: Any) -> Any:
     """The source to evaluate a run on: `LongDocuments` of its corpus for text data (the validation split
     first, `validation_text`; its training text after, labelled as such, with a warning when a validation split
-    was expected but cannot be read; packed rows of the first of them), else ``source`` itself."""
+    was expected but cannot be read; packed rows of the first of them), else ``source`` itself. A run trained
+    on ``split="val"`` is evaluated on its training text, the val split, labelled as such, with a warning."""
     if data_cfg.kind != "text" or not hasattr(source, "long_batch"):
         return source
-    val = validation_text(data_cfg)
     split = data_cfg.text.get("split", "train")
+    if split == "val":
+        warnings.warn("the run trains on the validation split (data.text.split='val'): long documents are "
+                      "evaluated on the text it trained on", ConfigWarning, stacklevel=2)
+        return LongDocuments([("val split", source)], source, trained_on=source)
+    val = validation_text(data_cfg)
     if val is None and split != "all":
         warnings.warn(f"corpus {data_cfg.text.get('corpus', 'stdlib')!r} has no validation split to read: long "
-                      "documents are evaluated on the text the run trains on", stacklevel=2)
+                      "documents are evaluated on the text the run trains on", ConfigWarning, stacklevel=2)
     return LongDocuments(([("val split", val)] if val is not None else []) + [(f"{split} split", source)],
                          source if val is None else val, trained_on=source)
 
