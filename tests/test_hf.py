@@ -368,6 +368,24 @@ def test_save_and_reload_keep_the_retrofit(kind, tmp_path):
     torch.testing.assert_close(logits(local, ids, mask), want, **TOL)
 
 
+def test_plain_transformers_load_of_a_retrofit_raises_instead_of_running_the_base_model(tmp_path, monkeypatch):
+    """A saved retrofit read by transformers' own ``from_pretrained`` (which drops the retrofit parameters and
+    hooks) never runs as the base model: with lengthgen.hf imported its attention raises naming the loader;
+    without it, transformers refuses the folder's ``attn_implementation="lengthgen"``. Re-saving what
+    `lhf.from_pretrained` loaded keeps that guard."""
+    spec = AttentionSpec(softmax_p=2.0)                   # no parameters: the config alone could run it
+    quiet_retrofit(tiny("llama"), spec).save_pretrained(tmp_path / "saved")
+    lhf.from_pretrained(tmp_path / "saved").save_pretrained(tmp_path / "again")
+    ids, _ = batch()
+    for folder in ("saved", "again"):
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / folder)
+        with pytest.raises(RuntimeError, match=r"lengthgen\.hf\.from_pretrained"):
+            logits(plain, ids)
+    monkeypatch.delitem(transformers.AttentionInterface._global_mapping, "lengthgen")   # a process without lengthgen
+    with pytest.raises(ValueError, match='attn_implementation="lengthgen"'):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+
+
 def test_token_losses_and_load_local_model(tmp_path):
     model = tiny("llama")
     model.save_pretrained(tmp_path / "plain")

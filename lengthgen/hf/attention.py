@@ -7,7 +7,8 @@ modules (`QueryScaling`, `OutNorm`, `OutputGate`) as lengthgen's `Attention`. Th
 ``scaling`` unless the spec sets ``base_scale``.
 
 Where the spec comes from: ``module.lengthgen_spec`` on each attention module (set by `retrofit`), else
-``model.config.lengthgen_spec`` (a dict, saved in ``config.json`` by ``save_pretrained``), else ``baseline``.
+``baseline``. A module whose config holds a ``lengthgen_spec`` but which `retrofit` did not set up (a saved retrofit
+loaded by transformers' own ``from_pretrained``, which drops its parameters and hooks) raises instead of running.
 
 Limits: causal decoder self-attention only (no encoder / cross attention, softcapping, attention sinks,
 attention dropout, per-head masks, ``output_attentions`` weights); ``torch.compile`` is untested (planning a
@@ -81,12 +82,17 @@ def release_input(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> 
 
 
 def module_spec(module: nn.Module) -> AttentionSpec:
-    """The spec an HF attention module runs: ``module.lengthgen_spec``, else ``config.lengthgen_spec``, else
-    baseline."""
+    """The spec an HF attention module runs: ``module.lengthgen_spec`` (set by `retrofit`), else baseline.
+    RuntimeError for a module of a saved retrofit (``config.lengthgen_spec``) that was loaded without
+    `lengthgen.hf.from_pretrained`."""
     spec = getattr(module, "lengthgen_spec", None)
     if spec is not None:
         return spec
-    return resolve_spec(getattr(getattr(module, "config", None), "lengthgen_spec", None))
+    if getattr(getattr(module, "config", None), "lengthgen_spec", None) is not None:
+        raise RuntimeError(f"{type(module).__name__}: this model was saved after lengthgen.hf.retrofit (its config has "
+                           "lengthgen_spec) but loaded without it, so its retrofit parameters and hooks are missing: "
+                           "load the folder with lengthgen.hf.from_pretrained(DIR)")
+    return resolve_spec(None)
 
 
 def needs_state(spec: AttentionSpec) -> bool:

@@ -6,8 +6,10 @@ Mistral, Qwen2, Qwen3, ...). Not applied on them (the model keeps its own): ``po
 supported), ``rope_min_freq``, ``qk_norm*`` (Qwen3 has its own q_norm/k_norm), ``kv_heads`` (taken from the tensors);
 ``doc_masking`` is implied by the mask transformers builds (padding; packed sequences from ``position_ids``
 resets, which transformers reads only without ``attention_mask`` and without a cache: pass ``use_cache=False``).
-`retrofit` warns about these fields. A plain ``AutoModelForCausalLM.from_pretrained`` of a retrofitted
-checkpoint ignores the spec and drops the retrofit parameters: use `from_pretrained` here. A
+`retrofit` warns about these fields. A saved retrofit loads with `from_pretrained` here (``lengthgen eval --hf``
+too). transformers' own ``from_pretrained`` would drop the retrofit parameters and hooks, so it must not run
+the folder as the base model: the saved config's ``attn_implementation="lengthgen"`` makes transformers refuse
+it without `lengthgen.hf`, and with it the attention function raises (`lengthgen.hf.attention.module_spec`). A
 ``learnable_scaling="global"`` multiplier is shared by reference (not for FSDP-style sharding).
 """
 
@@ -105,9 +107,11 @@ def retrofit(model: nn.Module, spec: AttentionSpec | str | dict | None = "baseli
     Adds ``module.lengthgen`` (`LengthgenState`: the spec's `QueryScaling`, `OutNorm`, `OutputGate` at their
     init: affine ones/zeros, 2sigmoid gate zeros = identity, multipliers at ``scaling_init``) to every attention
     module, a pre-hook that captures the attention input for the gate, sets ``module.lengthgen_spec``,
-    ``config.lengthgen_spec`` (saved by ``save_pretrained``; the model gets its own copy of the config first)
-    and ``attn_implementation="lengthgen"``. Outputs are unchanged at init when the spec allows it (baseline,
-    2sigmoid gates); otherwise, and for spec fields the HF path ignores, it warns (see `retrofit_notes`).
+    ``config.lengthgen_spec`` and ``config.attn_implementation = "lengthgen"`` (both saved in ``config.json`` by
+    ``save_pretrained``: reload with `from_pretrained`; the model gets its own copy of the config first) and
+    switches the model to ``attn_implementation="lengthgen"``. Outputs are unchanged at init when the spec allows
+    it (baseline, 2sigmoid gates); otherwise, and for spec fields the HF path ignores, it warns (see
+    `retrofit_notes`).
     ``backend``: the `attend` backend (auto | dense | tiled | sdpa | cpu_flash | flex | triton).
     """
     register()
@@ -134,6 +138,9 @@ def retrofit(model: nn.Module, spec: AttentionSpec | str | dict | None = "baseli
         m.lengthgen_spec = spec
         m.lengthgen_backend = backend
     model.config.lengthgen_spec = spec.to_dict()
+    # saved in config.json, which transformers reads as the attention to load with: without lengthgen.hf it refuses
+    # the folder instead of loading the base model (transformers drops the in-memory _attn_implementation on save)
+    model.config.attn_implementation = NAME
     model.set_attn_implementation(NAME)
     if warn:
         notes = retrofit_notes(spec)
