@@ -17,11 +17,13 @@ from lengthgen.config import ConfigError
 from lengthgen.data.config import DataConfig, make_source
 from lengthgen.eval.sources import eval_source
 from lengthgen.data.tasks.base import Batch, Task
-from lengthgen.data.text import (BIN_MAGIC, ByteTokenizer, CorpusError, FileCorpus,
+from lengthgen.data.text import (BIN_MAGIC, BinCorpus, ByteTokenizer, CorpusError, FileCorpus,
                                  HFTokenizer, ResourceUnavailableError, ShardFormatError,
                                  StdlibCorpus, TextData, TiktokenTokenizer, TokenStream,
                                  long_documents, make_corpus, make_text_data, make_tokenizer,
                                  pretokenize, read_bin_shard, split_of, write_bin_shard)
+
+from lengthgen.data.text.corpus import stat_fingerprint
 
 BYTE = ByteTokenizer()
 BOS = BYTE.bos_id
@@ -210,12 +212,47 @@ def test_bin_corpus_splits_documents_at_bos(tmp_path):
     write_bin_shard(tmp_path / "a_001.bin", flat[12:])
     data = make_text_data(f"bin:{tmp_path}/a_*.bin", "byte", split="all")
     got = [BYTE.decode(data.stream.document(i)) for i in range(data.stream.num_documents)]
-    # the shard boundary cuts "second": its tail before the next BOS is a document of its own
-    assert got == ["first doc", "s", "econd", "third one here"]
+    assert got == ["first doc", "second", "third one here"]   # "second" runs on into a_001.bin
     write_bin_shard(tmp_path / "gpt2.bin", [50256, 1000])
     with pytest.raises(CorpusError, match=r"gpt2\.bin holds token id 50256, outside the vocabulary "
                                           r"\(259 ids\) of tokenizer 'byte'"):
         make_text_data(f"bin:{tmp_path / 'gpt2.bin'}", "byte", split="all")
+
+
+LONG_DOC = "a document long enough to span three shards"
+SHARD_DOCS = ["one", LONG_DOC, "", "two"]          # "": two BOS in a row, an empty document (skipped)
+
+
+@pytest.mark.parametrize("prefix", ["", "tail"])
+@pytest.mark.parametrize("cuts", [[10], [10, 20, 20, 30], [5], [4], [4, 5], [49], [48, 49], [0, 0]],
+                         ids=["in-doc", "3-shard-doc-and-empty-shard", "ends-at-bos", "starts-with-bos",
+                              "bos-only-shard", "between-two-bos", "empty-doc-bos-only-shard", "empty-shards"])
+def test_bin_documents_run_across_shard_boundaries(tmp_path, cuts, prefix):
+    """modded-nanogpt cuts one token stream into shards: the documents are those of the joined stream,
+    wherever the cuts fall (``cuts``: after the prefix; BOS at 0, 4, 48, 49). ``prefix``: the first shard
+    starts mid-document; its head is a document too."""
+    flat = BYTE.encode(prefix) + [t for d in SHARD_DOCS for t in [BOS] + BYTE.encode(d)]
+    cuts = [len(prefix) + c for c in cuts]
+    assert [i - len(prefix) for i, t in enumerate(flat) if t == BOS] == [0, 4, 48, 49]
+    for i, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(flat)])):
+        write_bin_shard(tmp_path / f"s_{i:03d}.bin", flat[a:b])
+    expected = [d for d in [prefix, *SHARD_DOCS] if d]
+    assert [BYTE.decode(d) for d in BinCorpus(tmp_path, bos_id=BOS)] == expected
+    train, val = (list(map(BYTE.decode, BinCorpus(tmp_path, s, bos_id=BOS, val_fraction=0.5)))
+                  for s in ("train", "val"))
+    assert sorted(train + val) == sorted(expected)
+    data = make_text_data(f"bin:{tmp_path}", "byte", split="all", cache=False)
+    assert data.stream.num_documents == len(expected)
+    row = long_documents(data, min_length=len(LONG_DOC), count=1)[0]
+    assert BYTE.decode(row[1:].tolist()) == LONG_DOC[:-1]
+
+
+def test_bin_cache_written_before_documents_crossed_shards_is_not_reused(tmp_path):
+    """Caches of streams split shard by shard (the older, wrong split) must miss: the fingerprint changed."""
+    write_bin_shard(tmp_path / "s.bin", [BOS, 1, 2])
+    corpus = BinCorpus(tmp_path, bos_id=BOS)
+    per_shard = stat_fingerprint(["bin", "all", repr(0.05), repr(BOS)], corpus.files)
+    assert corpus.fingerprint() != per_shard
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 * ``FileCorpus``: local ``.txt`` (one document per file, or split on ``separator``), ``.jsonl`` (one
   JSON object per line, text in ``text_field``) and ``.parquet`` (column ``text_field``, needs
   pyarrow) files, given as a file, a directory (searched recursively) or a glob.
-* ``BinCorpus``: modded-nanogpt ``.bin`` token shards, split into documents at the BOS token.
+* ``BinCorpus``: modded-nanogpt ``.bin`` token shards, read in order as one stream and split into
+  documents at the BOS token (a document may cross a shard boundary).
 * ``HFCorpus``: a Hugging Face ``datasets`` dataset, streamed (optional dependency; needs network
   unless the dataset is in the local HF cache).
 

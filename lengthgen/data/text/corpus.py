@@ -51,14 +51,14 @@ class Corpus:
     def _keep(self, key: str) -> bool:
         return self.split == "all" or split_of(key, self.val_fraction) == self.split
 
-    def _split_documents(self, key: str, docs, is_empty):
-        """The non-empty ``docs`` of one file (document i keyed ``key#i``) that fall in this split; counts
-        ``_seen`` (non-empty) and ``_kept`` (in the split) for `describe`."""
-        for i, doc in enumerate(docs):
+    def _split_documents(self, keyed_docs, is_empty):
+        """The non-empty documents of ``keyed_docs`` (``(key, document)`` pairs, the key ``"<file>#<index>"``)
+        that fall in this split; counts ``_seen`` (non-empty) and ``_kept`` (in the split) for `describe`."""
+        for key, doc in keyed_docs:
             if is_empty(doc):
                 continue
             self._seen += 1
-            if self._keep(f"{key}#{i}"):
+            if self._keep(key):
                 self._kept += 1
                 yield doc
 

@@ -171,7 +171,8 @@ class FileCorpus(Corpus):
     def documents(self) -> Iterator[str]:
         self._seen = self._kept = 0
         for key, path in self.files:
-            yield from self._split_documents(key, self._file_documents(path), lambda doc: not doc.strip())
+            docs = ((f"{key}#{i}", doc) for i, doc in enumerate(self._file_documents(path)))
+            yield from self._split_documents(docs, lambda doc: not doc.strip())
 
     def fingerprint(self) -> str:
         parts = ["files", self.split, repr(self.val_fraction), repr(self.separator), self.text_field]
@@ -192,10 +193,16 @@ def _import_pyarrow(path: Path):
 
 
 class BinCorpus(Corpus):
-    """Documents from modded-nanogpt ``.bin`` shards (a file, directory or glob), split at
-    ``bos_id`` (each document is the tokens after one BOS up to the next; tokens before the first
-    BOS form a document too). ``bos_id=None``: each shard is one document. ``vocab_size``: if given,
-    a shard holding a larger id raises an error naming the shard (wrong tokenizer)."""
+    """Documents from modded-nanogpt ``.bin`` shards (a file, directory or glob), split at ``bos_id``.
+
+    modded-nanogpt's ``fineweb.py`` writes one token stream, a BOS before every document, cut into
+    fixed-size shards, so a document may run on from one shard into the next. The shards (in sorted
+    order) are read as that one stream, one shard at a time: each document is the tokens after one BOS
+    up to the next, across shard boundaries, keyed for the split by the shard and index of its BOS
+    (``<shard>#<i>``). Tokens before the first shard's first BOS form a document too (keyed
+    ``<shard>#0``): the tail of a document begun in a shard not given, e.g. by a glob from
+    ``fineweb_train_000005.bin`` on. ``bos_id=None``: each shard is one document. ``vocab_size``: if
+    given, a shard holding a larger id raises an error naming the shard (wrong tokenizer)."""
 
     def __init__(self, source: str | os.PathLike | list, split: str = "all", *,
                  bos_id: int | None = None, vocab_size: int | None = None,
@@ -207,25 +214,36 @@ class BinCorpus(Corpus):
         self.name = f"bin:{os.fspath(source) if not isinstance(source, (list, tuple)) else 'files'}/{split}"
         self._tokens = self._seen = self._kept = 0
 
+    def _read(self, path: Path) -> np.ndarray:
+        tokens = read_bin_shard(path)
+        self._tokens += tokens.size
+        if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise CorpusError(f"token shard {path} holds token id {int(tokens.max())}, outside the "
+                              f"vocabulary ({self.vocab_size} ids) of tokenizer "
+                              f"{self.tokenizer_name!r}; was it written with another tokenizer?")
+        return tokens
+
+    def _keyed_documents(self) -> Iterator[tuple[str, np.ndarray]]:
+        if self.bos_id is None:
+            yield from ((f"{key}#0", self._read(path)) for key, path in self.files)
+            return
+        key, pieces = f"{self.files[0][0]}#0", []   # the document not yet ended by a BOS
+        for shard, path in self.files:
+            tokens = self._read(path)
+            cuts = np.flatnonzero(tokens == self.bos_id)
+            pieces.append(tokens[:cuts[0] if cuts.size else tokens.size])
+            for i, (a, b) in enumerate(zip(cuts, list(cuts[1:]) + [tokens.size]), 1):
+                yield key, np.concatenate(pieces)
+                key, pieces = f"{shard}#{i}", [tokens[a + 1:b]]
+        yield key, np.concatenate(pieces)
+
     def documents(self) -> Iterator[np.ndarray]:
         self._tokens = self._seen = self._kept = 0
-        for key, path in self.files:
-            tokens = read_bin_shard(path)
-            self._tokens += tokens.size
-            if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
-                raise CorpusError(f"token shard {path} holds token id {int(tokens.max())}, outside the "
-                                  f"vocabulary ({self.vocab_size} ids) of tokenizer "
-                                  f"{self.tokenizer_name!r}; was it written with another tokenizer?")
-            if self.bos_id is None:
-                docs = [tokens]
-            else:
-                cuts = np.flatnonzero(tokens == self.bos_id)
-                docs = [tokens[:cuts[0]] if cuts.size else tokens]
-                docs += [tokens[a + 1:b] for a, b in zip(cuts, list(cuts[1:]) + [tokens.size])]
-            yield from self._split_documents(key, docs, lambda doc: doc.size == 0)
+        yield from self._split_documents(self._keyed_documents(), lambda doc: doc.size == 0)
 
     def fingerprint(self) -> str:
-        parts = ["bin", self.split, repr(self.val_fraction), repr(self.bos_id)]
+        # "stream": documents split over the shards' joined stream (older caches split each shard alone)
+        parts = ["bin", "stream", self.split, repr(self.val_fraction), repr(self.bos_id)]
         return stat_fingerprint(parts, self.files)
 
     def describe(self) -> str:

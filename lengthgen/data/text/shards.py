@@ -2,8 +2,9 @@
 
 Layout: a header of 256 little-endian int32 (``[0]`` magic 20240520, ``[1]`` version 1, ``[2]`` the
 token count, the rest zero), then the tokens as little-endian uint16. modded-nanogpt's GPT-2 shards
-put the end-of-text token (50256) before every document, so documents are recovered by splitting on
-BOS.
+are one token stream with the end-of-text token (50256) before every document, cut into fixed-size
+files, so a document may continue in the next shard: documents are recovered by splitting the shards'
+joined stream on BOS (``BinCorpus``).
 """
 
 from __future__ import annotations
