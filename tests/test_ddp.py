@@ -3,28 +3,33 @@
 The test launches this file with ``torchrun --standalone --nproc_per_node=2``; run as a script, it trains two
 tiny counting runs under DDP: A through `train` (2 micro-batches per rank: DDP's no_sync path), B through
 ``lengthgen train`` (with QK-clip active every step; its max logit is all-reduced over ranks, though at this
-size the ranks' own maxima are so close that the losses would not tell the difference).
+size the ranks' own maxima are so close that the losses would not tell the difference). Run A also evaluates every
+2 steps: rank 0 alone evaluates, and the other rank gets its results (each rank counts its evaluations).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 from helpers import DISTRIBUTED_RUN as BASE
 from helpers import logged_losses, torchrun_two
 
-RUN_A = BASE + ["train.grad_accum=2"]
+RUN_A = BASE + ["train.grad_accum=2", "train.eval_every=2"]
 RUN_B = BASE + ["train.qk_clip=0.03"]
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, monkeypatch):
     from lengthgen.train.config import RunConfig
     from lengthgen.eval import RunEval
     from lengthgen.train import train
 
     proc = torchrun_two(__file__, tmp_path)
+    evaluations = _count_evaluations(monkeypatch.setattr)
     for name, overrides in (("a", RUN_A), ("b", RUN_B)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
         ddp = logged_losses(tmp_path / f"ddp-{name}")
@@ -36,8 +41,18 @@ def test_two_processes_match_one(tmp_path):
             assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), (name, step, ddp, single.history)
         # rank 0 alone wrote the run folder: one line per step, a checkpoint and the by-position evaluation
         assert (tmp_path / f"ddp-{name}" / "latest.json").is_file()
-        assert [r.length for r in RunEval.load(tmp_path / f"ddp-{name}" / "eval.json").lengths] == [16, 32]
+        evaluation = RunEval.load(tmp_path / f"ddp-{name}" / "eval.json")
+        assert [r.length for r in evaluation.lengths] == [16, 32]
+        for got, want in zip(evaluation.lengths, single.evaluation.lengths, strict=True):
+            assert got.at_length["loss"] == pytest.approx(want.at_length["loss"], rel=1e-4), name
+        logged = [r for r in records if "eval" in r]
+        assert [r["step"] for r in logged] == ([2, 4, 5] if name == "a" else [5])
+        losses = lambda entry: {length: means["loss"] for length, means in entry["eval"].items()}  # noqa: E731
+        assert losses(logged[-1]) == pytest.approx(losses(single.metrics), rel=1e-4)
     assert "trained 5 steps" in proc.stdout and proc.stdout.count("trained 5 steps") == 1   # rank 0 prints
+    # rank 0 evaluated as often as one process (runs A and B: 3 + 1 times), the other rank never
+    counts = [json.loads((tmp_path / f"evaluations-{rank}.json").read_text()) for rank in (0, 1)]
+    assert counts == [evaluations(), 0] == [4, 0]
 
 
 def test_batch_must_split_into_equal_shares(tmp_path, monkeypatch):
@@ -54,15 +69,29 @@ def test_batch_must_split_into_equal_shares(tmp_path, monkeypatch):
         check_world(RunConfig().override(*BASE, "train.grad_accum=8"), 2)
 
 
+def _count_evaluations(patch=setattr):
+    """Count the trainer's calls of `lengthgen.eval.evaluate` from now on (``patch``: pytest's
+    ``monkeypatch.setattr`` in the test); returns a function reading the count."""
+    import lengthgen.train.trainer as trainer
+
+    calls, evaluate = [], trainer.evaluate
+    patch(trainer, "evaluate", lambda *args, **kwargs: calls.append(1) or evaluate(*args, **kwargs))
+    return lambda: len(calls)
+
+
 def _worker(out: Path) -> None:
-    """Runs under torchrun: run A through the Python API, run B through the CLI (which leaves the group)."""
+    """Runs under torchrun: run A through the Python API, run B through the CLI (which leaves the group); each
+    rank writes how many evaluations it ran."""
     from lengthgen.cli import main
     from lengthgen.train.config import RunConfig
     from lengthgen.train import train
 
+    evaluations = _count_evaluations()
     train(RunConfig().override(*RUN_A), out / "ddp-a", progress=False)
     args = ["train"] + [a for o in RUN_B for a in ("--set", o)] + ["--out", str(out / "ddp-b"), "--no-progress"]
-    sys.exit(main(args))
+    code = main(args)
+    (out / f"evaluations-{os.environ['RANK']}.json").write_text(json.dumps(evaluations()))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ of the ranks' shards is exactly the single-process batch. `parallelize` wraps th
   reduce-scattered and averaged. Checkpoints hold full weights: `gather_full` collects them on rank 0 and
   `load_full` shards them back.
 
-Only rank 0 logs and writes checkpoints; every rank takes part in the evaluations (FSDP2 forwards are
-collective).
+Only rank 0 logs and writes checkpoints. Under DDP rank 0 alone evaluates and hands the results to the others
+(`on_main`); under FSDP2 every rank takes part in the evaluations (its forwards are collective).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ Beside the loop: `setup` (config, lengths, device, dtype, what a resume may chan
 (``train.init_from``, `load_run`), `checkpoint`, `run_folder` (its lock and rules: fresh or resume, checkpoint
 fallback), `log` (``metrics.jsonl``), `optim` (optimizers, QK-clip). Under ``torchrun`` the model is wrapped in DDP
 or sharded with FSDP2 (``train.parallel``) and each rank trains on its contiguous share of the global batch
-(`distributed`); only rank 0 holds the folder's lock, logs, checkpoints (full weights) and writes ``eval.json``.
+(`distributed`); only rank 0 holds the folder's lock, logs, checkpoints (full weights) and writes ``eval.json``;
+under DDP it alone evaluates too, and hands the results to the other ranks.
 """
 
 from __future__ import annotations
@@ -312,7 +313,14 @@ class Trainer:
                                    final_train_loss=self.history[-1] if self.history else None)
 
     def _evaluations(self) -> tuple[RunEval, RunEval | None]:
-        """`evaluate` with the live weights and, once BEMA has started, with the BEMA weights (else None)."""
+        """`evaluate` with the live weights and, once BEMA has started, with the BEMA weights (else None). Under
+        DDP rank 0 alone evaluates and hands the results to the other ranks (`distributed.on_main`): every rank
+        holds the whole model; FSDP2's forward is collective, so there every rank evaluates."""
+        if distributed.is_sharded(self.model):
+            return self._evaluate_both()
+        return distributed.on_main(self._evaluate_both)
+
+    def _evaluate_both(self) -> tuple[RunEval, RunEval | None]:
         live = self.evaluate()
         if self.bema is None or not self.bema.started:
             return live, None
@@ -327,8 +335,8 @@ class Trainer:
 
     def _final_eval(self, evaluations: tuple[RunEval, RunEval | None] | None = None) -> None:
         """At the end of training, when eval lengths go beyond the training length: eval.json and eval_bema.json,
-        from ``evaluations`` (the last step's periodic ones, the same batches and weights) or evaluated now (every
-        rank evaluates, as FSDP2's forward is collective; rank 0 writes)."""
+        from ``evaluations`` (the last step's periodic ones, the same batches and weights) or evaluated now
+        (`_evaluations`; rank 0 writes)."""
         cfg, tc = self.config, self.config.train
         if not (tc.eval_batches and tc.eval_lengths and max(tc.eval_lengths) > max(cfg.lengths())):
             return
