@@ -67,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
     status 2 and a one-line message, a diverged run (non-finite loss) with status 1 and one line, Ctrl-C with 130
     and one line, running out of memory with status 1 and one line; run folder and config warnings are one line
-    too."""
+    too. Under torchrun a line that every rank would print alike is printed by rank 0 alone
+    (`distributed.reported_by_rank0`); the process group is left at the end."""
     from lengthgen.config import ConfigError, ConfigWarning
     from lengthgen.eval import ResultsError
     from lengthgen.optional import MissingPackageError
-    from lengthgen.train import NonFiniteLossError
+    from lengthgen.train import NonFiniteLossError, distributed
     from lengthgen.train.checkpoint import CheckpointError
     from lengthgen.train.run_folder import RunFolderError, RunFolderWarning
 
@@ -91,31 +92,38 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lengthgen {args.command}: warning: {message}", file=sys.stderr)
 
         warnings.showwarning = one_line
+
+        def report(err: BaseException, message: str) -> None:
+            if not distributed.reported_by_rank0(err):
+                print(f"lengthgen {args.command}: {message}", file=sys.stderr)
+
         try:
             return args.handler(args)
         except (CommandError, ConfigError, ResultsError, RunFolderError, CheckpointError, MissingPackageError,
                 FileNotFoundError) as err:
-            print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
+            report(err, f"error: {err}")
             return 2
         except (FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as err:  # bad --out paths
-            print(f"lengthgen {args.command}: error: {err.filename}: {err.strerror.lower()}", file=sys.stderr)
+            report(err, f"error: {err.filename}: {err.strerror.lower()}")
             return 2
         except NonFiniteLossError as err:       # the run diverged: not bad input, but no traceback either
-            print(f"lengthgen {args.command}: error: {err}", file=sys.stderr)
+            report(err, f"error: {err}")
             return 1
-        except KeyboardInterrupt:               # Ctrl-C: checkpoints on disk are intact (atomic writes)
-            print(f"lengthgen {args.command}: interrupted{_again(args)}", file=sys.stderr)
+        except KeyboardInterrupt as err:        # Ctrl-C: checkpoints on disk are intact (atomic writes)
+            report(err, f"interrupted{_again(args)}")
             return 130
         except (MemoryError, RuntimeError) as err:
             what = out_of_memory(err)
             if what is None:
                 raise
-            print(f"lengthgen {args.command}: error: out of memory ({what}); use shorter lengths, fewer tokens or "
-                  f"a smaller batch{_again(args)}", file=sys.stderr)
+            report(err, f"error: out of memory ({what}); use shorter lengths, fewer tokens or a smaller "
+                        f"batch{_again(args)}")
             return 1
         except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
+        finally:
+            distributed.cleanup()
 
 
 __all__ = ["COMMANDS", "CommandError", "build_parser", "main"]

@@ -51,13 +51,9 @@ def train_command(args: argparse.Namespace) -> int:
     warn_unused(cfg)
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
-    try:
-        result = train(cfg, out, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,
-                       extend=args.extend)
-    finally:
-        rank = distributed.env_world()[0]
-        distributed.cleanup()
-    if rank != 0:  # torchrun: rank 0 reports
+    result = train(cfg, out, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,
+                   extend=args.extend)
+    if distributed.env_world()[0] != 0:  # torchrun: rank 0 reports (`main` leaves the process group)
         return 0
     final = f"{result.history[-1]:.4g}" if result.history else "n/a"
     print(f"trained {result.step} steps; final loss {final}; run folder {result.run_dir}")

@@ -194,7 +194,7 @@ def _by_name(state: dict, names: list[str]) -> dict:
 
 def on_main(decide: Callable[[], T]) -> T:
     """Rank 0 runs ``decide()``; every rank returns its result or raises the exception it raised (so the other
-    ranks stop with rank 0 instead of waiting for it in a collective)."""
+    ranks stop with rank 0 instead of waiting for it in a collective), marked ``every_rank`` (`reported_by_rank0`)."""
     outcome: list = [None, None]
     if not active() or dist.get_rank() == 0:
         try:
@@ -204,8 +204,18 @@ def on_main(decide: Callable[[], T]) -> T:
     if active():
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
+        outcome[1].every_rank = True
         raise outcome[1]
     return outcome[0]
+
+
+def reported_by_rank0(err: BaseException) -> bool:
+    """Whether this rank may leave ``err`` to rank 0 to report: it is another rank of a torchrun launch, and every
+    rank raised ``err`` alike: before joining the process group (reading the arguments and config, as every rank
+    does) or marked ``every_rank`` (`on_main` hands rank 0's error on; `NonFiniteLossError`: the loss is
+    averaged over ranks). An error of this rank's own (out of memory, a crash) is its own to report."""
+    rank, world, _ = env_world()
+    return world > 1 and rank != 0 and (not dist.is_initialized() or getattr(err, "every_rank", False))
 
 
 def cleanup() -> None:
@@ -215,4 +225,4 @@ def cleanup() -> None:
 
 
 __all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "cleanup", "env_world", "gather_full",
-           "gradient_sync", "is_sharded", "load_full", "on_main", "parallelize", "setup"]
+           "gradient_sync", "is_sharded", "load_full", "on_main", "parallelize", "reported_by_rank0", "setup"]

@@ -62,7 +62,10 @@ _EVAL_KEYS = ("eval_lengths", "eval_batches", "eval_batch_size")
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss (or gradient norm) became NaN or infinite; the message names the step and the last checkpoint."""
+    """The loss (or gradient norm) became NaN or infinite; the message names the step and the last checkpoint.
+    Under torchrun every rank raises it at the same step (the loss and gradients are averaged over ranks)."""
+
+    every_rank = True       # rank 0 alone reports it (`distributed.reported_by_rank0`)
 
 
 @dataclass
@@ -96,12 +99,13 @@ class Trainer:
             _ = self.eval_source      # a validation corpus of its own is read now: a bad one fails before training
         self.run_dir = Path(out_dir)
         kind = device_type(tc)
-        self.rank, self.world, local_rank = distributed.setup(kind)
+        self.rank, self.world, local_rank = distributed.env_world()
+        if self.world > 1:      # before joining the process group: rank 0 alone reports a bad config
+            check_world(cfg, self.world)
+        distributed.setup(kind)
         self.is_main = self.rank == 0
         self.progress = progress and self.is_main
         self.device = torch.device(f"cuda:{local_rank}" if kind == "cuda" and self.world > 1 else kind)
-        if self.world > 1:
-            check_world(cfg, self.world)
         if self.is_main:
             for note in split_batch_notes(cfg, self.world):
                 warnings.warn(note, ConfigWarning, stacklevel=2)

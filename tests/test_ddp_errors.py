@@ -1,0 +1,54 @@
+"""Errors under torchrun (2 gloo ranks): an error every rank has alike is printed once, by rank 0; an error of
+one rank's own is printed by that rank.
+
+The test launches this file twice with ``torchrun --standalone --nproc_per_node=2``; run as a script, each rank
+calls ``lengthgen train`` with a bad ``--set`` key (found before the ranks join the process group), then into a
+folder holding something else (rank 0's check, handed to the other rank), or (``own``) with each rank failing
+its own way after joining; it writes the exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from helpers import DISTRIBUTED_RUN as BASE
+from helpers import torchrun_two
+
+
+def test_an_error_of_every_rank_is_printed_once(tmp_path):
+    stderr = torchrun_two(__file__, tmp_path, "shared").stderr + torchrun_two(__file__, tmp_path, "own").stderr
+    pieces = ["train.bogus is not a valid key", f"{tmp_path / 'taken'} already holds notes.txt",
+              "rank 0 failed its own way", "rank 1 failed its own way"]   # (two ranks' lines may interleave)
+    assert [stderr.count(piece) for piece in pieces] == [1] * 4, stderr
+    assert stderr.count("lengthgen train: error: ") == 4, stderr
+    codes = [json.loads((tmp_path / f"{name}-{rank}.json").read_text()) for name in ("shared", "own") for rank in "01"]
+    assert codes == [[2, 2], [2, 2], [2], [2]]
+
+
+def _worker(out: Path, scenario: str) -> None:
+    import lengthgen.train.trainer as trainer
+    from lengthgen.cli import main
+    from lengthgen.config import ConfigError
+
+    rank = os.environ["RANK"]
+    run = ["train", *(a for o in BASE for a in ("--set", o)), "--no-progress", "--out"]
+    if scenario == "shared":
+        if rank == "0":
+            (out / "taken").mkdir()
+            (out / "taken" / "notes.txt").write_text("not a run")
+        codes = [main(["train", "--set", "train.bogus=1", "--out", str(out / "bogus")]),
+                 main([*run, str(out / "taken")])]
+    else:
+        def fail(self, stop_at=None):
+            raise ConfigError(f"rank {self.rank} failed its own way")
+
+        trainer.Trainer.fit = fail
+        codes = [main([*run, str(out / "own")])]
+    (out / f"{scenario}-{rank}.json").write_text(json.dumps(codes))
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2])
