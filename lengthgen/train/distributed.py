@@ -210,12 +210,15 @@ def on_main(decide: Callable[[], T]) -> T:
 
 
 def reported_by_rank0(err: BaseException) -> bool:
-    """Whether this rank may leave ``err`` to rank 0 to report: it is another rank of a torchrun launch, and every
-    rank raised ``err`` alike: before joining the process group (reading the arguments and config, as every rank
-    does) or marked ``every_rank`` (`on_main` hands rank 0's error on; `NonFiniteLossError`: the loss is
-    averaged over ranks). An error of this rank's own (out of memory, a crash) is its own to report."""
-    rank, world, _ = env_world()
-    return world > 1 and rank != 0 and (not dist.is_initialized() or getattr(err, "every_rank", False))
+    """Whether this rank may leave ``err`` to another to report, in a torchrun launch where every rank raised
+    ``err`` alike: before joining the process group (reading the arguments and config, as every rank of a node
+    does: local rank 0 of each node reports it, so a file missing on one node is still named) or marked
+    ``every_rank`` (`on_main` hands rank 0's error on; `NonFiniteLossError`: the loss is averaged over ranks; rank
+    0 reports it). An error of this rank's own (out of memory, a crash) is its own to report."""
+    rank, world, local_rank = env_world()
+    if world == 1:
+        return False
+    return local_rank != 0 if not dist.is_initialized() else rank != 0 and getattr(err, "every_rank", False)
 
 
 def cleanup() -> None:
