@@ -188,10 +188,37 @@ def test_a_window_no_length_reaches_is_one_warning_naming_the_key_and_lengths(tm
     windows = "compare.variants={baseline = {}, wide = {model.attention.window = 16}, narrow = " \
               "{model.attention.window = 8}}"
     cfg = base_config(None, TINY + ["data.length=8", "compare.eval_lengths=[8, 16]", "compare.eval_tokens=32",
-                                    windows])
+                                    "train.warmup_steps=0", windows])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_compare(cfg, tmp_path / "out", progress=False, log=lambda _: None)
     said = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
     assert said == ["variant wide: model.attention.window=16 has no effect at lengths 8, 16: it hides no key, so its "
                     "layers are full causal attention, as without a window; set a window below 16"]
+
+
+def test_each_variant_is_warned_once_about_what_its_run_never_reaches_before_anything_trains(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """A key a variant sets without effect (tau without a distance term, a p-RoPE fraction without p-RoPE, a Muon
+    schedule with AdamW) is one warning naming the variants that set it; the base's own note is said once, unnamed."""
+    class Trained(Exception):
+        pass
+
+    def run(self, jobs):                # nothing trains: the warnings come first
+        raise Trained
+
+    monkeypatch.setattr("lengthgen.experiments.compare.Runner.run", run)
+    variants = "compare.variants={baseline = {}, tau = {model.attention.tau = 2.0}, prope = " \
+               "{model.attention.prope_fraction = 0.5}, muon = {train.muon_momentum_warmup = 3}, both = " \
+               "{model.attention.tau = 2.0, train.muon_momentum_warmup = 3}}"
+    overrides = [*TINY, "data.length=8", "compare.eval_lengths=[8, 16]", "train.warmup_steps=4", variants]
+    with pytest.raises(Trained):
+        main(["compare", *(a for o in overrides for a in ("--set", o)), "--out", str(tmp_path / "c"), "--no-progress"])
+    said = [line.removeprefix("lengthgen compare: warning: ") for line in capsys.readouterr().err.splitlines()]
+    assert said == ["train.warmup_steps=4 > train.steps=3: the learning rate only reaches 0.75 x train.lr",
+                    "variants tau, both: model.attention.tau=2.0 has no effect: it is read only with distance "
+                    "scale_invariant or log_bias",
+                    "variant prope: model.attention.prope_fraction=0.5 has no effect: it is read only with position "
+                    "prope",
+                    "variants muon, both: train.muon_momentum_warmup=3: no effect with train.optimizer='adamw' "
+                    "(Muon's momentum only)"]

@@ -120,7 +120,6 @@ def compare_command(args: argparse.Namespace) -> int:
                                                           for key, (flag, value) in flags.items()}))
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
         cfg = cfg.override(f"compare.metric={default_metric(cfg)}")
-    warn_unused(cfg)
     variants, bases = ([v.strip() for v in text.split(",")] if text else None for text in (args.variants, args.bases))
     try:
         check_metric(make_source(cfg.data), cfg.compare.get("metric"))

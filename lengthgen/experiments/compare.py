@@ -240,7 +240,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric, higher_is_better = check_metric(source, cc.metric)
-    _warn_idle_windows(runs, sorted({train_length, *eval_lengths}))
+    _warn_unused(cfg, runs, sorted({train_length, *eval_lengths}))
     folders = {(name, seed): f"{name}-seed{seed}" for name in runs.runs for seed in cc.seeds}   # under out/runs
     with lock(out), Runner(cc.workers, log) as runner:
         if resume:
@@ -272,17 +272,23 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     return comparison
 
 
-def _warn_idle_windows(runs: Plan, lengths: list[int]) -> None:
-    """One `ConfigWarning` per attention window at least as long as every length the comparison trains and evaluates
-    at (``lengths``; `GPTConfig.idle_windows`), naming the variants that have it: each is its base without the
-    window."""
+def _warn_unused(cfg: RunConfig, runs: Plan, lengths: list[int]) -> None:
+    """One `ConfigWarning` per note of `RunConfig.unused` and `GPTConfig.idle_windows` at ``lengths`` (those the
+    comparison trains and evaluates at): the base config's, then each note a run adds, naming the variants whose runs
+    have it."""
+    notes = lambda c: c.unused() + c.model.idle_windows(lengths)  # noqa: E731
+    base = notes(cfg)
     having: dict[str, list[str]] = {}
     for run in runs.runs:
-        for note in runs.config(run, runs.compare.seeds[0]).model.idle_windows(lengths):
-            having.setdefault(note, []).append(run)
+        for note in notes(runs.config(run, runs.compare.seeds[0], "pretrained" if runs.compare.pretrain_steps
+                                      else None)):
+            if note not in base:
+                having.setdefault(note, []).append(run)
+    for note in base:
+        warnings.warn(note, ConfigWarning, stacklevel=2)
     for note, names in having.items():
-        warnings.warn(f"variant{'s' if len(names) > 1 else ''} {', '.join(names)}: {note}; set a window below "
-                      f"{max(lengths)}", ConfigWarning, stacklevel=2)
+        warnings.warn(f"variant{'s' if len(names) > 1 else ''} {', '.join(names)}: {note}", ConfigWarning,
+                      stacklevel=2)
 
 
 def _check_kept(folder: Path, planned: set[str]) -> None:

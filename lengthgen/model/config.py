@@ -200,7 +200,7 @@ class GPTConfig:
                 key = "model.attention" if spec is self.attention else "model.layer_attention"
                 notes.setdefault((key, spec.window), f"{key}.window={spec.window} has no effect at lengths "
                                  f"{', '.join(map(str, lengths))}: it hides no key, so its layers are full causal "
-                                 "attention, as without a window")
+                                 f"attention, as without a window; set a window below {max(lengths)}")
         return list(notes.values())
 
     def attention_layers(self) -> list[bool]:
