@@ -1022,6 +1022,35 @@ def test_attention_fields_no_layer_reads_are_one_line_warnings(tmp_path, capsys)
         in capsys.readouterr().err
 
 
+def test_a_window_no_length_reaches_is_a_train_warning_and_compare_checks_its_own_lengths(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """A window at least as long as every length a run trains and evaluates at (data.length, train.eval_lengths)
+    is full attention: train says so in one line. Compare checks the base at its own lengths (compare.eval_lengths),
+    once: no warning for a window its evaluation reaches, one unnamed for a window none reaches."""
+    window = "model.attention.window=16 has no effect at lengths 8, 16: it hides no key, so its layers are full " \
+             "causal attention, as without a window; set a window below 16"
+    assert main(["train", *sets("model.attention.window=16", "train.eval_lengths=[8, 16]"), "--out",
+                 str(tmp_path / "run")]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line] == \
+        [f"lengthgen train: warning: {window}"]
+    assert main(["train", *sets("model.attention.window=8", "train.eval_lengths=[8, 16]"), "--out",
+                 str(tmp_path / "reached")]) == 0
+    assert ": warning: " not in capsys.readouterr().err
+
+    class Trained(Exception):
+        pass
+
+    def run(self, jobs):                # nothing trains: the warnings come first
+        raise Trained
+
+    monkeypatch.setattr("lengthgen.experiments.compare.Runner.run", run)
+    for size, warned in ((12, []), (16, [f"lengthgen compare: warning: {window}"])):
+        with pytest.raises(Trained):
+            main(["compare", "--variants", "baseline,l2", *sets(f"model.attention.window={size}",
+                  "compare.eval_lengths=[8, 16]", "train.warmup_steps=0"), "--out", str(tmp_path / f"c{size}")])
+        assert [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line] == warned
+
+
 @pytest.mark.parametrize("override, message", [
     ('data.text={corpus = "stdlib"}', "data.text is set, but data.kind='task' does not read it: set data.kind=text "
                                       "or data.text={}"),

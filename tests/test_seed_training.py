@@ -264,7 +264,7 @@ def test_a_run_steps_muon_with_the_scheduled_momentum(tmp_path, monkeypatch):
     train(cfg, tmp_path / "resumed", progress=False, stop_at=4)
     assert train(cfg, tmp_path / "resumed", progress=False, resume=True).history == full.history
     assert "train.muon_momentum_warmup=3 and train.muon_momentum_cooldown=2: no effect with train.optimizer=" \
-        "'adamw'" in config("train.muon_momentum_warmup=3", "train.muon_momentum_cooldown=2").unused()[0]
+        "'adamw'" in config("train.muon_momentum_warmup=3", "train.muon_momentum_cooldown=2").unused([8])[0]
 
 
 @pytest.mark.gpu

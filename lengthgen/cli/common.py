@@ -117,11 +117,12 @@ def flag_overrides(args: argparse.Namespace, flags: dict[str, tuple[str, str | N
     return list(args.overrides) + [f"{key}={value}" for key, (_, value) in given.items()]
 
 
-def warn_unused(cfg) -> None:
-    """A one-line warning (`ConfigWarning`) for each part of the run config the run never reaches."""
+def warn_unused(cfg, lengths: list[int]) -> None:
+    """A one-line warning (`ConfigWarning`) for each part of the run config the run never reaches at ``lengths``
+    (those it trains and evaluates at; `RunConfig.unused`)."""
     from lengthgen.config import ConfigWarning
 
-    for note in cfg.unused():
+    for note in cfg.unused(lengths):
         warnings.warn(note, ConfigWarning, stacklevel=2)
 
 

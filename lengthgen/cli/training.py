@@ -48,7 +48,7 @@ def train_command(args: argparse.Namespace) -> int:
         raise CommandError("--extend changes train.steps of a resumed run: add --resume")
     cfg = load_config(args.config, flag_overrides(args))
     compare_config(cfg)         # a preset's [compare] section is checked here too: its typos are not silent
-    warn_unused(cfg)
+    warn_unused(cfg, sorted({*cfg.lengths(), *(cfg.train.eval_lengths or [cfg.data.length])}))
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
     result = train(cfg, out, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,

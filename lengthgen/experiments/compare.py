@@ -273,15 +273,13 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
 
 
 def _warn_unused(cfg: RunConfig, runs: Plan, lengths: list[int]) -> None:
-    """One `ConfigWarning` per note of `RunConfig.unused` and `GPTConfig.idle_windows` at ``lengths`` (those the
-    comparison trains and evaluates at): the base config's, then each note a run adds, naming the variants whose runs
-    have it."""
-    notes = lambda c: c.unused() + c.model.idle_windows(lengths)  # noqa: E731
-    base = notes(cfg)
+    """One `ConfigWarning` per note of `RunConfig.unused` at ``lengths`` (those the comparison trains and evaluates
+    at): the base config's, then each note a run adds, naming the variants whose runs have it."""
+    base = cfg.unused(lengths)
     having: dict[str, list[str]] = {}
     for run in runs.runs:
-        for note in notes(runs.config(run, runs.compare.seeds[0], "pretrained" if runs.compare.pretrain_steps
-                                      else None)):
+        for note in runs.config(run, runs.compare.seeds[0], "pretrained" if runs.compare.pretrain_steps else None
+                                ).unused(lengths):
             if note not in base:
                 having.setdefault(note, []).append(run)
     for note in base:

@@ -185,10 +185,11 @@ class RunConfig:
                               f"data.length and train.stages); set train.tokens_per_step to at least "
                               f"{max(self.lengths())}", f"RunConfig.train.{key}")
 
-    def unused(self) -> list[str]:
-        """`TrainConfig.unused`, `GPTConfig.unused`, and document masking on a task (its sequences are one document
-        each)."""
-        notes = self.train.unused() + self.model.unused()
+    def unused(self, lengths: list[int]) -> list[str]:
+        """`TrainConfig.unused`, `GPTConfig.unused`, sliding windows that hide no key at ``lengths`` (those the
+        command trains and evaluates at; `GPTConfig.idle_windows`), and document masking on a task (its sequences
+        are one document each)."""
+        notes = self.train.unused() + self.model.unused() + self.model.idle_windows(lengths)
         if self.data.kind == "task" and any(spec.doc_masking for spec in self.model.layer_specs()):
             notes.append(f"attention doc_masking has no effect on data.kind='task' ({self.data.task}): a task's "
                          "sequences are one document each")
