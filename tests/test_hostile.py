@@ -998,8 +998,8 @@ def test_unreachable_stages_warmup_and_task_doc_masking_are_one_line_warnings(tm
                  str(tmp_path / "reached")]) == 0
     assert ": warning: " not in capsys.readouterr().err
     assert main(["train", *sets("model.attention.doc_masking=true"), "--out", str(tmp_path / "task")]) == 0
-    assert "lengthgen train: warning: attention doc_masking has no effect on data.kind='task' (counting): a task's " \
-        "sequences are one document each\n" in capsys.readouterr().err
+    assert "lengthgen train: warning: model.attention.doc_masking=True has no effect on data.kind='task' " \
+        "(counting): a task's sequences are one document each\n" in capsys.readouterr().err
     assert main(["train", *sets("train.bema.enabled=true", "train.bema.tau=4"), "--out", str(tmp_path / "bema")]) == 0
     assert "lengthgen train: warning: train.bema.tau=4 >= train.steps=4: BEMA never starts" in capsys.readouterr().err
 

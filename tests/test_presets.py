@@ -7,6 +7,7 @@ GPU preset."""
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -74,16 +75,23 @@ def test_seed_preset_compare_plans_every_run(path):
 
 
 @pytest.mark.parametrize("path", CONFIGS + ANALOGS, ids=label)
-def test_compare_of_every_config_evaluates_at_lengths_its_data_has(path):
+def test_compare_of_every_config_evaluates_at_lengths_its_data_has_and_warns_of_nothing(path):
     """``lengthgen compare --config PATH`` as shipped: its eval lengths (the [compare] section's, else the training
-    length x 1 ... 16) are lengths its data can generate (mqar's vocabulary stops at 131: compare refused it)."""
-    from lengthgen.experiments.compare import compare_config
+    length x 1 ... 16) are lengths its data can generate (mqar's vocabulary stops at 131: compare refused it), and
+    no run of it has a setting it never reaches (seed 000's NoPE base inherits prope_fraction and rope_min_freq:
+    turning positions off is that base's point, not a setting to warn about)."""
+    from lengthgen.config import ConfigWarning
+    from lengthgen.experiments.compare import _warn_unused, compare_config
     from lengthgen.experiments.eval_run import checked_lengths
     from lengthgen.train.setup import resolve
 
     cfg = base_config(path)
-    lengths = compare_config(cfg).eval_lengths
-    checked_lengths(*resolve(cfg), lengths, "compare.eval_lengths")        # what run_compare checks first
+    resolved, source = resolve(cfg)
+    lengths = checked_lengths(resolved, source, compare_config(cfg).eval_lengths, "compare.eval_lengths")
+    with warnings.catch_warnings(record=True) as caught:                   # what run_compare checks first
+        warnings.simplefilter("always")
+        _warn_unused(resolved, plan(cfg), sorted({max(resolved.lengths()), *lengths}))
+    assert [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)] == []
 
 
 def test_seed000_protocol_runs_tiny(tmp_path):

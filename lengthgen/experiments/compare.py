@@ -274,13 +274,16 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
 
 def _warn_unused(cfg: RunConfig, runs: Plan, lengths: list[int]) -> None:
     """One `ConfigWarning` per note of `RunConfig.unused` at ``lengths`` (those the comparison trains and evaluates
-    at): the base config's, then each note a run adds, naming the variants whose runs have it."""
-    base = cfg.unused(lengths)
+    at): the base config's, then each note a run adds about a key its base or variant changes, naming the variants
+    whose runs have it. A key a run inherits and only turns off (the config's ``prope_fraction`` in a NoPE base) is
+    not its note: turning it off was the point."""
+    base, values = cfg.unused(lengths), dict(leaves(cfg.to_dict()))
     having: dict[str, list[str]] = {}
     for run in runs.runs:
-        for note in runs.config(run, runs.compare.seeds[0], "pretrained" if runs.compare.pretrain_steps else None
-                                ).unused(lengths):
-            if note not in base:
+        run_cfg = runs.config(run, runs.compare.seeds[0], "pretrained" if runs.compare.pretrain_steps else None)
+        changed = [".".join(path) for path, value in leaves(run_cfg.to_dict()) if values.get(path) != value]
+        for note in run_cfg.unused(lengths):
+            if note not in base and any(f"{key}=" in note for key in changed):
                 having.setdefault(note, []).append(run)
     for note in base:
         warnings.warn(note, ConfigWarning, stacklevel=2)

@@ -190,9 +190,11 @@ class RunConfig:
         command trains and evaluates at; `GPTConfig.idle_windows`), and document masking on a task (its sequences
         are one document each)."""
         notes = self.train.unused() + self.model.unused() + self.model.idle_windows(lengths)
-        if self.data.kind == "task" and any(spec.doc_masking for spec in self.model.layer_specs()):
-            notes.append(f"attention doc_masking has no effect on data.kind='task' ({self.data.task}): a task's "
-                         "sequences are one document each")
+        masking = sorted({"model.attention" if spec is self.model.attention else "model.layer_attention"
+                          for spec in self.model.layer_specs() if spec.doc_masking})
+        if self.data.kind == "task" and masking:
+            notes.append(f"{' and '.join(f'{key}.doc_masking=True' for key in masking)} has no effect on "
+                         f"data.kind='task' ({self.data.task}): a task's sequences are one document each")
         return notes
 
     # -- derived -------------------------------------------------------------------------------------
