@@ -15,11 +15,11 @@ from lengthgen.train.config import RunConfig
 TEXT = {"kind": "text", "text": {"corpus": "stdlib", "tokenizer": "byte"}}
 
 
-def written_run(folder, data: dict, vocab: int = 259, edit=None, **model):
+def written_run(folder, data: dict, vocab: int = 259, edit=None, train: dict | None = None, **model):
     """A run folder with one checkpoint of a small GPT (``model`` keys changed), its weights moved off their init
     (then ``edit(gpt)``)."""
     cfg = RunConfig.from_dict({"model": {"dim": 32, "layers": 2, "heads": 2, "vocab_size": vocab, "head": "lm",
-                                         "tie_embeddings": False, **model}, "data": data})
+                                         "tie_embeddings": False, **model}, "data": data, "train": train or {}})
     torch.manual_seed(0)
     gpt = GPT(cfg.model)
     with torch.no_grad():
@@ -101,3 +101,21 @@ def test_a_run_recorded_with_a_backend_this_machine_lacks_falls_back_to_auto(tmp
     gpt.attentions[0].backend = gpt.attentions[1].backend = "auto"
     prompt = torch.tensor([[ByteTokenizer().bos_id, *b"ab"]])
     assert text == "ab" + bytes(gpt.generate(prompt, 3)[0, 3:].tolist()).decode("utf-8", "replace")
+
+
+def test_sample_runs_under_the_runs_threads(tmp_path, capsys, monkeypatch):
+    """train.threads applies to sampling as to training and evaluation; the caller's threads come back after."""
+    written_run(tmp_path / "run", TEXT, train={"threads": 1})
+    seen = []
+
+    def generate(self, *args, original=GPT.generate, **kwargs):
+        seen.append(torch.get_num_threads())
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(GPT, "generate", generate)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        sample(capsys, str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "2")
+        assert seen == [1] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(saved)

@@ -10,7 +10,7 @@ import torch
 from lengthgen.config import ConfigError, check_value
 from lengthgen.data.text import make_tokenizer
 from lengthgen.train import load_run
-from lengthgen.train.setup import autocast_dtype, for_inference
+from lengthgen.train.setup import autocast_dtype, for_inference, run_threads
 
 
 def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -19,8 +19,8 @@ def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temp
 
     The prompt is encoded with the run's tokenizer after a BOS (every training document starts with one), then
     continued by `GPT.generate` (``temperature`` 0: greedy; ``top_k``; a generator seeded with ``seed``) on the
-    run's device and autocast (`for_inference`), and decoded up to the first BOS or EOS the model writes (its
-    document ends there) or id the tokenizer lacks (a padded vocabulary's rows).
+    run's device, autocast (`for_inference`) and CPU threads (`run_threads`), and decoded up to the first BOS or EOS
+    the model writes (its document ends there) or id the tokenizer lacks (a padded vocabulary's rows).
     A task run is a `ConfigError`: its ids are the task's symbols, not text.
     """
     seed = check_value("seed", seed, int, ge=0, le=2**63 - 1)
@@ -33,7 +33,7 @@ def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temp
     model, kind = for_inference(model, cfg.train)
     ids = tokenizer.encode(prompt)
     dtype = autocast_dtype(cfg.train, kind)
-    with torch.autocast(kind, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+    with run_threads(cfg.train), torch.autocast(kind, dtype=dtype) if dtype is not None else contextlib.nullcontext():
         out = model.generate(torch.tensor([[tokenizer.bos_id, *ids]], device=kind), max_new_tokens,
                              temperature=temperature, top_k=top_k, generator=torch.Generator(kind).manual_seed(seed),
                              bos_id=tokenizer.bos_id)

@@ -123,8 +123,8 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model (on CPU too, where compiling takes minutes)")
     parallel: Parallel = option("ddp", "under torchrun: ddp (every rank holds the model) or fsdp (FSDP2 "
                                 "fully_shard: weights, gradients and optimizer states split across ranks)")
-    threads: int = option(0, "CPU threads (torch.set_num_threads) while training and evaluating the run (eval, "
-                          "needle, compare, retrofit); 0: torch's default", ge=0, le=1024)
+    threads: int = option(0, "CPU threads (torch.set_num_threads) while training, evaluating and sampling the run "
+                          "(eval, needle, compare, retrofit, sample); 0: torch's default", ge=0, le=1024)
     init_from: str | None = option(None, "start from this run folder's or checkpoint's weights with a fresh "
                                    "optimizer; parameters the attention spec adds keep their init")
 
