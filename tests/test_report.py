@@ -193,6 +193,9 @@ def test_an_undefined_metric_says_why_and_never_prints_nan():
     assert (f"no variant is named best (no value): no variant has a finite value in every seed; accuracy is "
             f"undefined there: {why}.") in terminal
     assert f"length 64: accuracy undefined: {why} [chance 0.1], loss n/a" in summary
+    r = results.variants["a"][0].at(64)         # the one formatter of the summaries and compare's log lines
+    assert (r.value_text("accuracy"), r.value_text("loss"), r.value_text("absent")) == (f"undefined: {why}", "n/a",
+                                                                                        "n/a")
     assert not re.search(r"\bnan", text + terminal + summary)
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import re
 import subprocess
 import types
@@ -116,6 +117,14 @@ class LengthEval:
         return cls(d["length"], d["batch_size"], d["batch"], d["at_length"], d["mean"], rows(d["buckets"]),
                    rows(d["prefix"]), [rows(layer) for layer in d.get("diagnostics", [])], d.get("chance", {}),
                    rows(d.get("chance_buckets", {})), d.get("undefined", {}))
+
+    def value_text(self, name: str) -> str:
+        """``name`` at length L as the terminal, the logs and the reports print it: 4 significant digits,
+        ``undefined: why`` where the source says why it is NaN, else ``n/a``."""
+        v = self.at_length.get(name, math.nan)
+        if not math.isnan(v):
+            return f"{v:.4g}"
+        return f"undefined: {self.undefined[name]}" if name in self.undefined else "n/a"
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import multiprocessing
 import os
 import signal
@@ -158,8 +157,7 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
         out.append((key, dataclasses.replace(evaluation, train_seconds=trained.trainer.train_seconds,
                                              train_tokens=trained.trainer.tokens)))
         log(f"[{key} seed {job.config.train.seed}] {job.metric} at length " + ", ".join(
-            f"{r.length}: " + (f"undefined ({r.undefined[job.metric]})" if job.metric in r.undefined
-                               else f"{r.at_length.get(job.metric, math.nan):.4g}") for r in evaluation.lengths)
+            f"{r.length}: {r.value_text(job.metric)}" for r in evaluation.lengths)
             + f" (evaluated in {time.perf_counter() - start:.0f} s)")
     return out
 

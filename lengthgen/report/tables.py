@@ -254,9 +254,8 @@ def position_table(rows: list[LengthEval], metric: str = "loss", *, train_length
 def _summary_value(r: LengthEval, name: str) -> str:
     """``name 0.5 (0.4)``: at length L and, where it differs, over all positions; ``name undefined: why`` for NaN."""
     v = r.at_length[name]
-    if math.isnan(v):
-        return f"{name} " + (f"undefined: {r.undefined[name]}" if name in r.undefined else "n/a")
-    return f"{name} {v:.4g}" + (f" ({r.mean[name]:.4g})" if name in r.mean and not same(r.mean[name], v) else "")
+    overall = not math.isnan(v) and name in r.mean and not same(r.mean[name], v)
+    return f"{name} {r.value_text(name)}" + (f" ({r.mean[name]:.4g})" if overall else "")
 
 
 def run_summary(run: RunEval, metric: str = "loss", *, train_length: int | None = None) -> str:
