@@ -156,7 +156,8 @@ def test_targets_take_the_worst_shape():
             dict(_row("flex", "scale_invariant", 4096, 9.0), status="oom")]
     result = {"parts": {
         "attention": {"status": "ok", "result": {"rows": rows}},
-        "layer": {"status": "ok", "result": {"overhead": 0.05, "length": 2048, "head_dim": 128}},
+        "layer": {"status": "ok", "result": {"overhead": 0.05, "length": 2048, "head_dim": 128,
+                                             "overheads": {"out_norm+gate": 0.05, "seed000": 0.02}}},
         "train_compiled": {"status": "ok", "result": {"mfu": 0.42, "tokens_per_s": 1e6}},
         "eval_long": {"status": "failed (rc 1): OOM"}}}
     got = {t["target"]: t for t in gpu_report.targets(result)}
@@ -168,16 +169,17 @@ def test_targets_take_the_worst_shape():
     assert got["sqrt_log_n / baseline, same backend"]["measured"] == pytest.approx(1.05)
     assert got["sqrt_log_n / baseline, same backend"]["met"] is False
     assert got["ssmax / baseline, same backend"]["met"] is True
-    assert got["out-norm + gate: extra fraction of an attention layer's fwd+bwd"]["met"] is False
+    elementwise, seed000 = (f"out-norm + {gate}: extra fraction of an attention layer's fwd+bwd"
+                            for gate in ("elementwise gate", "seed 000's per-head gate on 12 channels"))
+    assert got[elementwise]["met"] is False and got[seed000]["met"] is True
     assert got["124M GPT training MFU, compiled"]["met"] is True
     memory = got["peak memory per token, longest L / shortest L (linear in L: constant)"]
     assert memory["measured"] == pytest.approx(4.0) and memory["met"] is False and "flex l2" in memory["detail"]
     assert [t["measured"] for t in got.values() if "evaluation" in t["target"]] == [None]
     # the layer doing more work measured faster is noise: not "met"
-    result["parts"]["layer"]["result"]["overhead"] = -0.13
-    layer = {t["target"]: t for t in gpu_report.targets(result)}[
-        "out-norm + gate: extra fraction of an attention layer's fwd+bwd"]
-    assert layer["met"] is None and "invalid" in layer["detail"]
+    result["parts"]["layer"]["result"] = {"overhead": -0.13, "length": 2048, "head_dim": 128}   # before seed000
+    layer = {t["target"]: t for t in gpu_report.targets(result)}
+    assert layer[elementwise]["met"] is None and "invalid" in layer[elementwise]["detail"] and seed000 not in layer
 
 
 def test_groups_pick_the_attention_shapes(monkeypatch, tmp_path):

@@ -48,6 +48,7 @@ def test_cpu_measurements_report_no_gpu_figures():
     layer = mb.layer_overhead(dim=16, heads=2, head_dim=8, batch=1, length=16, dtype=torch.float32, compile=False,
                               device="cpu", warmup=0, reps=1)
     assert layer["overhead"] == pytest.approx(layer["ms"]["out_norm+gate"] / layer["ms"]["baseline"] - 1)
+    assert set(layer["overheads"]) == {"out_norm+gate", "out_norm", "gate", "head_gate", "seed000"}
 
 
 def test_synthetic_batch_packs_documents():

@@ -153,17 +153,19 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
     ``baseline`` spec and with AVNorm out-norm (``head_layer``) plus an elementwise ``2sigmoid`` gate (seeds
     000 and 004), and the second's extra time as a fraction of the first's (``overhead``). The parts alone are
     timed too (``overheads``): the out-norm, the elementwise gate (its W_g is a dim x dim projection, a fifth
-    projection beside Q, K, V, O) and a per-head gate (W_g: heads x dim). The layers are timed in interleaved
-    rounds (`timing.measure_interleaved`): timed one after another, a busy moment once made the baseline twice as
-    slow as the layer with more work. Each extra fraction is the median over rounds of the per-round ratio
-    (``overhead_quartiles``: its quartiles)."""
+    projection beside Q, K, V, O), a per-head gate (W_g: heads x dim), and seed 000's own pair (``seed000``:
+    ``head_layer`` out-norm and a per-head sigmoid gate on the first 12 channels, as in its modded-nanogpt). The
+    layers are timed in interleaved rounds (`timing.measure_interleaved`): timed one after another, a busy moment
+    once made the baseline twice as slow as the layer with more work. Each extra fraction is the median over rounds
+    of the per-round ratio (``overhead_quartiles``: its quartiles)."""
     device = torch.device(device)
     base = AttentionSpec.preset("baseline")
     specs = {"baseline": base, "out_norm+gate": base.replace(out_norm="head_layer", gate="elementwise",
                                                              gate_act="2sigmoid"),
              "out_norm": base.replace(out_norm="head_layer"),
              "gate": base.replace(gate="elementwise", gate_act="2sigmoid"),
-             "head_gate": base.replace(gate="head", gate_act="2sigmoid")}
+             "head_gate": base.replace(gate="head", gate_act="2sigmoid"),
+             "seed000": base.replace(out_norm="head_layer", gate="head", gate_act="sigmoid", gate_width=12)}
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_()
     grad = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype)
