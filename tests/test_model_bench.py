@@ -43,6 +43,7 @@ def test_cpu_measurements_report_no_gpu_figures():
     assert row["tokens_per_s"] == pytest.approx(64 / row["step_s"])
     assert row["tflops"] == pytest.approx(row["tokens_per_s"] * row["flops_per_token"] / 1e12)
     assert row["mfu"] is None and row["peak_mem_gib"] is None
+    assert row["optimizer_fraction"] == pytest.approx(row["optimizer_s"] / row["step_s"])    # one round
     long = mb.long_eval(cfg, length=64, device="cpu")
     assert long["eval"]["seconds"] > 0 and long["eval"]["beyond_weights_gib"] is None
     layer = mb.layer_overhead(dim=16, heads=2, head_dim=8, batch=1, length=16, dtype=torch.float32, compile=False,

@@ -25,7 +25,7 @@ from lengthgen.attention import Attention, AttentionSpec
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval.evaluate import measure_gpt
 from lengthgen.experiments.bench import packed_doc_ids
-from lengthgen.experiments.timing import measure, measure_interleaved
+from lengthgen.experiments.timing import measure_interleaved
 from lengthgen.model import GPT
 from lengthgen.train.config import RunConfig
 from lengthgen.train.optim import build_optimizers
@@ -86,7 +86,11 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
                      compile: bool = False, compile_backend: str = "inductor", device: str | torch.device = "cuda"
                      ) -> dict[str, Any]:
     """Tokens/s, TFLOP/s and MFU of training ``cfg.model`` with ``cfg.train``'s optimizers, gradient clipping and
-    autocast on ``batch_size`` x ``length`` synthetic tokens (packed documents when the spec masks them)."""
+    autocast on ``batch_size`` x ``length`` synthetic tokens (packed documents when the spec masks them).
+
+    Whole steps are timed in the same interleaved rounds as their forward + backward alone: ``optimizer_s`` (and
+    ``optimizer_fraction`` of the step) is the median per-round difference, the gradient clipping and optimizer
+    steps (Muon orthogonalizes one matrix at a time)."""
     device = torch.device(device)
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
@@ -95,19 +99,24 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
     loss_fn = torch.compile(model.loss, backend=compile_backend) if compile else model.loss     # as the Trainer
     batch = synthetic_batch(cfg.model.vocab_size, batch_size, length, cfg.model.attention.doc_masking, device)
 
-    def step() -> None:
+    def forward_backward() -> None:
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
         with _autocast(cfg, device):
             output = forward(batch.tokens, batch.doc_ids)
         loss_fn(output, batch)[0].backward()
+
+    def step() -> None:
+        forward_backward()
         if cfg.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         for opt in optimizers:
             opt.step()
 
     first = _timed(step, device)
-    timing = measure(step, device, max(0, warmup - 1), steps)
+    timings = measure_interleaved({"step": step, "forward_backward": forward_backward}, device, max(0, warmup - 1),
+                                  steps)
+    timing, optimizer = timings["step"], timings["step"] - timings["forward_backward"]
     seconds = timing.median / 1e3
     tokens_per_s = batch_size * length / seconds
     flops = flops_per_token(model, length)
@@ -116,7 +125,8 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
     return dict(params=model.num_parameters(), matmul_params=matmul_parameters(model), batch=batch_size,
                 length=length, compile=compile, compile_backend=compile_backend if compile else None,
                 first_step_s=first, step_s=seconds, step_s_quartiles=[t / 1e3 for t in timing.quartiles()],
-                steps=steps, tokens_per_s=tokens_per_s, flops_per_token=flops,
+                steps=steps, optimizer_s=optimizer.median / 1e3, optimizer_fraction=(optimizer / timing).median,
+                tokens_per_s=tokens_per_s, flops_per_token=flops,
                 tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=_peak_gib(device))
 
 
