@@ -213,11 +213,11 @@ INT32_POINTERS = {"STARTS", "ENDS"}
 FP32_SCALARS = {"p", "inv_p", "tau_inv", "lam"}
 #: opt-in shared memory per block, bytes (CUDA C++ Programming Guide, compute capabilities table)
 SHARED_LIMIT = {80: 166912, 90: 232448}
-# (arch, dtype, head_dim, distance, window, documents, p = 1): each distance, dtype and flag at least once
-AOT_CASES = [(90, "bf16", 128, "none", False, False, True), (90, "bf16", 128, "scale_invariant", True, True, False),
-             (90, "fp16", 64, "alibi", True, True, False), (90, "bf16", 64, "log_bias", False, True, False),
-             (80, "bf16", 128, "log_bias", True, True, False),     # 16-bit tiles (swept on an H100) on an A100
-             (80, "fp32", 128, "log_bias", True, True, False)]     # the last: the most shared memory, A100's limit
+# (arch, dtype, head_dim, distance, window, documents, p): each distance, dtype, flag and p case at least once
+AOT_CASES = [(90, "bf16", 128, "none", False, False, 1.0), (90, "bf16", 128, "scale_invariant", True, True, 2.0),
+             (90, "fp16", 64, "alibi", True, True, 0.5), (90, "bf16", 64, "log_bias", False, True, 2.0),
+             (80, "bf16", 128, "log_bias", True, True, 1.5),       # 16-bit tiles (swept on an H100) on an A100
+             (80, "fp32", 128, "log_bias", True, True, 2.0)]       # the last: the most shared memory, A100's limit
 
 
 @pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
@@ -236,11 +236,11 @@ def test_kernels_compile_for_cuda(kernel, monkeypatch):
         pytest.skip("this process built the kernels for TRITON_INTERPRET=1")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")       # triton 3.9's default, without its warning
     fn = {"fwd": tp._fwd_kernel, "dq": tp._bwd_dq_kernel, "dkdv": tp._bwd_dkdv_kernel}[kernel]
-    for arch, dtype, head_dim, distance, window, docs, p_one in AOT_CASES:
+    for arch, dtype, head_dim, distance, window, docs, p in AOT_CASES:
         cfg = tp._configs(kernel, head_dim, 4 if dtype == "fp32" else 2)
         options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
         constants = dict(D=head_dim, D_V=head_dim, DIST=tp.DISTANCE_CODES[distance], HAS_WINDOW=window,
-                         HAS_DOCS=docs, P_ONE=p_one, PREC="ieee" if dtype == "fp32" else "tf32", **cfg)
+                         HAS_DOCS=docs, P_KIND=tp.p_kind(p), PREC="ieee" if dtype == "fp32" else "tf32", **cfg)
         signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in TENSOR_ARGS
                      else "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
                      else "fp32" if name in FP32_SCALARS else "i32" for name in fn.arg_names}

@@ -17,7 +17,8 @@ same document, ``i - j < W``::
         dl_ij = w_ij (dO_i . v_j) - pi_ij delta_i          dS_ij = a_t dl_ij
         dq = dS k      dk = dS^T q'      dv = w^T dO
 
-p is a runtime argument (p = 1 skips the second exponential through a compile-time flag). Inputs fp16 / bf16
+p is a runtime argument; a compile-time case (`p_kind`) takes one exponential per score for p = 1 and p = 2
+(``exp(2 x) = exp(x)^2`` in the forward, ``pi = w^2`` in the backward) and two for any other p. Inputs fp16 / bf16
 (fp32 too, as IEEE fp32 dots), fp32 accumulation, head dims up to 128 (query/key and value dims are padded with
 zeros to powers of two >= 16, which changes no dot product; 64 and 128 need no padding). Documents come as
 per-position run starts (a query sees keys from its document's start on) and run ends (the backward's
@@ -135,7 +136,7 @@ if triton is not None:
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
                     H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                     D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
+                    DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
                     PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
@@ -180,19 +181,22 @@ if triton is not None:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2((m_i - m_safe) * LOG2E)
             e = tl.exp2((logit - m_safe[:, None]) * LOG2E)
-            if P_ONE:
+            if P_KIND == 1:
                 s_p = s_p * alpha + tl.sum(e, 1)
             else:
                 s_1 = s_1 * alpha + tl.sum(e, 1)
-                s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
-                    tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
+                if P_KIND == 2:                              # exp(2 x) = exp(x)^2: no second exponential
+                    s_p = s_p * (alpha * alpha) + tl.sum(e * e, 1)
+                else:
+                    s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
+                        tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
             v = tl.load(v_ptr + offs_n[:, None] * svl + offs_dv[None, :], mask=(offs_n < LK)[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
         log2_sp = tl.log2(tl.where(row_ok, s_p, 1.0))    # padding rows: no log(0)
         out = acc * tl.exp2(-inv_p * log2_sp)[:, None]
         log_sp = log2_sp * LN2
-        if P_ONE:
+        if P_KIND == 1:
             lse_1 = m_i + log_sp
         else:
             lse_1 = m_i + tl.log2(tl.where(row_ok, s_1, 1.0)) * LN2
@@ -207,7 +211,7 @@ if triton is not None:
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                        H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                        D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_ONE: tl.constexpr,
+                       DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
                        PREC: tl.constexpr):
         """dQ for one query block. DQ is contiguous (B, H, LQ, D)."""
         pid_m = tl.program_id(0)
@@ -254,8 +258,10 @@ if triton is not None:
             logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
             y = tl.where(ok, logit - m_i[:, None], float("-inf"))
             w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
-            if P_ONE:
+            if P_KIND == 1:
                 pi = w
+            elif P_KIND == 2:                                # exp(2 y - log S_2) = exp(y - log S_2 / 2)^2
+                pi = w * w
             else:
                 pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
             dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -272,7 +278,7 @@ if triton is not None:
                          H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                          D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-                         P_ONE: tl.constexpr, PREC: tl.constexpr):
+                         P_KIND: tl.constexpr, PREC: tl.constexpr):
         """dK, dV for one key block of one KV head, summed over the GROUPS query heads sharing it.
         Works transposed: (N keys, M queries) tiles. DK/DV are contiguous (B, HKV, LK, D / D_V)."""
         pid_n = tl.program_id(0)
@@ -325,8 +331,10 @@ if triton is not None:
                 logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
                 y = tl.where(ok, logit - m_i[:, None], float("-inf"))
                 w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
-                if P_ONE:
+                if P_KIND == 1:
                     pi = w
+                elif P_KIND == 2:
+                    pi = w * w
                 else:
                     pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
                 dv += tl.dot(tl.trans(w.to(do.dtype)), do, input_precision=PREC)
@@ -385,13 +393,19 @@ def _slopes(spec: AttentionSpec, heads: int, device) -> torch.Tensor:
     return mods.alibi_slopes(heads, device=device)
 
 
+def p_kind(p: float) -> int:
+    """The kernels' compile-time case of p: 1 (one exponential per score), 2 (the second is the first squared),
+    0 (any other p: a second exponential)."""
+    return 1 if p == 1.0 else 2 if p == 2.0 else 0
+
+
 def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_docs: bool) -> dict:
     p = float(spec.softmax_p)
     return dict(H=q.shape[1], GROUPS=q.shape[1] // k.shape[1], LQ=q.shape[2], LK=k.shape[2],
                 OFF=k.shape[2] - q.shape[2], WINDOW=spec.window or 0, p=p, inv_p=1.0 / p,
                 tau_inv=1.0 / float(spec.tau), lam=float(spec.log_bias_lambda), D=q.shape[-1], D_V=v.shape[-1],
                 DIST=DISTANCE_CODES[spec.distance], HAS_WINDOW=spec.window is not None, HAS_DOCS=has_docs,
-                P_ONE=p == 1.0, PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                P_KIND=p_kind(p), PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
 def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Tensor, has_docs: bool):
