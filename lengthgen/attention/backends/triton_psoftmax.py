@@ -27,7 +27,9 @@ distance term (scale_invariant, ALiBi with the slopes of `mods.alibi_slopes` pas
 inline (Triton cannot call the Python mods of `lengthgen.attention.mods`; the tests hold the kernel to them
 through the dense oracle). Explicit masks are not taken. Backward: one kernel for dK/dV per key block
 (looping over the query heads of its KV group, so GQA needs no atomics) and one for dQ per query block;
-both recompute the logits and use the saved m and log S_p.
+both recompute the logits and use the saved m and log S_p. With causal masks only, the tiles that every query row
+sees whole (below the diagonal band) skip the mask and its bounds checks, as the Triton tutorial's fused attention
+splits its causal loop (`_whole_before`, and the dK/dV kernel's ``q_mid``); the band and the edges are masked.
 
 On CPU the kernels run only under ``TRITON_INTERPRET=1`` (set before this module is imported), for tests.
 """
@@ -132,6 +134,66 @@ if triton is not None:
         return ok, t
 
     @triton.jit
+    def _whole_before(first, lo, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
+        """The end of the key blocks from ``lo`` on that every query of a block whose first position is ``first``
+        sees whole (causal masks only: keys ``<= first``); those blocks skip the mask. With a window or documents
+        every block is masked (returns ``lo``)."""
+        if HAS_WINDOW or HAS_DOCS:
+            return lo
+        else:
+            return tl.maximum((first + 1) // BLOCK_N * BLOCK_N, lo)
+
+    @triton.jit
+    def _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST: tl.constexpr,
+                HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+        """(logits, a_t) of query rows ``q`` against keys ``k``: -inf where `_visible` hides a key (``MASKED``),
+        or without the mask for a block every row sees whole."""
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if MASKED:
+            ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
+            logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
+            logit = tl.where(ok, logit, float("-inf"))
+        else:
+            logit, a = _logits(s, pos_q[:, None] - offs_n[None, :], slope, tau_inv, lam, DIST)
+        return logit, a
+
+    @triton.jit
+    def _load_rows(ptr, offs, stride, cols, LIMIT, MASKED: tl.constexpr):
+        """Rows ``offs`` (zeros from ``LIMIT`` on where ``MASKED``; a whole block needs no bound) of a
+        row-major tile."""
+        if MASKED:
+            return tl.load(ptr + offs[:, None] * stride + cols[None, :], mask=(offs < LIMIT)[:, None], other=0.0)
+        else:
+            return tl.load(ptr + offs[:, None] * stride + cols[None, :])
+
+    @triton.jit
+    def _fwd_block(q, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, s_p, s_1, acc, skl, svl, LK, WINDOW, p, slope,
+                   tau_inv, lam, offs_d, offs_dv, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr, PREC: tl.constexpr,
+                   MASKED: tl.constexpr):
+        """One key block of the forward: the running max m, S_p, S_1 and the output accumulator updated."""
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_ptr, offs_n, skl, offs_d, LK, MASKED)
+        logit, _a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST, HAS_WINDOW,
+                            HAS_DOCS, PREC, MASKED)
+        m_new = tl.maximum(m_i, tl.max(logit, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2((m_i - m_safe) * LOG2E)
+        e = tl.exp2((logit - m_safe[:, None]) * LOG2E)
+        if P_KIND == 1:
+            s_p = s_p * alpha + tl.sum(e, 1)
+        else:
+            s_1 = s_1 * alpha + tl.sum(e, 1)
+            if P_KIND == 2:                              # exp(2 x) = exp(x)^2: no second exponential
+                s_p = s_p * (alpha * alpha) + tl.sum(e * e, 1)
+            else:
+                s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
+                    tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
+        v = _load_rows(v_ptr, offs_n, svl, offs_dv, LK, MASKED)
+        acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision=PREC)
+        return m_new, s_p, s_1, acc
+
+    @triton.jit
     def _fwd_kernel(Q, K, V, O, M, LSP, LSE1, STARTS, SLOPES,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
                     H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
@@ -170,29 +232,15 @@ if triton is not None:
         s_p = tl.zeros([BLOCK_M], tl.float32)
         s_1 = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(k_ptr + offs_n[:, None] * skl + offs_d[None, :], mask=(offs_n < LK)[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
-            logit, _a = _logits(s, t, slope, tau_inv, lam, DIST)
-            logit = tl.where(ok, logit, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(logit, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2((m_i - m_safe) * LOG2E)
-            e = tl.exp2((logit - m_safe[:, None]) * LOG2E)
-            if P_KIND == 1:
-                s_p = s_p * alpha + tl.sum(e, 1)
-            else:
-                s_1 = s_1 * alpha + tl.sum(e, 1)
-                if P_KIND == 2:                              # exp(2 x) = exp(x)^2: no second exponential
-                    s_p = s_p * (alpha * alpha) + tl.sum(e * e, 1)
-                else:
-                    s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
-                        tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
-            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_dv[None, :], mask=(offs_n < LK)[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+        mid = _whole_before(first, lo, BLOCK_N, HAS_WINDOW, HAS_DOCS)
+        for start_n in range(lo, mid, BLOCK_N):
+            m_i, s_p, s_1, acc = _fwd_block(q, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, s_p, s_1, acc, skl, svl,
+                                            LK, WINDOW, p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST,
+                                            HAS_WINDOW, HAS_DOCS, P_KIND, PREC, False)
+        for start_n in range(mid, hi, BLOCK_N):
+            m_i, s_p, s_1, acc = _fwd_block(q, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, s_p, s_1, acc, skl, svl,
+                                            LK, WINDOW, p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST,
+                                            HAS_WINDOW, HAS_DOCS, P_KIND, PREC, True)
         log2_sp = tl.log2(tl.where(row_ok, s_p, 1.0))    # padding rows: no log(0)
         out = acc * tl.exp2(-inv_p * log2_sp)[:, None]
         log_sp = log2_sp * LN2
@@ -205,6 +253,38 @@ if triton is not None:
         tl.store(M + bh.to(tl.int64) * LQ + offs_m, m_i, mask=row_ok)
         tl.store(LSP + bh.to(tl.int64) * LQ + offs_m, log_sp, mask=row_ok)
         tl.store(LSE1 + bh.to(tl.int64) * LQ + offs_m, lse_1, mask=row_ok)
+
+    @triton.jit
+    def _weights(logit, m_i, lsp, p, inv_p, P_KIND: tl.constexpr):
+        """The backward's w = exp(l - m - log S_p / p) and pi = softmax(p l) = w^p of logits with the saved row max
+        ``m_i`` and log S_p ``lsp`` (0 where a logit is -inf)."""
+        y = logit - m_i[:, None]
+        w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
+        if P_KIND == 1:
+            pi = w
+        elif P_KIND == 2:                                # exp(2 y - log S_2) = exp(y - log S_2 / 2)^2
+            pi = w * w
+        else:
+            pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
+        return w, pi
+
+    @triton.jit
+    def _dq_block(q, do, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, lsp, delta, dq, skl, svl, LK, WINDOW, p,
+                  inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr, PREC: tl.constexpr,
+                  MASKED: tl.constexpr):
+        """One key block of dQ: dq + dS k."""
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_ptr, offs_n, skl, offs_d, LK, MASKED)
+        v = _load_rows(v_ptr, offs_n, svl, offs_dv, LK, MASKED)
+        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST, HAS_WINDOW,
+                           HAS_DOCS, PREC, MASKED)
+        w, pi = _weights(logit, m_i, lsp, p, inv_p, P_KIND)
+        dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = w * dpv - pi * delta[:, None]
+        if DIST == 1:
+            ds = ds * a
+        return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
     @triton.jit
     def _bwd_dq_kernel(Q, K, V, DO, DQ, M, LSP, DELTA, STARTS, SLOPES,
@@ -248,29 +328,55 @@ if triton is not None:
         hi = tl.minimum(first + BLOCK_M, LK)
 
         dq = tl.zeros([BLOCK_M, D], tl.float32)
-        for start_n in range(lo, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            col_ok = (offs_n < LK)[:, None]
-            k = tl.load(k_ptr + offs_n[:, None] * skl + offs_d[None, :], mask=col_ok, other=0.0)
-            v = tl.load(v_ptr + offs_n[:, None] * svl + offs_dv[None, :], mask=col_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
-            logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
-            y = tl.where(ok, logit - m_i[:, None], float("-inf"))
-            w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
-            if P_KIND == 1:
-                pi = w
-            elif P_KIND == 2:                                # exp(2 y - log S_2) = exp(y - log S_2 / 2)^2
-                pi = w * w
-            else:
-                pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
-            dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
-            ds = w * dpv - pi * delta[:, None]
-            if DIST == 1:
-                ds = ds * a
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        mid = _whole_before(first, lo, BLOCK_N, HAS_WINDOW, HAS_DOCS)
+        for start_n in range(lo, mid, BLOCK_N):
+            dq = _dq_block(q, do, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, lsp, delta, dq, skl, svl, LK, WINDOW,
+                           p, inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST, HAS_WINDOW, HAS_DOCS,
+                           P_KIND, PREC, False)
+        for start_n in range(mid, hi, BLOCK_N):
+            dq = _dq_block(q, do, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, lsp, delta, dq, skl, svl, LK, WINDOW,
+                           p, inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST, HAS_WINDOW, HAS_DOCS,
+                           P_KIND, PREC, True)
         tl.store(DQ + bh.to(tl.int64) * LQ * D + offs_m[:, None] * D + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _load_vec(ptr, offs, LIMIT, MASKED: tl.constexpr):
+        """``ptr[offs]`` (zeros from ``LIMIT`` on where ``MASKED``)."""
+        if MASKED:
+            return tl.load(ptr + offs, mask=offs < LIMIT, other=0.0)
+        else:
+            return tl.load(ptr + offs)
+
+    @triton.jit
+    def _dkdv_block(k, v, q_ptr, do_ptr, M, LSP, DELTA, st_ptr, start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF,
+                    WINDOW, p, inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M: tl.constexpr,
+                    DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
+                    PREC: tl.constexpr, MASKED: tl.constexpr):
+        """One query block of dK, dV (``M``, ``LSP``, ``DELTA``: this head's rows): dk + dS^T q', dv + w^T dO.
+        Masked, rows from LQ on are hidden too."""
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        pos_q = offs_m + OFF
+        q = _load_rows(q_ptr, offs_m, sql, offs_d, LQ, MASKED)
+        do = _load_rows(do_ptr, offs_m, sdl, offs_dv, LQ, MASKED)
+        m_i = _load_vec(M, offs_m, LQ, MASKED)
+        lsp = _load_vec(LSP, offs_m, LQ, MASKED)
+        delta = _load_vec(DELTA, offs_m, LQ, MASKED)
+        start_q = offs_m
+        if HAS_DOCS:
+            start_q = tl.load(st_ptr + pos_q, mask=offs_m < LQ, other=LK)
+        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST, HAS_WINDOW,
+                           HAS_DOCS, PREC, MASKED)                                         # (M, N)
+        if MASKED:
+            logit = tl.where((offs_m < LQ)[:, None], logit, float("-inf"))
+        w, pi = _weights(logit, m_i, lsp, p, inv_p, P_KIND)
+        dv += tl.dot(tl.trans(w.to(do.dtype)), do, input_precision=PREC)
+        dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = w * dpv - pi * delta[:, None]
+        if DIST == 1:
+            ds = ds * a
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+        return dk, dv
 
     @triton.jit
     def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M, LSP, DELTA, STARTS, ENDS, SLOPES,
@@ -307,42 +413,35 @@ if triton is not None:
 
         dk = tl.zeros([BLOCK_N, D], tl.float32)
         dv = tl.zeros([BLOCK_N, D_V], tl.float32)
+        # query blocks that see the whole key block (causal masks only, a key block without padding): rows from
+        # the first whose position is >= the block's last key, through the last whole block of rows; the rest masked
+        q_mid, q_full = qi_hi, qi_hi
+        if not HAS_WINDOW and not HAS_DOCS:
+            if k_first + BLOCK_N <= LK:
+                q_mid = tl.minimum(qi_lo + (tl.maximum(k_last - OFF - qi_lo, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
+                                   qi_hi)
+                q_full = q_mid + (qi_hi - q_mid) // BLOCK_M * BLOCK_M
         for g in range(0, GROUPS):
             h = hk * GROUPS + g
-            bh = b * H + h
+            bh = (b * H + h).to(tl.int64)
             q_ptr = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
             do_ptr = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
             slope = _slope(SLOPES, h, DIST)
-            for start_m in range(qi_lo, qi_hi, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                row_ok = offs_m < LQ
-                pos_q = offs_m + OFF
-                q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                do = tl.load(do_ptr + offs_m[:, None] * sdl + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
-                m_i = tl.load(M + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
-                lsp = tl.load(LSP + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
-                start_q = offs_m
-                if HAS_DOCS:
-                    start_q = tl.load(st_ptr + pos_q, mask=row_ok, other=LK)
-                ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
-                ok = ok & row_ok[:, None]
-                s = tl.dot(q, tl.trans(k), input_precision=PREC)            # (M, N)
-                logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
-                y = tl.where(ok, logit - m_i[:, None], float("-inf"))
-                w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
-                if P_KIND == 1:
-                    pi = w
-                elif P_KIND == 2:
-                    pi = w * w
-                else:
-                    pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
-                dv += tl.dot(tl.trans(w.to(do.dtype)), do, input_precision=PREC)
-                dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
-                ds = w * dpv - pi * delta[:, None]
-                if DIST == 1:
-                    ds = ds * a
-                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+            for start_m in range(qi_lo, q_mid, BLOCK_M):
+                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
+                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, slope,
+                                     tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
+                                     PREC, True)
+            for start_m in range(q_mid, q_full, BLOCK_M):
+                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
+                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, slope,
+                                     tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
+                                     PREC, False)
+            for start_m in range(q_full, qi_hi, BLOCK_M):
+                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
+                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, slope,
+                                     tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
+                                     PREC, True)
         tl.store(DK + bhk.to(tl.int64) * LK * D + offs_n[:, None] * D + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
         tl.store(DV + bhk.to(tl.int64) * LK * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
