@@ -192,7 +192,18 @@ def _layer_md(r: dict, _: dict) -> list[str]:
             f"`Attention` forward + backward, dim {r['dim']}, {r['heads']} heads of {r['head_dim']}, batch "
             f"{r['batch']} x L {r['length']}, {r['dtype']}, compiled: baseline {_fmt(r['ms']['baseline'])} ms, "
             f"with head_layer out-norm and an elementwise 2sigmoid gate {_fmt(r['ms']['out_norm+gate'])} ms "
-            f"({100 * r['overhead']:+.1f}%).", ""] + _layer_parts(r)
+            f"({100 * r['overhead']:+.1f}%).", ""] + _layer_parts(r) + _kernels(r)
+
+
+def _kernels(r: dict) -> list[str]:
+    """The top kernels of the baseline layer and the out-norm layer side by side (runs before them have none)."""
+    lines = []
+    for name, kernels in r.get("top_kernels", {}).items():
+        lines += [f"Where the {name}'s time goes (torch.profiler: the kernels, on CPU the operators, with the most "
+                  "time):", ""] + _table(
+            ["kernel", "ms", "calls", "share"],
+            [[f"`{k['name']}`", k["ms"], k["calls"], f"{100 * k['share']:.1f}%"] for k in kernels])
+    return lines
 
 
 def _layer_parts(r: dict) -> list[str]:
@@ -215,7 +226,10 @@ def _train_md(_: dict, result: dict) -> list[str]:
         ["compile", "params", "batch x L", "first step s", "step s", "clip + optimizer s", "tokens/s", "TFLOP/s",
          "MFU", "peak GiB"],
         [[r["compile"], r["params"], f"{r['batch']} x {r['length']}", r["first_step_s"], r["step_s"],
-          r.get("optimizer_s"), r["tokens_per_s"], r["tflops"], r["mfu"], r["peak_mem_gib"]] for r in rows])
+          r.get("optimizer_s"), r["tokens_per_s"], r["tflops"], r["mfu"], r["peak_mem_gib"]] for r in rows]) + [
+        line for r in rows for line in _kernels(
+            {"top_kernels": {f"{'compiled' if r['compile'] else 'eager'} training step": r["top_kernels"]}}
+            if r.get("top_kernels") else {})]
 
 
 def _eval_md(r: dict, _: dict) -> list[str]:

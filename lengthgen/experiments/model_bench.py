@@ -82,6 +82,26 @@ def _autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContex
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+def top_kernels(fn: Callable[[], Any], device: torch.device, n: int = 10) -> list[dict[str, Any]]:
+    """The ``n`` CUDA kernels (on CPU: operators) taking the most time in one call of ``fn``, by
+    ``torch.profiler``: name, milliseconds, calls and share of all kernels' (operators' self) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    if cuda:
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        self_us = lambda e: e.self_device_time_total   # noqa: E731
+    else:
+        events, self_us = list(prof.key_averages()), lambda e: e.self_cpu_time_total   # noqa: E731
+    total = sum(self_us(e) for e in events) or 1.0
+    return [dict(name=e.key[:120], ms=self_us(e) / 1e3, calls=e.count, share=self_us(e) / total)
+            for e in sorted(events, key=self_us, reverse=True)[:n]]
+
+
 def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int = 10, warmup: int = 3,
                      compile: bool = False, compile_backend: str = "inductor", device: str | torch.device = "cuda"
                      ) -> dict[str, Any]:
@@ -90,7 +110,8 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
 
     Whole steps are timed in the same interleaved rounds as their forward + backward alone: ``optimizer_s`` (and
     ``optimizer_fraction`` of the step) is the median per-round difference, the gradient clipping and optimizer
-    steps (Muon orthogonalizes one matrix at a time)."""
+    steps (Muon orthogonalizes one matrix at a time). ``top_kernels``: where one more step's time goes
+    (`top_kernels`)."""
     device = torch.device(device)
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
@@ -117,6 +138,7 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
     timings = measure_interleaved({"step": step, "forward_backward": forward_backward}, device, max(0, warmup - 1),
                                   steps)
     timing, optimizer = timings["step"], timings["step"] - timings["forward_backward"]
+    kernels = top_kernels(step, device)
     seconds = timing.median / 1e3
     tokens_per_s = batch_size * length / seconds
     flops = flops_per_token(model, length)
@@ -127,7 +149,8 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
                 first_step_s=first, step_s=seconds, step_s_quartiles=[t / 1e3 for t in timing.quartiles()],
                 steps=steps, optimizer_s=optimizer.median / 1e3, optimizer_fraction=(optimizer / timing).median,
                 tokens_per_s=tokens_per_s, flops_per_token=flops,
-                tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=_peak_gib(device))
+                tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=_peak_gib(device),
+                top_kernels=kernels)
 
 
 @torch.no_grad()
@@ -167,7 +190,8 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
     ``head_layer`` out-norm and a per-head sigmoid gate on the first 12 channels, as in its modded-nanogpt). The
     layers are timed in interleaved rounds (`timing.measure_interleaved`): timed one after another, a busy moment
     once made the baseline twice as slow as the layer with more work. Each extra fraction is the median over rounds
-    of the per-round ratio (``overhead_quartiles``: its quartiles)."""
+    of the per-round ratio (``overhead_quartiles``: its quartiles). ``top_kernels``: where the baseline's and the
+    out-norm layer's time goes (`top_kernels`)."""
     device = torch.device(device)
     base = AttentionSpec.preset("baseline")
     specs = {"baseline": base, "out_norm+gate": base.replace(out_norm="head_layer", gate="elementwise",
@@ -186,12 +210,13 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
         calls[name] = lambda fn=fn, layer=layer: torch.autograd.grad(fn(x), (x, *layer.parameters()), grad)
     timings = measure_interleaved(calls, device, warmup, reps)
     ratios = {name: t / timings["baseline"] for name, t in timings.items() if name != "baseline"}
+    kernels = {f"{name} layer": top_kernels(calls[name], device, 8) for name in ("baseline", "out_norm")}
     return dict(dim=dim, heads=heads, head_dim=head_dim, batch=batch, length=length, dtype=str(dtype).split(".")[-1],
                 compile=compile, ms={name: t.median for name, t in timings.items()}, rounds=reps,
                 overhead=ratios["out_norm+gate"].median - 1.0,
                 overhead_quartiles=[q - 1.0 for q in ratios["out_norm+gate"].quartiles()],
-                overheads={name: r.median - 1.0 for name, r in ratios.items()})
+                overheads={name: r.median - 1.0 for name, r in ratios.items()}, top_kernels=kernels)
 
 
 __all__ = ["PEAK_BF16_TFLOPS", "flops_per_token", "layer_overhead", "long_eval", "matmul_parameters",
-           "peak_bf16_tflops", "synthetic_batch", "train_throughput"]
+           "peak_bf16_tflops", "synthetic_batch", "top_kernels", "train_throughput"]
