@@ -254,6 +254,8 @@ def test_rope_frequencies_and_fraction():
     torch.testing.assert_close(half[:4], full[:4])          # the highest frequencies are kept
     assert (half[4:] == 0).all()
     assert (fn.rope_frequencies(16, 10000.0, 0.0) == 0).all()
+    # Gemma's count, int(fraction * head_dim // 2), rounds down: 7.5 of 10 pairs rotate 7, not 8
+    assert [int((fn.rope_frequencies(20, 10000.0, f) > 0).sum()) for f in (0.75, 0.25, 0.1, 0.95)] == [7, 2, 1, 9]
 
 
 def test_prope_fraction_0_is_nope_and_1_is_rope():

@@ -207,9 +207,10 @@ def rope_frequencies(head_dim: int, theta: float, fraction: float = 1.0, device=
     """Rotation frequencies of the head_dim/2 pairs: ``theta^(-i / pairs)``, or with ``min_freq`` the rotated
     pairs' frequencies log-spaced from 1 down to ``min_freq``, both included (modded-nanogpt's half-truncated
     RoPE in seed 000: 32 of 64 pairs from 1 to 1/1024). p-RoPE (Barbero et al. 2024, "Round and round we go")
-    keeps only the highest-frequency ``fraction`` of the pairs; the rest get frequency 0 (no position)."""
+    keeps only the highest-frequency ``fraction`` of the pairs, ``int(fraction * head_dim // 2)`` of them as in
+    Gemma's ``apply_rope(rope_proportion=...)``; the rest get frequency 0 (no position)."""
     pairs = head_dim // 2
-    rotated = round(fraction * pairs)
+    rotated = int(fraction * head_dim // 2)
     freqs = theta ** (-torch.arange(pairs, device=device, dtype=torch.float32) / pairs)
     if min_freq is not None:
         freqs[:rotated] = min_freq ** torch.linspace(0, 1, rotated, device=device)
