@@ -635,7 +635,12 @@ def test_report_of_a_truncated_empty_or_keyless_results_file(tmp_path, capsys, c
      "(variants.baseline[0].lengths[0].buckets.loss[0].mean: expected a number, got None)"),
     (lambda d: d.update(variants=[]), "(variants: expected an object, got [])"),
     (lambda d: d.pop("provenance"), "(the file: missing key 'provenance')"),
-    (lambda d: d.update(extra=1), "(the file: unknown key 'extra')")])
+    (lambda d: d.update(extra=1), "(the file: unknown key 'extra')"),
+    (lambda d: d.update(eval_lengths=[8, 16, 16]), "(eval_lengths [8, 16, 16] repeat length 16)"),
+    (lambda d: d["variants"]["baseline"][0]["lengths"].append(d["variants"]["baseline"][0]["lengths"][1]),
+     "(variants.baseline[0] was evaluated twice at length 16)"),
+    (lambda d: d.update(metric="accuracy"), "(metric 'accuracy' is not among the values of variants.baseline[0] at "
+                                            "length 8: loss, abs_error, sq_error, rel_error)")])
 def test_report_of_a_results_file_with_a_bad_value_names_it(tmp_path, capsys, two_compares, edit, message):
     data = json.loads((two_compares[0] / "results.json").read_text())
     edit(data)

@@ -27,6 +27,7 @@ import re
 import subprocess
 import types
 import typing
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -395,22 +396,36 @@ def _fields(cls: Any) -> tuple[dict[str, dataclasses.Field], dict[str, Any]]:
 
 
 def _incomplete(body: dict[str, Any], kind: str) -> str | None:
-    """What a well-typed comparison lacks for a report: positive lengths, a variant, a run per variant, every
-    run's evaluation at each of ``eval_lengths``; None if nothing."""
+    """What a well-typed comparison lacks for a report: positive lengths, none repeated, a variant, a run per
+    variant, every run's evaluation at each of ``eval_lengths`` (once) holding ``metric``; None if nothing."""
     if kind != "comparison":
         return None
-    if body["train_length"] < 1 or not body["eval_lengths"] or min(body["eval_lengths"]) < 1:
-        return f"train_length {body['train_length']} and eval_lengths {body['eval_lengths']}: need positive lengths"
+    lengths, metric = body["eval_lengths"], body["metric"]
+    if body["train_length"] < 1 or not lengths or min(lengths) < 1:
+        return f"train_length {body['train_length']} and eval_lengths {lengths}: need positive lengths"
+    if (repeated := _repeated(lengths)) is not None:
+        return f"eval_lengths {lengths} repeat length {repeated}"
     if not body["variants"]:
         return "no variants"
     for name, runs in body["variants"].items():
         if not runs:
             return f"variant {name!r} has no runs"
         for i, run in enumerate(runs):
-            lacking = sorted(set(body["eval_lengths"]) - {row["length"] for row in run["lengths"]})
+            evaluated = {row["length"]: row["at_length"] for row in run["lengths"]}
+            lacking = sorted(set(lengths) - set(evaluated))
             if lacking:
                 return f"variants.{name}[{i}] was not evaluated at length {lacking[0]}"
+            if (repeated := _repeated([row["length"] for row in run["lengths"]])) is not None:
+                return f"variants.{name}[{i}] was evaluated twice at length {repeated}"
+            if (without := next((n for n in lengths if metric not in evaluated[n]), None)) is not None:
+                return (f"metric {metric!r} is not among the values of variants.{name}[{i}] at length {without}: "
+                        f"{', '.join(evaluated[without])}")
     return None
+
+
+def _repeated(values: list[int]) -> int | None:
+    """The first of ``values`` that occurs more than once, else None."""
+    return next((v for v, count in Counter(values).items() if count > 1), None)
 
 
 __all__ = ["Bucket", "Comparison", "LengthEval", "MULTIPLES", "NeedleCell", "NeedleMap", "Provenance", "ResultsError",
