@@ -1254,6 +1254,22 @@ def test_out_never_lands_in_another_run_or_in_a_checkpoint(tmp_path, capsys):
     assert files(tmp_path / "b") == before
 
 
+def test_no_output_folder_goes_inside_a_runs_checkpoints(tmp_path, capsys, stopped, two_compares):
+    """Found by a probe: ``train --out RUN/checkpoints/step_00000009`` trained into it, and RUN resumed took that
+    run for its own damaged newest checkpoint and set it aside; an export there looked like a checkpoint too. A
+    folder named checkpoints that is not a run's stays usable."""
+    run = copy(stopped[0], tmp_path)
+    before = files(run)
+    inside = run / "checkpoints" / "step_00000009"
+    for command in (["train", *sets()], ["compare", "--variants", "baseline", *sets()], ["theory"],
+                    ["needle", run], ["report", two_compares[0]], ["export", run]):
+        code, err = cli(capsys, *command, "--out", inside)
+        assert code == 2 and err.endswith(f"{inside} is inside {run / 'checkpoints'}, where the run {run} keeps and "
+                                          "deletes its checkpoints; choose a folder outside it"), err
+    assert files(run) == before and not inside.exists()
+    lock(tmp_path / "checkpoints" / "mine").release()
+
+
 def test_overwrite_refuses_files_lengthgen_did_not_write_inside_its_folders(tmp_path, capsys, stopped):
     """--overwrite checked only the top of the folder: a user's file inside a comparison's run folder, a copied
     checkpoint or a note in tb/ went with it."""

@@ -19,7 +19,7 @@ from lengthgen.config import ConfigError
 from lengthgen.data.text import make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
 from lengthgen.train import load_run
-from lengthgen.train.run_folder import RunFolderError
+from lengthgen.train.run_folder import RunFolderError, outside_checkpoints
 
 
 def byte_tokenizer() -> Any:
@@ -62,12 +62,12 @@ def _tokenizer(cfg: Any) -> tuple[Any | None, str]:
 
 def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[str]:
     """Write the run folder or checkpoint ``run`` (its BEMA weights with ``bema``) as a transformers model folder
-    ``out`` (new or empty); returns what was written, one line each. `RunFolderError` if ``out`` holds files;
-    `ConfigError` for a run whose head is not ``lm``."""
+    ``out`` (new or empty); returns what was written, one line each. `RunFolderError` if ``out`` holds files or is
+    inside a run's checkpoints (`outside_checkpoints`); `ConfigError` for a run whose head is not ``lm``."""
+    out = outside_checkpoints(out)
     register()
     from lengthgen.hf.model import LengthgenForCausalLM
 
-    out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RunFolderError(f"export folder {out} " + ("is not empty" if out.is_dir() else "is a file")
                              + ": choose a new folder")

@@ -9,6 +9,8 @@ writes one (train, compare, retrofit, eval --out, report) holds its lock while i
   an ``O_EXCL`` file with a pid check: the kernel releases the lock when its process ends (``kill -9``
   included), so no lock is ever stale and no pid (perhaps reused, perhaps on another host) has to be judged alive.
   The file stays (deleting it would let two processes lock two different files). Under torchrun rank 0 holds it.
+* No folder is written inside a run's ``checkpoints/`` (`outside_checkpoints`): the run would take it for one of
+  its checkpoints, set it aside or rotate it away.
 * Stale temporaries of an interrupted write (``checkpoints/step_N.tmp-*``, ``.NAME.*.tmp``) go when it is locked.
 * Fresh or resume: a new run into a folder holding anything is refused (`check_fresh`) unless asked to overwrite,
   which deletes the files lengthgen writes first (and refuses a folder holding anything else).
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
 from lengthgen.atomic import atomic_write_text
-from lengthgen.train.checkpoint import COMPLETE, CheckpointError, complete_checkpoints, saved_config
+from lengthgen.train.checkpoint import CHECKPOINTS, COMPLETE, CheckpointError, complete_checkpoints, saved_config
 from lengthgen.train.config import RunConfig
 
 LOCK = ".lengthgen.lock"
@@ -82,8 +84,8 @@ class FolderLock:
 
 def lock(folder: str | Path) -> FolderLock:
     """Lock ``folder`` (created if needed) for this process and remove its stale temporaries. `RunFolderError`
-    names the holder when another process has it."""
-    folder = Path(folder)
+    names the holder when another process has it, or a folder in a run's checkpoints (`outside_checkpoints`)."""
+    folder = outside_checkpoints(folder)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     file = os.fdopen(os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o666), "r+")
@@ -105,6 +107,18 @@ def lock(folder: str | Path) -> FolderLock:
     file.flush()
     remove_temporaries(folder)
     return FolderLock(folder, file, created)
+
+
+def outside_checkpoints(path: str | Path) -> Path:
+    """``path``, a folder to write; `RunFolderError` when it is, or is inside, a run's ``checkpoints/`` (a run
+    folder's: it holds the lock file), which the run rotates and sets aside as its own."""
+    path = Path(path)
+    inside = next((p for p in [path.resolve(), *path.resolve().parents]
+                   if p.name == CHECKPOINTS and (p.parent / LOCK).exists()), None)
+    if inside is not None:
+        raise RunFolderError(f"{path} is inside {inside}, where the run {inside.parent} keeps and deletes its "
+                             "checkpoints; choose a folder outside it")
+    return path
 
 
 def _holder(text: str) -> str:
@@ -329,4 +343,5 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
 
 
 __all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "checkpoints_at",
-           "cut_metrics", "last_evaluation", "load_newest", "lock", "remove_temporaries", "saved_run_config"]
+           "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints", "remove_temporaries",
+           "saved_run_config"]
