@@ -78,6 +78,15 @@ def invalid(key: str, value: Any, what: str) -> ConfigError:
     return ConfigError(f"{key}={value!r} is not valid; it must be {what}", key)
 
 
+#: what `folder_name` accepts, in words
+FOLDER_NAME = "a plain folder name (no '/' or '\\', not blank, '.' or '..')"
+
+
+def folder_name(name: str) -> bool:
+    """Whether ``name`` names a folder inside another (`FOLDER_NAME`): a run's folder under runs/."""
+    return name.strip() not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
 def unknown_key(owner: str, name: Any, valid: typing.Iterable[str]) -> ConfigError:
     """``owner.name is not a valid key; valid keys: ...``."""
     key = f"{owner}.{name}"

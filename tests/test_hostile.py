@@ -336,8 +336,21 @@ def test_compare_base_or_variant_names_stay_inside_runs(name):
     named "" was dropped without a word."""
     for key in ("bases", "variants"):
         cfg = dataclasses.replace(config(), compare={key: {name: {"model": {"norm_placement": "post"}}}})
-        with pytest.raises(ConfigError, match=rf"^compare\.{key}\..*other than '', '\.' and '\.\.'"):
+        with pytest.raises(ConfigError, match=rf"^compare\.{key}\..*not blank, '\.' or '\.\.'"):
             plan(cfg)           # checked before anything trains (run_compare plans first)
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/abs", "a/b", "a\\b", ".", "..", " "])
+def test_a_run_name_is_a_plain_folder_name(tmp_path, capsys, monkeypatch, name):
+    """``train`` without --out writes runs/<name>: name=../x trained beside runs/, /abs at an absolute path and "."
+    into runs/ itself."""
+    monkeypatch.chdir(tmp_path)
+    code, err = cli(capsys, "train", *sets(f"name={json.dumps(name)}"))
+    assert code == 2 and err.endswith(f"name={name!r} is not valid; it must be a plain folder name (no '/' or '\\', "
+                                      "not blank, '.' or '..'), or '' for none"), err
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError, match=r"^compare\.variants\..*not blank, '\.' or '\.\.'"):
+        plan(dataclasses.replace(config(), compare={"variants": {name: {"model": {"norm_placement": "post"}}}}))
 
 
 @pytest.mark.parametrize("tokens", ["0", "-100", "x"])

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 
 from lengthgen.attention import PRESETS
-from lengthgen.config import MAX_SIZE, ConfigError, ConfigWarning, build, check, invalid, leaves, option
+from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, ConfigWarning, build, check, folder_name, invalid,
+                              leaves, option)
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.eval import Comparison, RunEval, check_needles
 from lengthgen.experiments.eval_run import checked_lengths
@@ -89,10 +90,10 @@ class CompareConfig:
             raise invalid("CompareConfig.seeds", self.seeds, "one or more different seeds, e.g. [0, 1, 2]")
         for key in ("variants", "bases"):
             for name, changes in getattr(self, key).items():
-                if not isinstance(changes, dict) or "/" in name or name.strip() in ("", ".", ".."):
+                if not isinstance(changes, dict) or not folder_name(name):
                     # a run's folder is runs/BASE/VARIANT-seedN: base "" put it at /VARIANT-seedN, ".." beside runs/
-                    raise invalid(f"CompareConfig.{key}.{name}", changes, "a table of config changes, under a "
-                                  "name without '/', other than '', '.' and '..'")
+                    raise invalid(f"CompareConfig.{key}.{name}", changes, f"a table of config changes, under "
+                                  f"{FOLDER_NAME}")
                 train = changes.get("train")
                 if isinstance(train, dict) and "seed" in train:   # it would replace every seed: n copies of one run
                     raise ConfigError(f"compare.{key}.{name} sets train.seed, which compare.seeds sets for every run "

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lengthgen.atomic import atomic_write_text
-from lengthgen.config import (MAX_SIZE, ConfigError, build, check, documented, invalid, load_toml, option,
-                              parse_assignment, read_config_text, set_key, to_plain)
+from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, build, check, documented, folder_name, invalid,
+                              load_toml, option, parse_assignment, read_config_text, set_key, to_plain)
 from lengthgen.data.config import DataConfig
 from lengthgen.model.config import GPTConfig
 
@@ -171,13 +171,15 @@ class RunConfig:
     model: GPTConfig = option(GPTConfig(), "the model")
     train: TrainConfig = option(TrainConfig(), "optimization, schedule, evaluation and checkpoints")
     data: DataConfig = option(DataConfig(), "the training data")
-    name: str = option("", "the run's name")
+    name: str = option("", "the run's name, a plain folder name: lengthgen train's default folder is runs/<name>")
     compare: dict[str, Any] = option({}, "lengthgen compare's experiment (variants, bases, pretrain_steps, seeds, "
                                      "eval_lengths, eval_tokens, metric, needle_depths, needle_samples, workers); "
                                      "checked but not used by lengthgen train")
 
     def __post_init__(self) -> None:
         check(self)
+        if self.name and not folder_name(self.name):     # lengthgen train's default folder is runs/<name>
+            raise invalid("RunConfig.name", self.name, f"{FOLDER_NAME}, or '' for none")
         if self.tokens_per_step < max(self.lengths()):
             key = "tokens_per_step" if self.train.tokens_per_step is not None else "batch_size"
             raise ConfigError(f"RunConfig.train.{key}={getattr(self.train, key)}: {self.tokens_per_step} tokens per "
