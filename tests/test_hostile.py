@@ -881,6 +881,24 @@ def test_eval_out_refuses_another_runs_eval_json(tmp_path, capsys, stopped):
     assert cli(capsys, "eval", run, "--lengths", "8", "--out", run / "eval.json")[0] == 0   # its own: replaced
 
 
+def test_eval_out_replaces_only_an_earlier_evaluation(tmp_path, capsys, stopped, two_compares):
+    """``eval --out FILE`` replaced any file: notes, a JSON file of the user's, a comparison's results.json."""
+    run = copy(stopped[0], tmp_path)
+    results = tmp_path / "results.json"
+    shutil.copy(two_compares[0] / "results.json", results)
+    for path, text in ((tmp_path / "notes.txt", "mine"), (tmp_path / "mine.json", '{"kind": "run"}'),
+                       (run / "notes.json", "{}"), (results, results.read_text())):
+        path.write_text(text)
+        code, err = cli(capsys, "eval", run, "--lengths", "8", "--tokens", "64", "--out", path)
+        assert code == 2 and err.endswith(f"--out {path} exists and is not an earlier evaluation (a results file of "
+                                          "lengthgen eval); choose another file name"), err
+        assert path.read_text() == text
+    earlier = tmp_path / "eval.json"
+    for _ in range(2):          # written, then replaced
+        assert cli(capsys, "eval", run, "--lengths", "8", "--tokens", "64", "--out", earlier)[0] == 0
+    assert RunEval.load(earlier).lengths[0].length == 8
+
+
 @pytest.mark.parametrize("tokenizer", [[], ["--tokenizer", "byte"]])
 @pytest.mark.parametrize("command", ["eval", "needle"])
 def test_hf_given_a_run_folder_names_it_and_leaves_no_folder(tmp_path, capsys, stopped, command, tokenizer):

@@ -90,7 +90,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", help="with --hf: text corpus (stdlib, a path, bin:GLOB; default stdlib)")
     p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
-    p.add_argument("--out", "-o", help="write the results JSON here (in a lengthgen folder: under its lock)")
+    p.add_argument("--out", "-o", help="write the results JSON here (in a lengthgen folder: under its lock); it "
+                                       "replaces only an earlier evaluation")
 
 
 def only_hf(args: argparse.Namespace) -> None:
@@ -106,11 +107,15 @@ def only_hf(args: argparse.Namespace) -> None:
 def eval_command(args: argparse.Namespace) -> int:
     """Evaluate a trained run (or a local HF model) by position at lengths far beyond training."""
     from lengthgen.report import run_summary
+    from lengthgen.train.run_folder import results_file
 
     if not (args.run or args.hf) or (args.run and args.hf):
         raise CommandError("give a run folder or checkpoint, or --hf PATH")
     only_hf(args)
     with writing(Path(args.out), args.run) if args.out else contextlib.nullcontext():
+        if args.out and Path(args.out).exists() and results_file(args.out) != "run":
+            raise CommandError(f"--out {args.out} exists and is not an earlier evaluation (a results file of "
+                               "lengthgen eval); choose another file name")
         if args.hf:
             from lengthgen.hf import evaluate_hf
 

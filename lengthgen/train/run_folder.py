@@ -146,21 +146,24 @@ _INSIDE = {"checkpoints": re.compile(r"step_\d+(\.corrupt.*|\.tmp-.*)?|\..*\.tmp
            "tb": re.compile(r"events\.out\.tfevents\..*")}
 
 
-def _results_file(path: Path) -> bool:
-    """Whether ``path`` is a results file lengthgen wrote under a name of the user's choosing (``lengthgen eval
-    --out RUN/NAME.json``): JSON with the results model's ``schema`` and ``kind``."""
+def results_file(path: str | Path) -> str | None:
+    """The kind (``run``, ``comparison``, ``needle``) of the results file lengthgen wrote at ``path``, under a name
+    of the user's choosing too (``lengthgen eval --out NAME.json``): JSON with the results model's ``schema`` and
+    ``kind``; None for any other file."""
+    path = Path(path)
     if path.suffix != ".json" or not path.is_file():
-        return False
+        return None
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(data, dict) and "schema" in data and data.get("kind") in ("run", "comparison", "needle")
+        return None
+    kind = data.get("kind") if isinstance(data, dict) and "schema" in data else None
+    return kind if kind in ("run", "comparison", "needle") else None
 
 
 def not_written(folder: Path, where: str = "") -> list[str]:
     """What in ``folder`` lengthgen did not write (paths from ``folder``), which ``--overwrite`` would delete
-    with it: names outside `WRITTEN` (but results files, `_results_file`), anything in ``checkpoints/`` but
+    with it: names outside `WRITTEN` (but results files, `results_file`), anything in ``checkpoints/`` but
     checkpoints and in ``tb/`` but event files, and in a comparison's ``runs/`` and ``pretrain/`` anything but
     its run folders (``NAME-seedN`` or ``BASE/NAME-seedN``, e.g. not ``lengthgen train``'s default
     ``runs/<config name>``), each checked the same way, as are a retrofit's ``finetune/`` and ``control/``."""
@@ -170,7 +173,7 @@ def not_written(folder: Path, where: str = "") -> list[str]:
         if child.name == LOCK:
             continue
         if child.name not in WRITTEN:
-            if not _results_file(child):
+            if results_file(child) is None:
                 found.append(path)
         elif child.name in _INSIDE and child.is_dir():
             found += [f"{path}/{g.name}" for g in sorted(child.iterdir()) if not _INSIDE[child.name].fullmatch(g.name)]
@@ -344,4 +347,4 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
 
 __all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "checkpoints_at",
            "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints", "remove_temporaries",
-           "saved_run_config"]
+           "results_file", "saved_run_config"]
