@@ -7,7 +7,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
@@ -55,3 +55,9 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
         with open(tmp, "w") as f:
             f.write(text)
     return atomic_write(path, write)
+
+
+def atomic_write_figure(fig: Any, path: str | Path, **options: Any) -> Path:
+    """Save the matplotlib figure ``fig`` as ``path`` (in the format its suffix names, else PNG) by `atomic_write`;
+    ``options`` go to ``fig.savefig`` (``dpi``, ``bbox_inches``)."""
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix[1:] or "png", **options))

@@ -301,6 +301,47 @@ def test_rewriting_a_report_leaves_no_plot_of_the_results_before(tmp_path):
 
 
 
+def _needle_plot(path) -> None:
+    from lengthgen.eval import NeedleCell, NeedleMap
+    from lengthgen.report import plot_needle
+
+    cells = [NeedleCell(depth, 16, 10, 0.5, 0.5, 1.0) for depth in (0.0, 1.0)]
+    plot_needle({"a": [NeedleMap("mqar", 1, [0.0, 1.0], [16], cells, 0, Provenance.capture("cpu"))]}, path)
+
+
+def _theory_plot(path) -> None:
+    from lengthgen.report.theory import plot_theory
+
+    plot_theory([{"r": 2.0, "n": n, "monte_carlo": 1.5, "stderr": 0.1, "limit": 2.0} for n in (4, 8)], path)
+
+
+@pytest.mark.parametrize("plot, name", [
+    (lambda out: write_report(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}), out), "extrapolation.png"),
+    (lambda out: _needle_plot(out / "needle.png"), "needle.png"), (lambda out: _theory_plot(out / "theory.png"),
+                                                                   "theory.png")])
+def test_a_plot_that_fails_while_saved_leaves_the_one_before(tmp_path, monkeypatch, plot, name):
+    """Figures were saved straight into their file: a crash or a full disk mid-save left a truncated PNG."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    plot(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    save = Figure.savefig
+
+    def half_then_fail(fig, fname, **kwargs):        # a disk that fills up halfway through the file
+        buffer = io.BytesIO()
+        save(fig, buffer, **kwargs)
+        with open(fname, "wb") as f:
+            f.write(buffer.getvalue()[:100])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", half_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        plot(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and name in before
+
+
 def test_retrieval_table_shows_the_seed_spread():
     """The retrieval table showed only the mean over seeds (and the worst depth): no spread, with several seeds."""
     from lengthgen.eval import NeedleCell, NeedleMap

@@ -8,7 +8,7 @@ import math
 import textwrap
 from pathlib import Path
 
-from lengthgen.atomic import atomic_write_text
+from lengthgen.atomic import atomic_write_figure, atomic_write_text
 from lengthgen.eval.results import Comparison, NeedleMap
 from lengthgen.report.tables import length_label, mean, table
 
@@ -85,7 +85,7 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
 def plot_needle(maps: dict[str, list[NeedleMap]], path: str | Path) -> None:
     """`needle_figure` as a PNG."""
     fig = needle_figure(maps)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    atomic_write_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from lengthgen.atomic import atomic_write_figure
 from lengthgen.eval.results import Bucket, Comparison, LengthEval
 from lengthgen.report.tables import averaged_over, chance_level, groups
 
@@ -220,5 +221,5 @@ def diagnostics_figure(results: Comparison):
 
 
 def _save(fig, path: str | Path) -> None:
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    atomic_write_figure(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)

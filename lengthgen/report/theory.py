@@ -4,8 +4,9 @@ text table."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
+
+from lengthgen.atomic import atomic_write_figure
 
 
 def plot_theory(rows: Sequence[dict], path) -> None:
@@ -35,7 +36,7 @@ def plot_theory(rows: Sequence[dict], path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=120)
+    atomic_write_figure(fig, path, dpi=120)
 
 
 def theory_text(rows: Sequence[dict]) -> str:
