@@ -872,6 +872,32 @@ def test_report_out_refuses_another_experiments_folder(tmp_path, capsys, two_com
     assert code == 2 and "holds another experiment (runs)" in err and files(target) == before
 
 
+def test_report_needle_and_theory_out_never_replace_a_users_files(tmp_path, capsys, two_compares):
+    """Found by a probe: report --out DIR and needle --out DIR replaced a report.md or needle.md that the user kept
+    in DIR, a folder lengthgen never wrote (no lock file, no results file). A shared results folder, whose lock
+    file did not travel with it, is still reported in place."""
+    run = tmp_path / "run"
+    train(config("data.task=mqar", "data.task_kwargs={vocab_size = 16}"), run, progress=False)
+    for command, held in ((["report", two_compares[0]], "report.md"),
+                          (["needle", run, "--lengths", "16", "--samples", "2", "--no-progress"], "needle.md")):
+        mine = tmp_path / command[0]
+        mine.mkdir()
+        (mine / held).write_text("mine")
+        code, err = cli(capsys, *command, "--out", mine)
+        assert code == 2 and err.endswith(f"{mine} holds {held}, which lengthgen did not write (the folder has no "
+                                          f"{LOCK} and no results file); choose another folder"), err
+        assert files(mine) == {held: b"mine"} and not (mine / LOCK).exists()
+        (mine / held).unlink()
+        assert cli(capsys, *command, "--out", mine)[0] == 0
+    shared = tmp_path / "shared"
+    shutil.copytree(two_compares[0], shared, ignore=shutil.ignore_patterns(LOCK, "runs"))
+    assert cli(capsys, "report", shared)[0] == 0
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "theory.png").write_text("mine")                     # theory likewise
+    code, err = cli(capsys, "theory", "--out", tmp_path / "plots")
+    assert code == 2 and "plots holds theory.png, which lengthgen did not write" in err
+
+
 def test_eval_out_refuses_another_runs_eval_json(tmp_path, capsys, stopped):
     run, other = copy(stopped[0], tmp_path), tmp_path / "other"
     shutil.copytree(run, other)

@@ -23,7 +23,9 @@ def report_command(args: argparse.Namespace) -> int:
     """Rebuild report.md and the plots from existing results.json files (several are merged into --out)."""
     from lengthgen.eval import Comparison
     from lengthgen.report import terminal_table, write_report
-    from lengthgen.train.run_folder import kinds_held, lock
+    from lengthgen.report.markdown import DIAGNOSTICS, EXTRAPOLATION
+    from lengthgen.report.needle import NEEDLE_PLOT
+    from lengthgen.train.run_folder import check_outputs, kinds_held, lock
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
     for path in paths:
@@ -50,6 +52,7 @@ def report_command(args: argparse.Namespace) -> int:
     merged = _current_keys(Comparison.load(paths[0]))
     for path in paths[1:]:
         merged.merge(_current_keys(Comparison.load(path)), str(path))
+    check_outputs(out, ["results.json", "report.md", EXTRAPOLATION, DIAGNOSTICS, NEEDLE_PLOT])
     with lock(out):
         if out.resolve() != paths[0].parent.resolve():
             merged.save(out / "results.json")
@@ -164,9 +167,9 @@ def needle_command(args: argparse.Namespace) -> int:
     A run's own retrieval task (passkey, mqar) or, for text runs and --hf models, key-value sentences hidden in
     real text (the run's corpus; with --hf --corpus, default the embedded stdlib) with a query for each at the end.
     Writes needle.json (every cell), needle.md (tables) and needle.png (the heatmap, training length marked)."""
-    from lengthgen.report.needle import grid_rows, write_needle
+    from lengthgen.report.needle import NEEDLE_PLOT, grid_rows, write_needle
     from lengthgen.report.tables import table
-    from lengthgen.train.run_folder import lock
+    from lengthgen.train.run_folder import check_outputs, lock
 
     if not (args.run or args.hf) or (args.run and args.hf):
         raise CommandError("give a run folder or checkpoint, or --hf PATH")
@@ -179,6 +182,7 @@ def needle_command(args: argparse.Namespace) -> int:
     if (out / "config.json").is_file() and not (args.run and Path(args.run).resolve().is_relative_to(out.resolve())):
         raise CommandError(f"--out {out} is another run's folder (its own map would be replaced); choose another "
                            "folder")
+    check_outputs(out, ["needle.json", "needle.md", NEEDLE_PLOT])
     with lock(out):
         if args.hf:
             from lengthgen.hf import needle_hf
@@ -242,10 +246,11 @@ def sample_command(args: argparse.Namespace) -> int:
 def theory_command(args: argparse.Namespace) -> int:
     """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.png."""
     from lengthgen.experiments.theory import main_theory
-    from lengthgen.train.run_folder import lock
+    from lengthgen.train.run_folder import check_outputs, lock
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise CommandError(f"--out {args.out} is a file; give a folder")
+    check_outputs(args.out, ["theory.json", "theory.png"])
     with lock(args.out):            # one writer per folder: not into a run that is training
         main_theory(args.out)
     return 0

@@ -14,6 +14,8 @@ writes one (train, compare, retrofit, eval --out, report) holds its lock while i
 * Stale temporaries of an interrupted write (``checkpoints/step_N.tmp-*``, ``.NAME.*.tmp``) go when it is locked.
 * Fresh or resume: a new run into a folder holding anything is refused (`check_fresh`) unless asked to overwrite,
   which deletes the files lengthgen writes first (and refuses a folder holding anything else).
+* report, needle and theory replace their files (``report.md``, ...) only in a folder lengthgen wrote
+  (`check_outputs`), and ``eval --out`` replaces only an earlier evaluation (`results_file`).
 * Checkpoints are found by scanning: the newest complete ``checkpoints/step_N`` first, so a missing or damaged
   ``latest.json`` loses nothing. `load_newest` loads the newest one that reads back; a damaged one gives a
   `RunFolderWarning` naming the file, and a resuming writer keeps it aside as ``step_N.corrupt``.
@@ -159,6 +161,16 @@ def results_file(path: str | Path) -> str | None:
         return None
     kind = data.get("kind") if isinstance(data, dict) and "schema" in data else None
     return kind if kind in ("run", "comparison", "needle") else None
+
+
+def check_outputs(folder: str | Path, names: list[str]) -> None:
+    """`RunFolderError` when ``folder`` holds any of ``names`` (the files a command writes there) and is no folder
+    lengthgen wrote: it has no lock file and none of them is a results file (`results_file`); they are the user's."""
+    folder = Path(folder)
+    held = [name for name in names if (folder / name).exists()]
+    if held and not (folder / LOCK).exists() and not any(results_file(folder / name) for name in held):
+        raise RunFolderError(f"{folder} holds {_names(held)}, which lengthgen did not write (the folder has no {LOCK} "
+                             "and no results file); choose another folder")
 
 
 def not_written(folder: Path, where: str = "") -> list[str]:
@@ -345,6 +357,7 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
         raise RunFolderError(f"{path} is unreadable ({err}); pass --overwrite to start over") from None
 
 
-__all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "checkpoints_at",
+__all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "check_outputs",
+           "checkpoints_at",
            "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints", "remove_temporaries",
            "results_file", "saved_run_config"]
