@@ -15,6 +15,7 @@ from lengthgen.attention import backends
 from lengthgen.attention import functional as fn
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.module import SPEC_PARAMETERS, is_spec_parameter
+from lengthgen.config import ConfigError
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 DIM, HEADS = 32, 4
@@ -157,13 +158,35 @@ def test_gqa_parameter_shapes(kv_heads):
 
 
 def test_bad_module_arguments():
-    with pytest.raises(ValueError, match="kv_heads=3"):
-        Attention(DIM, HEADS, AttentionSpec(kv_heads=3))
-    with pytest.raises(ValueError, match="head_dim=5 must be even"):
-        Attention(DIM, HEADS, AttentionSpec(position="rope"), head_dim=5)
     Attention(DIM, HEADS, AttentionSpec(position="nope"), head_dim=5)(torch.randn(1, 3, DIM))
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         Attention(DIM, HEADS, backend="fast")(torch.randn(1, 3, DIM))
+
+
+BAD_SIZES = [
+    (dict(dim=0), r"Attention\.dim=0 is not valid; it must be an integer in \[1, 2147483647\]$"),
+    (dict(dim=-8), r"Attention\.dim=-8 is not valid"),
+    (dict(dim=32.0), r"Attention\.dim=32\.0 is not valid; it must be an integer"),
+    (dict(heads=0), r"Attention\.heads=0 is not valid; it must be an integer in \[1, "),
+    (dict(heads=-2), r"Attention\.heads=-2 is not valid"),
+    (dict(heads=True), r"Attention\.heads=True is not valid"),
+    (dict(head_dim=0), r"Attention\.head_dim=0 is not valid; it must be an integer in \[1, 2147483647\], or none$"),
+    (dict(head_dim=-4), r"Attention\.head_dim=-4 is not valid"),
+    (dict(layer_index=-1), r"Attention\.layer_index=-1 is not valid; it must be an integer >= 0$"),
+    (dict(dim=10), r"Attention\.heads=4 is not valid; it must be a divisor of dim=10 \(or pass head_dim\)$"),
+    (dict(spec={"kv_heads": 3}), r"AttentionSpec\.kv_heads=3 is not valid; it must be a divisor of heads=4$"),
+    (dict(spec={"kv_heads": 8}), r"AttentionSpec\.kv_heads=8 is not valid; it must be a divisor of heads=4$"),
+    (dict(head_dim=5), r"Attention\.head_dim=5 is not valid; it must be even for position='rope'"),
+]
+
+
+@pytest.mark.parametrize("changes,match", BAD_SIZES, ids=[str(c) for c, _ in BAD_SIZES])
+def test_bad_sizes_are_one_line_config_errors(changes, match):
+    """Each was a raw traceback from deep inside (negative dimension, modulo by zero, float size), or was accepted:
+    dim=0 built an empty layer, head_dim=0 fell back to dim // heads, heads=True made one head."""
+    with pytest.raises(ConfigError, match="^" + match) as err:
+        Attention(**{"dim": DIM, "heads": HEADS, **changes})
+    assert "\n" not in str(err.value)
 
 
 def test_capture_holds_internals():
@@ -284,10 +307,8 @@ def test_bad_spec_value_names_field_and_choices(field, value):
 
 
 def test_layer_errors_name_the_argument():
-    """Each failed later and deeper: a head_dim silently dim // heads (fewer channels than dim), an unknown
-    backend at the first forward, a 2-D input in an unpack."""
-    with pytest.raises(ValueError, match="dim=10 is not a multiple of heads=4; pass head_dim"):
-        Attention(10, 4)
+    """Each failed later and deeper: an unknown backend at the first forward, a 2-D input in an unpack (sizes:
+    `test_bad_sizes_are_one_line_config_errors`); a head_dim that does not divide dim is fine when given."""
     assert Attention(10, 4, head_dim=4)(torch.randn(1, 3, 10)).shape == (1, 3, 10)
     with pytest.raises(ValueError, match="unknown attention backend 'bogus'; choose one of auto, dense"):
         Attention(16, 2, backend="bogus")

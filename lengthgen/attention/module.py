@@ -16,6 +16,7 @@ from lengthgen.attention.cache import KVCache
 from lengthgen.attention.core import attend
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
+from lengthgen.config import MAX_SIZE, check_value, invalid
 
 #: The parameters (names inside `Attention`) that a spec adds to the q/k/v/o projections: a checkpoint
 #: trained without them can be loaded, these keeping their init (e.g. a 2sigmoid gate: the identity).
@@ -51,16 +52,10 @@ class Attention(nn.Module):
                  multiplier: nn.Parameter | None = None, out_proj: bool = True) -> None:
         super().__init__()
         self.spec = spec = resolve_spec(spec)
-        if head_dim is None and dim % heads:
-            raise ValueError(f"Attention: dim={dim} is not a multiple of heads={heads}; pass head_dim")
+        dim, heads, head_dim, layer_index = self._check_sizes(spec, dim, heads, head_dim, layer_index)
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        self.heads, self.head_dim = heads, head_dim or dim // heads
-        self.kv_heads = spec.kv_heads or heads
-        if heads % self.kv_heads:
-            raise ValueError(f"AttentionSpec.kv_heads={self.kv_heads} must divide heads={heads}")
-        if self.head_dim % 2 and spec.position != "nope":
-            raise ValueError(f"head_dim={self.head_dim} must be even for position={spec.position!r}")
+        self.heads, self.head_dim, self.kv_heads = heads, head_dim, spec.kv_heads or heads
         self.layer_index, self.backend, self.capture = layer_index, backend, None
         inner, kv_inner = heads * self.head_dim, self.kv_heads * self.head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
@@ -74,6 +69,25 @@ class Attention(nn.Module):
         self.out_norm = OutNorm(spec, heads, self.head_dim)
         self.gate = OutputGate(spec, dim, heads, self.head_dim)
         self.register_buffer("rope_freqs", self.rope_frequencies(), persistent=False)
+
+    @staticmethod
+    def _check_sizes(spec: AttentionSpec, dim: Any, heads: Any, head_dim: Any, layer_index: Any
+                     ) -> tuple[int, int, int, int]:
+        """``(dim, heads, head_dim, layer_index)`` checked (a `ConfigError` naming the argument), with head_dim
+        resolved to ``dim // heads`` when None."""
+        dim = check_value("Attention.dim", dim, int, ge=1, le=MAX_SIZE)
+        heads = check_value("Attention.heads", heads, int, ge=1, le=MAX_SIZE)
+        head_dim = check_value("Attention.head_dim", head_dim, int | None, ge=1, le=MAX_SIZE)
+        layer_index = check_value("Attention.layer_index", layer_index, int, ge=0)
+        if head_dim is None and dim % heads:
+            raise invalid("Attention.heads", heads, f"a divisor of dim={dim} (or pass head_dim)")
+        head_dim = head_dim or dim // heads
+        if heads % (spec.kv_heads or heads):
+            raise invalid("AttentionSpec.kv_heads", spec.kv_heads, f"a divisor of heads={heads}")
+        if head_dim % 2 and spec.position != "nope":
+            raise invalid("Attention.head_dim", head_dim, f"even for position={spec.position!r}, which rotates pairs "
+                          "of dimensions (dim // heads when not given)")
+        return dim, heads, head_dim, layer_index
 
     def rope_frequencies(self) -> torch.Tensor:
         """The ``rope_freqs`` buffer's value: RoPE / p-RoPE frequencies of the spec (all 0 for NoPE). The buffer is
