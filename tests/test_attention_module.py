@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 import typing
 
 import pytest
@@ -312,8 +313,21 @@ def test_layer_errors_name_the_argument():
     assert Attention(10, 4, head_dim=4)(torch.randn(1, 3, 10)).shape == (1, 3, 10)
     with pytest.raises(ValueError, match="unknown attention backend 'bogus'; choose one of auto, dense"):
         Attention(16, 2, backend="bogus")
-    with pytest.raises(ValueError, match=r"Attention expects \(batch, length, dim\) input, got \(5, 16\)"):
+    with pytest.raises(ValueError, match=r"Attention expects \(batch, length, dim=16\) input, got \(5, 16\)"):
         Attention(16, 2)(torch.randn(5, 16))
+
+
+def test_forward_checks_the_input_width_and_the_value_shape():
+    """A wrong width was a raw matmul error; a wrong value shape a broadcasting error, or silently broadcast."""
+    m = Attention(DIM, HEADS, {"kv_heads": 2})
+    x = torch.randn(2, 5, DIM)
+    with pytest.raises(ValueError, match=r"^Attention expects \(batch, length, dim=32\) input, got \(2, 5, 31\)$"):
+        m(torch.randn(2, 5, DIM - 1))
+    for shape in ((2, 5, 8), (2, 4, 16), (1, 5, 16), (16,)):
+        with pytest.raises(ValueError, match=r"^Attention: value must be \(batch, length, kv_heads \* head_dim\) = "
+                           rf"\(2, 5, 16\), got {re.escape(str(shape))}$"):
+            m(x, value=torch.randn(shape))
+    assert m(x, value=torch.randn(2, 5, 16)).shape == x.shape
 
 
 def test_dependent_field_errors():

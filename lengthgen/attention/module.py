@@ -55,7 +55,7 @@ class Attention(nn.Module):
         dim, heads, head_dim, layer_index = self._check_sizes(spec, dim, heads, head_dim, layer_index)
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        self.heads, self.head_dim, self.kv_heads = heads, head_dim, spec.kv_heads or heads
+        self.dim, self.heads, self.head_dim, self.kv_heads = dim, heads, head_dim, spec.kv_heads or heads
         self.layer_index, self.backend, self.capture = layer_index, backend, None
         inner, kv_inner = heads * self.head_dim, self.kv_heads * self.head_dim
         self.q_proj = nn.Linear(dim, inner, bias=bias)
@@ -109,9 +109,12 @@ class Attention(nn.Module):
         """``value``: an optional (B, L, Hkv*D) term added to the values (seed 000's value embeddings).
         ``cache``: x holds the positions after those in ``cache.layer(layer_index)``, whose keys and values this
         call attends to and extends (``doc_ids``: the new positions' ids)."""
-        if x.dim() != 3:
-            raise ValueError(f"Attention expects (batch, length, dim) input, got {tuple(x.shape)}")
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"Attention expects (batch, length, dim={self.dim}) input, got {tuple(x.shape)}")
         b, length, _ = x.shape
+        if value is not None and tuple(value.shape) != (b, length, self.kv_heads * self.head_dim):
+            raise ValueError(f"Attention: value must be (batch, length, kv_heads * head_dim) = "
+                             f"{(b, length, self.kv_heads * self.head_dim)}, got {tuple(value.shape)}")
         spec = self.spec
         q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
