@@ -148,6 +148,23 @@ def test_global_learnable_scaling_is_one_shared_parameter():
     assert per_head.blocks[0].attn.scaling.multiplier is not per_head.blocks[1].attn.scaling.multiplier
 
 
+def test_global_layers_must_agree_on_scaling_init():
+    """The shared multiplier took the first global layer's scaling_init, silently dropping another layer's; and it
+    was built from a layer without attention when that came first (then unused, or at an init no layer asked for)."""
+    spec = {"preset": "ssmax", "learnable_scaling": "global", "scaling_init": 0.5}
+    with pytest.raises(ConfigError, match=r"^GPTConfig\.layer_attention\.scaling_init=2\.0 is not valid; it must be "
+                       r"0\.5, the scaling_init of the first layer with learnable_scaling='global' \(they share one "
+                       r"multiplier\)$"):
+        tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"scaling_init": 2.0}}])
+    tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"learnable_scaling": "head", "scaling_init": 2.0}}])
+    later = {"layers": [1, 2], "spec": {"scaling_init": 2.0}}
+    model = GPT(tiny(attention=spec, no_attention_layers=[0], layer_attention=[later]))
+    shared = model.scaling_multiplier
+    assert shared.item() == 2.0 and model.blocks[1].attn.scaling.multiplier is shared
+    unused = GPT(tiny(attention="ssmax", no_attention_layers=[0], layer_attention=[{"layers": [0], "spec": spec}]))
+    assert unused.scaling_multiplier is None
+
+
 def test_init_std_and_gates_keep_their_init():
     torch.manual_seed(0)
     model = GPT(tiny(dim=64, heads=4, layers=2, attention="gated"))

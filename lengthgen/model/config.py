@@ -142,8 +142,12 @@ class GPTConfig:
         if (self.gate_width or 0) > self.dim:
             raise invalid("GPTConfig.gate_width", self.gate_width, f"at most dim={self.dim}")
         self.check_layers()
-        for spec in self.layer_specs():  # validates layer_attention, then what each layer's attention needs
+        shared = self.global_scaling_spec()  # validates layer_attention
+        for spec, attention in zip(self.layer_specs(), self.attention_layers()):  # what each layer's attention needs
             key = "GPTConfig.attention" if spec is self.attention else "GPTConfig.layer_attention"
+            if attention and spec.learnable_scaling == "global" and spec.scaling_init != shared.scaling_init:
+                raise invalid(f"{key}.scaling_init", spec.scaling_init, f"{shared.scaling_init}, the scaling_init of "
+                              "the first layer with learnable_scaling='global' (they share one multiplier)")
             if self.heads % (spec.kv_heads or self.heads):
                 raise invalid(f"{key}.kv_heads", spec.kv_heads, f"a divisor of heads={self.heads}")
             if (spec.gate_width or 0) > self.dim:
@@ -202,6 +206,12 @@ class GPTConfig:
                                  f"{', '.join(map(str, lengths))}: it hides no key, so its layers are full causal "
                                  f"attention, as without a window; set a window below {max(lengths)}")
         return list(notes.values())
+
+    def global_scaling_spec(self) -> AttentionSpec | None:
+        """The spec of the first attention layer with ``learnable_scaling="global"``, whose ``scaling_init`` starts
+        the one multiplier those layers share (`lengthgen.model.GPT`); None when no layer has one."""
+        return next((spec for spec, attention in zip(self.layer_specs(), self.attention_layers())
+                     if attention and spec.learnable_scaling == "global"), None)
 
     def attention_layers(self) -> list[bool]:
         """Whether each layer has attention (`no_attention_layers`, negative indices from the end)."""

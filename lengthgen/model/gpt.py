@@ -56,9 +56,8 @@ class GPT(nn.Module):
         specs, attention = cfg.layer_specs(), cfg.attention_layers()
         self.value_index = list(cfg.value_embeds) or [-1] * cfg.layers
         # learnable_scaling="global": ONE multiplier shared by every layer that asks for a global one
-        first_global = next((s for s in specs if s.learnable_scaling == "global"), None)
-        self.scaling_multiplier = (QueryScaling.new_parameter(first_global, cfg.heads)
-                                   if first_global is not None else None)
+        shared = cfg.global_scaling_spec()
+        self.scaling_multiplier = None if shared is None else QueryScaling.new_parameter(shared, cfg.heads)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, scale_grad_by_freq=cfg.scale_grad_by_freq)
         self.first_embed = nn.Embedding(2, cfg.dim) if cfg.first_token_embedding else None
         self.embed_norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.norm_affine) if cfg.embed_norm else None
