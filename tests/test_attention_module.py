@@ -396,6 +396,20 @@ def test_bad_shapes_to_attend(name):
         attend(torch.randn(qs), torch.randn(ks), torch.randn(vs), AttentionSpec(doc_masking=True), doc_ids=docs)
 
 
+@pytest.mark.parametrize("name,value,what", [("q", [[1.0]], "a tensor, got list"),
+                                              ("k", None, "a tensor, got NoneType"),
+                                              ("v", 1.0, "a tensor, got float"),
+                                              ("doc_ids", [[0, 0, 0]], "a tensor or None, got list"),
+                                              ("mask", True, "a tensor or None, got bool")])
+def test_attend_names_an_argument_that_is_not_a_tensor(name, value, what):
+    """Each was an AttributeError from inside the checks ('list' object has no attribute 'dim')."""
+    args = dict(q=torch.randn(1, 2, 3, 4), k=torch.randn(1, 2, 3, 4), v=torch.randn(1, 2, 3, 4), doc_ids=None,
+                mask=None)
+    args[name] = value
+    with pytest.raises(ValueError, match=rf"^attend: {name} must be {what}$"):
+        attend(spec=AttentionSpec(doc_masking=True), **args)
+
+
 def test_value_head_dim_may_differ():
     q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 3)
     spec = AttentionSpec(softmax_p=2.0)

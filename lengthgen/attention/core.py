@@ -13,6 +13,10 @@ from lengthgen.attention.spec import AttentionSpec, resolve_spec
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
                   doc_ids: torch.Tensor | None, mask: torch.Tensor | None, multipliers: Any) -> None:
+    for name, t, optional in (("q", q, False), ("k", k, False), ("v", v, False), ("doc_ids", doc_ids, True),
+                              ("mask", mask, True)):
+        if not (isinstance(t, torch.Tensor) or (optional and t is None)):
+            raise ValueError(f"attend: {name} must be a tensor{' or None' if optional else ''}, got {type(t).__name__}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attend expects (batch, heads, length, head_dim) tensors, got q{tuple(q.shape)}, "
                          f"k{tuple(k.shape)}, v{tuple(v.shape)}")
