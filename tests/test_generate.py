@@ -103,6 +103,23 @@ def test_documents_given_chunk_by_chunk():
             net(toks[:, 3:4], cache=cache)
 
 
+def test_doc_ids_of_a_wrong_shape_leave_the_cache_as_it_was():
+    """The first layer's cache was extended before attend checked the doc_ids: the cache was then broken (and an
+    `Attention` layer used alone kept the failed chunk's keys)."""
+    doc_ids = torch.tensor([[0] * 3 + [1] * 6 + [2] * 4, [5] * 9 + [6] * 4])
+    net = model(attention=dict(doc_masking=True))
+    toks = tokens()
+    cache = KVCache()
+    with torch.no_grad():
+        for lo, hi in ((0, 3), (3, 13)):
+            with pytest.raises(ValueError, match=rf"^KVCache: doc_ids must be \(batch, new positions\) = "
+                               rf"\(2, {hi - lo}\), got \(2, 13\)$"):
+                net(toks[:, lo:hi], doc_ids=doc_ids, cache=cache)
+            assert not cache.broken and cache.length == lo and all(layer.seen == lo for layer in cache.layers.values())
+            out = net(toks[:, lo:hi], doc_ids=doc_ids[:, lo:hi], cache=cache)
+        torch.testing.assert_close(out, net(toks, doc_ids=doc_ids)[:, 3:], **F32)
+
+
 def test_local_layers_keep_only_their_window():
     window = 4
     net = model(layers=3, attention=dict(window=window, query_scaling="log_n", distance="alibi"),

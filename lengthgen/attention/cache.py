@@ -28,7 +28,11 @@ class LayerCache:
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Append the new positions' keys, values and document ids; returns what the new queries attend to (the
         kept positions, then the new ones), and then keeps the last ``window - 1`` (all without a window). Keys
-        of another batch, head count, head size, dtype or device are a ValueError that leaves the cache as it was."""
+        of another batch, head count, head size, dtype or device, or doc_ids not (batch, new positions), are a
+        ValueError that leaves the cache as it was."""
+        if doc_ids is not None and tuple(doc_ids.shape) != (k.shape[0], k.shape[2]):
+            raise ValueError(f"KVCache: doc_ids must be (batch, new positions) = {(k.shape[0], k.shape[2])}, got "
+                             f"{tuple(doc_ids.shape)}")
         if self.k is not None:
             if (doc_ids is None) != (self.doc_ids is None):
                 raise ValueError("KVCache: give doc_ids with every chunk of positions or with none")
