@@ -358,6 +358,5 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
 
 
 __all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "check_outputs",
-           "checkpoints_at",
-           "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints", "remove_temporaries",
-           "results_file", "saved_run_config"]
+           "checkpoints_at", "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints",
+           "remove_temporaries", "results_file", "saved_run_config"]
