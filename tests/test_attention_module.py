@@ -375,6 +375,8 @@ def test_bad_backend_name():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=r"unknown attention backend 'cuda'; choose one of auto, dense, tiled, sdpa"):
         attend(q, q, q, backend="cuda")
+    with pytest.raises(ValueError, match=r"unknown attention backend \['sdpa'\]; choose one of auto"):
+        attend(q, q, q, backend=["sdpa"])                  # not a raw "unhashable type"
 
 
 BAD_SHAPES = {

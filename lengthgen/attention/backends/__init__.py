@@ -67,7 +67,7 @@ def triton_before_flex(spec: AttentionSpec) -> bool:
 
 
 def module(name: str) -> ModuleType:
-    if name not in MODULES:
+    if not isinstance(name, str) or name not in MODULES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name not in _LOADED:
         _LOADED[name] = importlib.import_module(f"lengthgen.attention.backends.{MODULES[name]}")
