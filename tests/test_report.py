@@ -323,6 +323,7 @@ def test_a_plot_that_fails_while_saved_leaves_the_one_before(tmp_path, monkeypat
     """Figures were saved straight into their file: a crash or a full disk mid-save left a truncated PNG."""
     import io
 
+    from matplotlib import pyplot as plt
     from matplotlib.figure import Figure
 
     plot(tmp_path)
@@ -337,9 +338,11 @@ def test_a_plot_that_fails_while_saved_leaves_the_one_before(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", half_then_fail)
+    open_before = plt.get_fignums()
     with pytest.raises(OSError, match="No space left"):
         plot(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and name in before
+    assert plt.get_fignums() == open_before              # the failed figure is closed, not kept by pyplot
 
 
 def test_retrieval_table_shows_the_seed_spread():

@@ -85,8 +85,10 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
 def plot_needle(maps: dict[str, list[NeedleMap]], path: str | Path) -> None:
     """`needle_figure` as a PNG."""
     fig = needle_figure(maps)
-    atomic_write_figure(fig, path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        atomic_write_figure(fig, path, dpi=110, bbox_inches="tight")
+    finally:                                  # pyplot keeps every open figure: close it, saved or not
+        plt.close(fig)
 
 
 def _header(nmap: NeedleMap, first: str) -> list[str]:

@@ -221,5 +221,7 @@ def diagnostics_figure(results: Comparison):
 
 
 def _save(fig, path: str | Path) -> None:
-    atomic_write_figure(fig, path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    try:
+        atomic_write_figure(fig, path, dpi=120, bbox_inches="tight")
+    finally:                                  # pyplot keeps every open figure: close it, saved or not
+        plt.close(fig)
