@@ -156,6 +156,9 @@ def test_global_layers_must_agree_on_scaling_init():
                        r"0\.5, the scaling_init of the first layer with learnable_scaling='global' \(they share one "
                        r"multiplier\)$"):
         tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"scaling_init": 2.0}}])
+    with pytest.raises(ConfigError, match=r"^GPTConfig\.layer_attention\.query_scaling='sqrt_log_n' is not valid; it "
+                       r"must be 'log_n', the query_scaling of the first"):    # s of log n and r of sqrt(2 log n)
+        tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"query_scaling": "sqrt_log_n"}}])
     tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"learnable_scaling": "head", "scaling_init": 2.0}}])
     later = {"layers": [1, 2], "spec": {"scaling_init": 2.0}}
     model = GPT(tiny(attention=spec, no_attention_layers=[0], layer_attention=[later]))

@@ -145,9 +145,12 @@ class GPTConfig:
         shared = self.global_scaling_spec()  # validates layer_attention
         for spec, attention in zip(self.layer_specs(), self.attention_layers()):  # what each layer's attention needs
             key = "GPTConfig.attention" if spec is self.attention else "GPTConfig.layer_attention"
-            if attention and spec.learnable_scaling == "global" and spec.scaling_init != shared.scaling_init:
-                raise invalid(f"{key}.scaling_init", spec.scaling_init, f"{shared.scaling_init}, the scaling_init of "
-                              "the first layer with learnable_scaling='global' (they share one multiplier)")
+            if attention and spec.learnable_scaling == "global":
+                for field in ("query_scaling", "scaling_init"):    # one multiplier: the same s (log_n) or r
+                    if getattr(spec, field) != getattr(shared, field):
+                        raise invalid(f"{key}.{field}", getattr(spec, field), f"{getattr(shared, field)!r}, the "
+                                      f"{field} of the first layer with learnable_scaling='global' (they share one "
+                                      "multiplier)")
             if self.heads % (spec.kv_heads or self.heads):
                 raise invalid(f"{key}.kv_heads", spec.kv_heads, f"a divisor of heads={self.heads}")
             if (spec.gate_width or 0) > self.dim:
