@@ -8,8 +8,9 @@ import math
 import textwrap
 from pathlib import Path
 
-from lengthgen.atomic import atomic_write_figure, atomic_write_text
+from lengthgen.atomic import atomic_write_text
 from lengthgen.eval.results import Comparison, NeedleMap
+from lengthgen.report.plots import save_figure
 from lengthgen.report.tables import length_label, mean, table
 
 import matplotlib
@@ -84,11 +85,7 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
 
 def plot_needle(maps: dict[str, list[NeedleMap]], path: str | Path) -> None:
     """`needle_figure` as a PNG."""
-    fig = needle_figure(maps)
-    try:
-        atomic_write_figure(fig, path, dpi=110, bbox_inches="tight")
-    finally:                                  # pyplot keeps every open figure: close it, saved or not
-        plt.close(fig)
+    save_figure(needle_figure(maps), path, dpi=110)
 
 
 def _header(nmap: NeedleMap, first: str) -> list[str]:

@@ -116,12 +116,12 @@ def _dense(results: Comparison, metric: str, length: int) -> bool:
 
 def plot_extrapolation(results: Comparison, path: str | Path) -> None:
     """`extrapolation_figure` as a PNG."""
-    _save(extrapolation_figure(results), path)
+    save_figure(extrapolation_figure(results), path)
 
 
 def plot_diagnostics(results: Comparison, path: str | Path) -> None:
     """`diagnostics_figure` as a PNG."""
-    _save(diagnostics_figure(results), path)
+    save_figure(diagnostics_figure(results), path)
 
 
 def extrapolation_figure(results: Comparison):
@@ -220,8 +220,9 @@ def diagnostics_figure(results: Comparison):
     return fig
 
 
-def _save(fig, path: str | Path) -> None:
+def save_figure(fig, path: str | Path, dpi: int = 120) -> None:
+    """Write the pyplot figure ``fig`` as a PNG at ``path`` (atomically), then close it, saved or not."""
     try:
-        atomic_write_figure(fig, path, dpi=120, bbox_inches="tight")
+        atomic_write_figure(fig, path, dpi=dpi, bbox_inches="tight")
     finally:                                  # pyplot keeps every open figure: close it, saved or not
         plt.close(fig)
