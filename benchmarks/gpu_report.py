@@ -229,7 +229,10 @@ def _train_md(_: dict, result: dict) -> list[str]:
           r.get("optimizer_s"), r["tokens_per_s"], r["tflops"], r["mfu"], r["peak_mem_gib"]] for r in rows]) + [
         line for r in rows for line in _kernels(
             {"top_kernels": {f"{'compiled' if r['compile'] else 'eager'} training step": r["top_kernels"]}}
-            if r.get("top_kernels") else {})]
+            if r.get("top_kernels") else {})] + [
+        f"Muon step over the {m['matrices']} hidden matrices ({'compiled' if r['compile'] else 'eager'} run): "
+        f"lengthgen's (batched by shape) {_fmt(m['lengthgen'])} ms, torch.optim.Muon {_fmt(m['torch'])} ms, "
+        f"ratio {_fmt(m['ratio'])} (median of per-round ratios)." for r in rows if (m := r.get("muon_step_ms"))]
 
 
 def _eval_md(r: dict, _: dict) -> list[str]:

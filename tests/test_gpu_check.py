@@ -70,6 +70,8 @@ def _check_figures(result):
         train = parts[name]
         assert train["compile"] is (name == "train_compiled") and train["tokens_per_s"] > 0
         assert train["mfu"] is None and train["peak_tflops"] is None and train["peak_mem_gib"] is None
+        muon = train["muon_step_ms"]                      # lengthgen's Muon against torch's, same run
+        assert muon["matrices"] > 0 and muon["lengthgen"] > 0 and muon["torch"] > 0 and muon["ratio"] > 0
     assert parts["eval_long"]["eval"]["beyond_weights_gib"] is None and parts["eval_long"]["eval"]["seconds"] > 0
     assert parts["layer"]["ms"]["baseline"] > 0 and parts["layer"]["compile"] is True
     assert parts["compare"]["device"] == "cpu" and parts["compare"]["rc"] == 0
@@ -83,7 +85,7 @@ def _check_markdown(result, md, stdout):
     for name in result["parts"]:
         assert f"| {name} | {result['parts'][name]['status']} |" in md
     for heading in ("## CUDA tests", "## Attention backends", "## Attention layer", "## 124M GPT training",
-                    "-token evaluation", "## lengthgen compare", "seed 001"):
+                    "-token evaluation", "## lengthgen compare", "seed 001", "torch.optim.Muon"):
         assert heading in md
     assert md in stdout
 

@@ -283,6 +283,66 @@ def test_muon_gets_hidden_matrices_adamw_the_rest():
     assert all(p.ndim >= 2 for p in decay["params"])
 
 
+SHAPES = [(8, 8), (16, 8), (8, 8), (8, 16), (12, 8), (16, 8)]
+
+
+def muon_pair(**kwargs) -> tuple[list, list, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """Two copies of parameters of `SHAPES`, one under torch's Muon and one under lengthgen's."""
+    from lengthgen.train.muon import Muon
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(shape, generator=gen)) for shape in SHAPES]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    return ps, qs, torch.optim.Muon(ps, **kwargs), Muon(qs, **kwargs)
+
+
+def muon_steps(ps, qs, a, b, steps: int, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+
+
+@pytest.mark.parametrize("nesterov,adjust", [(True, "original"), (False, "match_rms_adamw")])
+def test_batched_muon_takes_torch_muons_steps(nesterov, adjust):
+    ps, qs, a, b = muon_pair(lr=0.05, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust)
+    muon_steps(ps, qs, a, b, 3)
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(p, q.new_zeros(q.shape))
+    # the same state dict: each continues from the other's
+    a2, b2 = type(a)(ps, lr=0.05, nesterov=nesterov), type(b)(qs, lr=0.05, nesterov=nesterov)
+    a2.load_state_dict(b.state_dict())
+    b2.load_state_dict(a.state_dict())
+    assert all(len(b2.state[q]["momentum_buffer"]) for q in qs)
+    muon_steps(ps, qs, a2, b2, 2, seed=2)
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+
+
+def test_batched_muon_orthogonalizes_each_shape_once():
+    """3 matmuls per Newton-Schulz step for each distinct shape (4 here), not for each of the 6 matrices."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.bmm, torch.ops.aten.addmm,
+                                       torch.ops.aten.baddbmm):
+                CountMatmuls.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    _, qs, _, b = muon_pair(lr=0.05)
+    for q in qs:
+        q.grad = torch.randn(q.shape)
+    with CountMatmuls():
+        b.step()
+    assert CountMatmuls.calls == 3 * b.param_groups[0]["ns_steps"] * len({(8, 8), (16, 8), (8, 16), (12, 8)})
+
+
 def test_muon_exclude_sends_the_matched_block_matrices_to_adamw():
     cfg = config("train.optimizer=normuon", "model.attention.gate=head",
                  'train.muon_exclude=["blocks.*.attn.gate.weight"]',

@@ -28,7 +28,8 @@ from lengthgen.experiments.bench import packed_doc_ids
 from lengthgen.experiments.timing import measure_interleaved
 from lengthgen.model import GPT
 from lengthgen.train.config import RunConfig
-from lengthgen.train.optim import build_optimizers
+from lengthgen.train.muon import Muon
+from lengthgen.train.optim import build_optimizers, muon_param_names
 from lengthgen.train.setup import autocast_dtype
 
 #: dense bf16 tensor-core TFLOP/s by device name (first match of a case-insensitive substring): NVIDIA's H100
@@ -110,8 +111,8 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
 
     Whole steps are timed in the same interleaved rounds as their forward + backward alone: ``optimizer_s`` (and
     ``optimizer_fraction`` of the step) is the median per-round difference, the gradient clipping and optimizer
-    steps (Muon orthogonalizes one matrix at a time). ``top_kernels``: where one more step's time goes
-    (`top_kernels`)."""
+    steps. ``top_kernels``: where one more step's time goes (`top_kernels`). With Muon, ``muon_step_ms``: its
+    step against torch's (`muon_step_ms`)."""
     device = torch.device(device)
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
@@ -139,6 +140,7 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
                                   steps)
     timing, optimizer = timings["step"], timings["step"] - timings["forward_backward"]
     kernels = top_kernels(step, device)
+    muon = muon_step_ms(model, cfg, device, warmup, steps) if cfg.train.optimizer == "muon" else None
     seconds = timing.median / 1e3
     tokens_per_s = batch_size * length / seconds
     flops = flops_per_token(model, length)
@@ -150,7 +152,21 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
                 steps=steps, optimizer_s=optimizer.median / 1e3, optimizer_fraction=(optimizer / timing).median,
                 tokens_per_s=tokens_per_s, flops_per_token=flops,
                 tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=_peak_gib(device),
-                top_kernels=kernels)
+                top_kernels=kernels, muon_step_ms=muon)
+
+
+def muon_step_ms(model: GPT, cfg: RunConfig, device: torch.device, warmup: int, reps: int) -> dict[str, Any]:
+    """Milliseconds of one Muon step over ``model``'s hidden matrices (their current gradients): lengthgen's
+    `Muon` (Newton-Schulz batched by shape) and `torch.optim.Muon` (one matrix at a time), in interleaved rounds;
+    ``ratio``: the median per-round ratio of lengthgen's to torch's. The steps move the weights."""
+    names = set(muon_param_names(model))
+    params = [p for name, p in model.named_parameters() if name in names and p.grad is not None]
+    kwargs = dict(lr=cfg.train.muon_lr, momentum=cfg.train.muon_momentum, nesterov=True,
+                  adjust_lr_fn=cfg.train.muon_adjust_lr)
+    steps = {"lengthgen": Muon(params, **kwargs).step, "torch": torch.optim.Muon(params, **kwargs).step}
+    timings = measure_interleaved(steps, device, warmup, reps)
+    return dict(matrices=len(params), lengthgen=timings["lengthgen"].median, torch=timings["torch"].median,
+                ratio=(timings["lengthgen"] / timings["torch"]).median)
 
 
 @torch.no_grad()
@@ -219,4 +235,4 @@ def layer_overhead(*, dim: int, heads: int, head_dim: int, batch: int, length: i
 
 
 __all__ = ["PEAK_BF16_TFLOPS", "flops_per_token", "layer_overhead", "long_eval", "matmul_parameters",
-           "peak_bf16_tflops", "synthetic_batch", "top_kernels", "train_throughput"]
+           "muon_step_ms", "peak_bf16_tflops", "synthetic_batch", "top_kernels", "train_throughput"]

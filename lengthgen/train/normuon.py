@@ -1,4 +1,4 @@
-"""NorMuon and cautious weight decay: seed 000's optimizers (its modded-nanogpt fork), on torch's AdamW and Muon.
+"""NorMuon and cautious weight decay: seed 000's optimizers (its modded-nanogpt fork), on torch's AdamW and `Muon`.
 
 NorMuon (Li et al. 2025, "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491) is Muon whose
 orthogonalized update O is normalized per neuron: one running second moment ``v`` per entry of the longer side
@@ -22,13 +22,16 @@ learning rate entering twice as a decay schedule:
 from __future__ import annotations
 
 import torch
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import _adjust_lr
+
+from lengthgen.train.muon import Muon
 
 
-class NorMuon(torch.optim.Muon):
-    """`torch.optim.Muon` (Nesterov momentum, Newton-Schulz, its ``adjust_lr_fn``) plus NorMuon's per-neuron
-    normalization with ``beta2``. ``cautious``: cautious weight decay at ``wd * (lr / lr_mul) * lr_update``
-    (each group's ``lr_mul`` is its multiplier of the base lr); else torch Muon's ``lr * wd`` on every entry."""
+class NorMuon(Muon):
+    """`Muon` (torch's Muon: Nesterov momentum, Newton-Schulz, its ``adjust_lr_fn``; batched by shape) plus
+    NorMuon's per-neuron normalization with ``beta2``. ``cautious``: cautious weight decay at
+    ``wd * (lr / lr_mul) * lr_update`` (each group's ``lr_mul`` is its multiplier of the base lr); else torch Muon's
+    ``lr * wd`` on every entry."""
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
                  beta2: float = 0.95, cautious: bool = False, adjust_lr_fn: str | None = None) -> None:
@@ -49,21 +52,13 @@ class NorMuon(torch.optim.Muon):
                 loss = closure()
         for group in self.param_groups:
             lr, wd, beta2 = group["lr"], group["weight_decay"], group["beta2"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            for p, update in zip(*self._orthogonalized(group)):
                 state = self.state[p]
-                if not state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                if "second_moment" not in state:
                     rows, cols = p.shape
-                    state["second_moment"] = p.grad.new_zeros((rows, 1) if rows >= cols else (1, cols),
-                                                              dtype=torch.float32)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buf, group["momentum"])
-                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
-                                                     group["eps"]).float()
-                update = normalize_per_neuron(update, state["second_moment"], beta2)
+                    state["second_moment"] = p.new_zeros((rows, 1) if rows >= cols else (1, cols),
+                                                         dtype=torch.float32)
+                update = normalize_per_neuron(update.float(), state["second_moment"], beta2)
                 lr_update = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
                 if wd and group["cautious"]:
                     decay_rate = wd * (lr / group["lr_mul"]) * lr_update

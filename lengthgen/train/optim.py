@@ -1,12 +1,12 @@
 """Optimizers (AdamW; Muon or NorMuon for 2-D hidden weights + AdamW for the rest) and QK-clip.
 
-Muon (`torch.optim.Muon`) orthogonalizes the update of 2-D weight matrices; it is meant for hidden layers
-only. `muon_param_names` picks the 2-D parameters inside the transformer blocks (attention and MLP
-projections, gates); embeddings, the head, norms, biases and scalars (e.g. learnable query-scaling
-multipliers) go to AdamW. ``train.muon_lr_mul`` and ``train.adam_lr_mul`` scale the learning rate of the
-parameters whose names match a pattern (modded-nanogpt's per-parameter ``lr_mul``), ``train.adam_betas`` sets
-AdamW's betas by pattern (its per-group betas). AdamW decays 2-D weights only, or every parameter
-(``weight_decay_on="all"``, as seed 001's optimizer does), each at ``weight_decay`` times its
+Muon (`torch.optim.Muon`, its orthogonalization batched by shape: `lengthgen.train.muon`) orthogonalizes the update
+of 2-D weight matrices; it is meant for hidden layers only. `muon_param_names` picks the 2-D parameters inside the
+transformer blocks (attention and MLP projections, gates); embeddings, the head, norms, biases and scalars (e.g.
+learnable query-scaling multipliers) go to AdamW. ``train.muon_lr_mul`` and ``train.adam_lr_mul`` scale the
+learning rate of the parameters whose names match a pattern (modded-nanogpt's per-parameter ``lr_mul``),
+``train.adam_betas`` sets AdamW's betas by pattern (its per-group betas). AdamW decays 2-D weights only, or every
+parameter (``weight_decay_on="all"``, as seed 001's optimizer does), each at ``weight_decay`` times its
 ``train.weight_decay_mul`` multiplier (modded-nanogpt's ``wd_mul``).
 """
 
@@ -23,6 +23,7 @@ from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.config import ConfigError, pattern_matches
+from lengthgen.train.muon import Muon
 from lengthgen.train.normuon import CautiousAdamW, NorMuon
 
 
@@ -75,7 +76,7 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
         kwargs = dict(lr=tc.muon_lr, weight_decay=tc.muon_weight_decay, momentum=tc.muon_momentum,
                       adjust_lr_fn=tc.muon_adjust_lr)
         optimizers.append(NorMuon(groups, beta2=tc.muon_beta2, cautious=tc.cautious_weight_decay, **kwargs)
-                          if tc.optimizer == "normuon" else torch.optim.Muon(groups, nesterov=True, **kwargs))
+                          if tc.optimizer == "normuon" else Muon(groups, nesterov=True, **kwargs))
     if adam_groups:
         ordered = sorted(adam_groups.items(), key=lambda group: not group[0][0])     # decayed groups first
         groups = [{"params": ps, "weight_decay": decay, "lr": tc.lr * mul, "betas": betas}
