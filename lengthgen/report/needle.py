@@ -70,7 +70,7 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
         ax.set_title("\n".join(textwrap.wrap(name, int(panel * 13)) + seeds), fontsize=10)   # within its panel
         if first.train_length:
             ax.axvline(sum(n <= first.train_length for n in lengths) - 0.5, **TRAIN_LINE)
-    axes[0][0].set_ylabel("needle depth (0: start, 1: before the query)")
+    axes[0][0].set_ylabel("needle depth\n(0: start, 1: before the query)")      # two lines: fits 3 depths
     bar = fig.colorbar(image, ax=axes[0].tolist(), fraction=0.05, pad=0.02)
     chance = _chance(first)
     if chance is not None:
