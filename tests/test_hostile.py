@@ -1395,6 +1395,8 @@ def test_export_to_a_file_says_it_is_a_file(tmp_path, capsys, stopped):
 @pytest.mark.parametrize("args, message", [
     (["train", "--steps", "3"], "lengthgen train: error: unrecognized arguments: --steps 3; config keys are set with "
                                 "--set KEY=VALUE"),
+    (["train", "train.steps=3"], "lengthgen train: error: unrecognized arguments: train.steps=3; config keys are "
+                                 "set with --set KEY=VALUE"),
     (["train", "configs/counting.toml"], "lengthgen train: error: unrecognized arguments: configs/counting.toml; a "
                                          "config file is given with --config FILE (-c FILE)"),
     (["eval", "run", "--bogus"], "lengthgen eval: error: unrecognized arguments: --bogus (see lengthgen eval --help)")])

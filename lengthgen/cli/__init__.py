@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:        # named by the command's own parser, which says `lengthgen train: error: ...`
         usage = args.parser.format_usage()
         hint = "; config keys are set with --set KEY=VALUE, e.g. --set train.steps=100" \
-            if any(a.startswith("--") for a in unknown) and "--set" in usage else ""
+            if any(a.startswith("--") or "=" in a for a in unknown) and "--set" in usage else ""
         if any(a.endswith((".toml", ".json")) for a in unknown) and "--config" in usage:
             hint = "; a config file is given with --config FILE (-c FILE)"
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
