@@ -49,19 +49,19 @@ class Muon(torch.optim.Muon):
         buffers are updated: ``buf <- lerp(buf, grad, 1 - momentum)``, the update ``lerp(grad, buf, momentum)``
         with Nesterov, else ``buf``."""
         params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return [], []
         if any(p.grad.ndim != 2 or p.grad.is_sparse or p.is_complex() for p in params):
             raise ValueError("Muon takes dense real 2-D parameters only")
-        grads = [p.grad for p in params]
         for p in params:
             if "momentum_buffer" not in self.state[p]:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        grads = [p.grad for p in params]
         bufs = [self.state[p]["momentum_buffer"] for p in params]
-        if params:
-            momentum = group["momentum"]
-            torch._foreach_lerp_(bufs, grads, 1 - momentum)
-            updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-            return params, orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        return params, []
+        momentum = group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        return params, orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -72,7 +72,7 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             params, updates = self._orthogonalized(group)
             lr, wd = float(group["lr"]), group["weight_decay"]
-            if params and wd:
+            if wd and params:
                 torch._foreach_mul_(params, 1 - lr * wd)
             for p, update in zip(params, updates):
                 p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
