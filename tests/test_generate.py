@@ -144,6 +144,24 @@ def test_attention_layer_alone_with_a_cache():
     assert list(cache.layers) == [3] and cache.layer(3).seen == 9
 
 
+def test_an_attention_layer_whose_attend_fails_leaves_its_cache_as_it_was():
+    """`LayerCache.extend` stored the new keys before `attend` ran: a backend that cannot run the spec (or any error
+    in attend) left a lone layer's cache holding the failed chunk, and the retried chunk then saw its keys twice."""
+    torch.manual_seed(0)
+    layer = Attention(16, 2, dict(softmax_p=2.0, window=3), backend="dense").double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    cache = KVCache()
+    first = layer(x[:, :4], cache=cache)
+    kept = (cache.layer(0).k, cache.layer(0).v)
+    layer.backend = "sdpa"                                   # p = 2: sdpa refuses it, inside attend
+    with pytest.raises(ValueError, match="backend 'sdpa' cannot run this spec"):
+        layer(x[:, 4:], cache=cache)
+    assert cache.layer(0).seen == 4 and cache.layer(0).k is kept[0] and cache.layer(0).v is kept[1]
+    layer.backend = "dense"
+    rest = layer(x[:, 4:], cache=cache)
+    torch.testing.assert_close(torch.cat([first, rest], 1), layer(x), rtol=1e-10, atol=1e-10)
+
+
 def test_batch_norm_decodes_in_eval_mode_and_refuses_training_mode():
     net = model(norm="batch")
     assert_cache_equals_recomputation(net)   # eval mode: running statistics, one token at a time

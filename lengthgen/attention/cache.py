@@ -24,30 +24,33 @@ class LayerCache:
         self.seen = 0
         self.owner: object | None = None
 
-    def extend(self, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None, window: int | None
+    def extend(self, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Append the new positions' keys, values and document ids; returns what the new queries attend to (the
-        kept positions, then the new ones), and then keeps the last ``window - 1`` (all without a window). Keys
-        of another batch, head count, head size, dtype or device, or doc_ids not (batch, new positions), are a
-        ValueError that leaves the cache as it was."""
+        """What the new positions' queries attend to: the kept keys, values and document ids, then the new ones.
+        Changes nothing: `keep` stores them once the layer's forward has succeeded. Keys of another batch, head
+        count, head size, dtype or device, or doc_ids not (batch, new positions), are a ValueError."""
         if doc_ids is not None and tuple(doc_ids.shape) != (k.shape[0], k.shape[2]):
             raise ValueError(f"KVCache: doc_ids must be (batch, new positions) = {(k.shape[0], k.shape[2])}, got "
                              f"{tuple(doc_ids.shape)}")
-        if self.k is not None:
-            if (doc_ids is None) != (self.doc_ids is None):
-                raise ValueError("KVCache: give doc_ids with every chunk of positions or with none")
-            have = (self.k.shape[:2], self.k.shape[3], self.k.dtype, self.k.device)
-            got = (k.shape[:2], k.shape[3], k.dtype, k.device)
-            if have != got:
-                raise ValueError(f"KVCache: keys of (batch, heads), head size, dtype, device {got} after cached ones "
-                                 f"of {have}; start a new KVCache for each batch of sequences")
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-            doc_ids = None if doc_ids is None else torch.cat([self.doc_ids, doc_ids], dim=1)
+        if self.k is None:
+            return k, v, doc_ids
+        if (doc_ids is None) != (self.doc_ids is None):
+            raise ValueError("KVCache: give doc_ids with every chunk of positions or with none")
+        have = (self.k.shape[:2], self.k.shape[3], self.k.dtype, self.k.device)
+        got = (k.shape[:2], k.shape[3], k.dtype, k.device)
+        if have != got:
+            raise ValueError(f"KVCache: keys of (batch, heads), head size, dtype, device {got} after cached ones "
+                             f"of {have}; start a new KVCache for each batch of sequences")
+        k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        return k, v, None if doc_ids is None else torch.cat([self.doc_ids, doc_ids], dim=1)
+
+    def keep(self, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None, window: int | None) -> None:
+        """Store what `extend` returned, its last ``window - 1`` positions (all without a window), and count the
+        new ones in ``seen``."""
         self.seen += k.shape[2] - (0 if self.k is None else self.k.shape[2])
         first = 0 if window is None else max(0, k.shape[2] - (window - 1))
         self.k, self.v = k[:, :, first:], v[:, :, first:]
         self.doc_ids = None if doc_ids is None else doc_ids[:, first:]
-        return k, v, doc_ids
 
 
 class KVCache:

@@ -129,9 +129,12 @@ class Attention(nn.Module):
             pos = torch.arange(start, start + length, device=x.device)
             q, k = fn.apply_rope(q, pos, self.rope_freqs), fn.apply_rope(k, pos, self.rope_freqs)
         if past is not None:
-            k, v, doc_ids = past.extend(k, v, doc_ids, spec.window)
+            k, v, doc_ids = past.extend(k, v, doc_ids)
         y = attend(q, k, v, spec, doc_ids=doc_ids, multipliers=self.scaling.multiplier, backend=self.backend)
-        return self.output(y, x, capture=(q, k, v, doc_ids) if self.capture is not None else None)
+        out = self.output(y, x, capture=(q, k, v, doc_ids) if self.capture is not None else None)
+        if past is not None:          # only now: a forward that raised leaves the cache as it was
+            past.keep(k, v, doc_ids, spec.window)
+        return out
 
     def output(self, y: torch.Tensor, x: torch.Tensor, capture: tuple | None = None) -> torch.Tensor:
         """out-norm -> gate -> merge heads -> o_proj for attention output y (B, H, L, D) and layer input x.
