@@ -148,9 +148,10 @@ def test_global_learnable_scaling_is_one_shared_parameter():
     assert per_head.blocks[0].attn.scaling.multiplier is not per_head.blocks[1].attn.scaling.multiplier
 
 
-def test_global_layers_must_agree_on_scaling_init():
+def test_global_layers_must_agree_on_the_gain_they_share():
     """The shared multiplier took the first global layer's scaling_init, silently dropping another layer's; and it
-    was built from a layer without attention when that came first (then unused, or at an init no layer asked for)."""
+    was built from a layer without attention when that came first (then unused, or at an init no layer asked for).
+    Layers of other query_scaling, or other a, b, c of sqrt_log_n / log_bn, shared one multiplier of different gains."""
     spec = {"preset": "ssmax", "learnable_scaling": "global", "scaling_init": 0.5}
     with pytest.raises(ConfigError, match=r"^GPTConfig\.layer_attention\.scaling_init=2\.0 is not valid; it must be "
                        r"0\.5, the scaling_init of the first layer with learnable_scaling='global' \(they share one "
@@ -159,6 +160,12 @@ def test_global_layers_must_agree_on_scaling_init():
     with pytest.raises(ConfigError, match=r"^GPTConfig\.layer_attention\.query_scaling='sqrt_log_n' is not valid; it "
                        r"must be 'log_n', the query_scaling of the first"):    # s of log n and r of sqrt(2 log n)
         tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"query_scaling": "sqrt_log_n"}}])
+    sqrt = {"preset": "sqrt_log_n", "learnable_scaling": "global"}     # r of a + r sqrt(2 log(b n + c)): a, b, c too
+    for field, value in (("scaling_a", 0.5), ("scaling_b", 0.3), ("scaling_c", 1.0)):
+        with pytest.raises(ConfigError, match=rf"^GPTConfig\.layer_attention\.{field}={value} is not valid; it must "
+                           rf"be {getattr(AttentionSpec.preset('sqrt_log_n'), field)}, the {field} of the first"):
+            tiny(attention=sqrt, layer_attention=[{"layers": [1], "spec": {field: value}}])
+    tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"scaling_b": 0.3}}])   # log_n reads no a, b, c
     tiny(attention=spec, layer_attention=[{"layers": [1], "spec": {"learnable_scaling": "head", "scaling_init": 2.0}}])
     later = {"layers": [1, 2], "spec": {"scaling_init": 2.0}}
     model = GPT(tiny(attention=spec, no_attention_layers=[0], layer_attention=[later]))

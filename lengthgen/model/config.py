@@ -146,7 +146,12 @@ class GPTConfig:
         for spec, attention in zip(self.layer_specs(), self.attention_layers()):  # what each layer's attention needs
             key = "GPTConfig.attention" if spec is self.attention else "GPTConfig.layer_attention"
             if attention and spec.learnable_scaling == "global":
-                for field in ("query_scaling", "scaling_init"):    # one multiplier: the same s (log_n) or r
+                # one multiplier m of one gain g = a + m f(n) (`functional.query_gain`): the same f, and for log_bn /
+                # sqrt_log_n (f of log(b n + c)) the same a, b, c
+                fields = ("query_scaling", "scaling_init")
+                if shared.query_scaling in ("log_bn", "sqrt_log_n"):
+                    fields += ("scaling_a", "scaling_b", "scaling_c")
+                for field in fields:
                     if getattr(spec, field) != getattr(shared, field):
                         raise invalid(f"{key}.{field}", getattr(spec, field), f"{getattr(shared, field)!r}, the "
                                       f"{field} of the first layer with learnable_scaling='global' (they share one "
