@@ -284,6 +284,7 @@ BAD_VALUES = [
     ("gate_act", "tanh"), ("doc_masking", "yes"), ("doc_masking", 1), ("qk_norm_affine", None),
     ("out_norm_affine", 0), ("rope_min_freq", 0.0), ("rope_min_freq", 2.0), ("gate_width", 0),
     ("gate_width", 1.5),
+    ("window", 2**63),      # wrapped to a negative int64 in the mask mods: every key hidden, an output of zeros
 ]
 CHOICES = {name: typing.get_args(hint) for name, hint in typing.get_type_hints(AttentionSpec).items()
            if typing.get_origin(hint) is typing.Literal}

@@ -116,7 +116,7 @@ def test_keys_with_dots_inside_quotes_are_one_part():
     ("model.layer_attention=[{every = 0, spec = \"nope\"}]",
      "model.layer_attention[0].every=0 is not valid; it must be an integer >= 1"),
     ("model.layer_attention=[{every = 2, spec = {window = 0}}]",
-     "model.layer_attention[0].spec.window=0 is not valid; it must be an integer >= 1, or none"),
+     "model.layer_attention[0].spec.window=0 is not valid; it must be an integer in [1, 2147483647], or none"),
     ("train.optimizer=sgd", "train.optimizer='sgd' is not valid; it must be one of adamw, muon"),
     ("train.steps=abc", "train.steps='abc' is not valid; it must be an integer >= 1"),
     ("train.steps=1.5", "train.steps=1.5 is not valid; it must be an integer >= 1"),

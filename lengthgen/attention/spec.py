@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lengthgen.config import ConfigError, check, documented, option, to_plain
+from lengthgen.config import MAX_SIZE, ConfigError, check, documented, option, to_plain
 
 QueryScaling = Literal["none", "log_n", "log_bn", "sqrt_log_n"]
 Granularity = Literal["none", "global", "layer", "head"]
@@ -48,7 +48,7 @@ class AttentionSpec:
                                 "(alibi, log_bias), t = i - j")
     tau: float = option(10.0, "length scale of scale_invariant and log_bias", gt=0)
     log_bias_lambda: float = option(1.0, "log_bias strength: bias_t = -lambda log(1 + t / tau)")
-    window: int | None = option(None, "sliding window W: key j visible iff i - j < W", ge=1)
+    window: int | None = option(None, "sliding window W: key j visible iff i - j < W", ge=1, le=MAX_SIZE)
     doc_masking: bool = option(False, "attend within a document only (needs doc_ids)")
     base_scale: float | None = option(None, "logit scale (default 1/sqrt(head_dim))", gt=0)
     kv_heads: int | None = option(None, "key/value heads for grouped-query attention (default: heads)", ge=1)
