@@ -331,6 +331,23 @@ def test_forward_checks_the_input_width_and_the_value_shape():
     assert m(x, value=torch.randn(2, 5, 16)).shape == x.shape
 
 
+def test_forward_names_an_x_that_is_not_the_layers_activations():
+    """Token ids (a long x), another float dtype or another device were torch's raw matmul error, a list an
+    AttributeError. Under autocast another float dtype is the point, and is accepted."""
+    m = Attention(DIM, HEADS)
+    for x, got in ((torch.ones(2, 5, DIM, dtype=torch.long), "torch.int64 on cpu"),
+                   (torch.ones(2, 5, DIM, dtype=torch.bool), "torch.bool on cpu"),
+                   (torch.randn(2, 5, DIM, dtype=torch.float64), "torch.float64 on cpu"),
+                   (torch.randn(2, 5, DIM, device="meta"), "torch.float32 on meta")):
+        with pytest.raises(ValueError, match=r"^Attention: x must be floating-point activations on the layer's device "
+                           rf"and of its dtype \(cpu, torch.float32; another under autocast\), got {got}$"):
+            m(x)
+    with pytest.raises(ValueError, match=rf"^Attention expects \(batch, length, dim={DIM}\) input, got list$"):
+        m([[0.0] * DIM])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(torch.randn(2, 5, DIM, dtype=torch.bfloat16)).shape == (2, 5, DIM)
+
+
 def test_dependent_field_errors():
     with pytest.raises(ValueError, match=r"learnable_scaling='head' needs query_scaling log_n, log_bn or sqrt_log_n"):
         AttentionSpec(learnable_scaling="head")

@@ -109,8 +109,14 @@ class Attention(nn.Module):
         """``value``: an optional (B, L, Hkv*D) term added to the values (seed 000's value embeddings).
         ``cache``: x holds the positions after those in ``cache.layer(layer_index)``, whose keys and values this
         call attends to and extends (``doc_ids``: the new positions' ids)."""
-        if x.dim() != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"Attention expects (batch, length, dim={self.dim}) input, got {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"Attention expects (batch, length, dim={self.dim}) input, got {got}")
+        weight = self.q_proj.weight
+        if not x.is_floating_point() or x.device != weight.device or (x.dtype != weight.dtype and not (
+                torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type))):
+            raise ValueError(f"Attention: x must be floating-point activations on the layer's device and of its dtype "
+                             f"({weight.device}, {weight.dtype}; another under autocast), got {x.dtype} on {x.device}")
         b, length, _ = x.shape
         if value is not None and tuple(value.shape) != (b, length, self.kv_heads * self.head_dim):
             raise ValueError(f"Attention: value must be (batch, length, kv_heads * head_dim) = "
