@@ -212,10 +212,22 @@ def test_inputs_of_any_last_dimension_stride_match_dense(backend, spec):
     ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": torch.ones(3)}, r"one per query head \(2,\), got shape \(3,\)"),
     ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": 2.0, "spec": "baseline"}, "query_scaling is 'none'"),
     ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": [1.0, 2.0]}, r"one per query head \(2,\), got list"),
+    ((torch.ones(1, 2, 4, 8),) * 3, {"doc_ids": torch.tensor([[0.0, 0.0, 1.0, 1.0]]), "spec": {"doc_masking": True}},
+     r"^attend: doc_ids must be integer document ids \(a long tensor\), got torch.float32$"),
+    ((torch.ones(1, 2, 4, 8), torch.ones(1, 2, 4, 8, device="meta"), torch.ones(1, 2, 4, 8)), {},
+     r"^attend: k is on meta but q on cpu; give every tensor on q's device$"),
+    ((torch.ones(1, 2, 4, 8),) * 3, {"doc_ids": torch.zeros(1, 4, dtype=torch.long, device="meta")},
+     "doc_ids is on meta but q on cpu"),
+    ((torch.ones(1, 2, 4, 8),) * 3, {"mask": torch.ones(1, 1, 4, 4, dtype=torch.bool, device="meta")},
+     "mask is on meta but q on cpu"),
+    ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": torch.ones(2, device="meta")},
+     "multipliers is on meta but q on cpu"),
 ])
 def test_attend_refuses_inputs_it_cannot_compute(args, kwargs, message):
     """Integer inputs were truncated (p = 1) or failed inside torch (p = 2), a wrong-sized multiplier failed on a
-    broadcast, and multipliers without query scaling were ignored."""
+    broadcast, and multipliers without query scaling were ignored. Float document ids were taken (NaN ids, or ids
+    above 2^24 in float32, silently split or merged documents); a tensor on another device than q failed inside
+    torch."""
     kwargs = {"spec": "sqrt_log_n", **kwargs}
     with pytest.raises(ValueError, match=message):
         attend(*args, kwargs.pop("spec"), **kwargs)

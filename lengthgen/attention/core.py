@@ -33,6 +33,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atten
     if doc_ids is not None and tuple(doc_ids.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"attend: doc_ids must be (batch, key length) = {(k.shape[0], k.shape[2])}, "
                          f"got {tuple(doc_ids.shape)}")
+    if doc_ids is not None and (doc_ids.is_floating_point() or doc_ids.is_complex()):
+        raise ValueError(f"attend: doc_ids must be integer document ids (a long tensor), got {doc_ids.dtype}")
     want = (q.shape[0], 1, q.shape[2], k.shape[2])
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != want):
         raise ValueError(f"attend: mask must be a boolean (batch, 1, queries, keys) = {want} tensor, got "
@@ -46,6 +48,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atten
             got = f"shape {shape}" if isinstance(multipliers, torch.Tensor) else type(multipliers).__name__
             raise ValueError(f"attend: multipliers must be a number, a scalar tensor or one per query head "
                              f"({q.shape[1]},), got {got}")
+    for name, t in (("k", k), ("v", v), ("doc_ids", doc_ids), ("mask", mask), ("multipliers", multipliers)):
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"attend: {name} is on {t.device} but q on {q.device}; give every tensor on q's device")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec | str | dict[str, Any] | None = None,
