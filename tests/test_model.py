@@ -148,6 +148,19 @@ def test_global_learnable_scaling_is_one_shared_parameter():
     assert per_head.blocks[0].attn.scaling.multiplier is not per_head.blocks[1].attn.scaling.multiplier
 
 
+def test_tokens_that_are_not_integer_ids_are_named():
+    """Float or bool tokens were torch's embedding error ("Expected tensor for argument #1 'indices'"), a list an
+    AttributeError."""
+    model = GPT(tiny())
+    for tokens, got in ((torch.zeros(2, 3), r"torch.float32 \(2, 3\)"),
+                        (torch.zeros(2, 3, dtype=torch.bool), r"torch.bool \(2, 3\)"),
+                        (torch.zeros(3, dtype=torch.long), r"torch.int64 \(3,\)"), ([[1, 2]], "list")):
+        with pytest.raises(ValueError, match=r"^GPT expects \(batch, length\) token ids \(torch.long or torch.int32\), "
+                           rf"got {got}$"):
+            model(tokens)
+    assert model(torch.zeros(2, 3, dtype=torch.int32)).shape[:2] == (2, 3)
+
+
 def test_global_layers_must_agree_on_the_gain_they_share():
     """The shared multiplier took the first global layer's scaling_init, silently dropping another layer's; and it
     was built from a layer without attention when that came first (then unused, or at an init no layer asked for).

@@ -122,8 +122,9 @@ class GPT(nn.Module):
                  cache: KVCache | None = None) -> torch.Tensor:
         """The final hidden states (B, L, dim), after the final norm. ``cache``: tokens are the positions after
         the ``cache.length`` cached ones, whose keys and values the attention layers use and extend."""
-        if tokens.dim() != 2:
-            raise ValueError(f"GPT expects (batch, length) tokens, got shape {tuple(tokens.shape)}")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int32):
+            got = f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"GPT expects (batch, length) token ids (torch.long or torch.int32), got {got}")
         if cache is not None and self.training and self.config.norm == "batch":
             raise ValueError("GPT: a KVCache needs causal layers, and norm='batch' in training mode normalizes over "
                              "every position; decode in eval mode (model.eval(): running statistics)")
