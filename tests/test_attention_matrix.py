@@ -1,0 +1,201 @@
+"""The coverage matrix of the attention math: every `AttentionSpec` option on every CPU backend, through a float64
+`torch.autograd.gradcheck` and against the float64 dense oracle in bfloat16 (values and gradients); every option of
+the `Attention` layer likewise.
+
+The other cells are elsewhere: float64 / float32 values and gradients of every option on tiled, sdpa and cpu_flash
+against dense in test_attention_backends.py (flex: values in test_flex.py; the Triton kernel under the interpreter in
+test_triton.py), the layer's options on tiled against dense in test_attention_module.py, extreme logits and p values
+in test_numerics.py. Here the shapes are tiny: GQA (2 query heads on 1 key/value head), fewer queries than keys,
+several documents. The gradchecks run in fast mode (the numerical and analytical Jacobians along random directions:
+a gradient 1% off fails), full-mode ones of chosen combinations are in test_attention_backends.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_attention_backends import OPTIONS
+from test_attention_module import MODULE_OPTIONS
+
+from lengthgen.attention import Attention, AttentionSpec, attend, backends
+from lengthgen.attention import functional as fn
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+TRAINING = ("dense", "tiled", "sdpa", "cpu_flash")      # the CPU backends with a backward (flex has none on CPU)
+DOCS = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2], [3, 3, 3, 3, 4, 4, 5, 5]])
+BF16 = torch.finfo(torch.bfloat16).eps
+
+
+def supported(backend: str, training: bool) -> list[str]:
+    probe = torch.empty(1, 2, 4, 4)
+    return [n for n in OPTIONS if backends.unsupported(backend, AttentionSpec(**OPTIONS[n]), probe, training) is None]
+
+
+def cells(names: tuple[str, ...], training: bool) -> list:
+    return [pytest.param(option, backend, id=f"{option}-{backend}") for backend in names
+            for option in supported(backend, training)]
+
+
+def run(backend: str, q, k, v, spec, docs, multipliers=None, mask=None):
+    """`attend` on ``backend``; tiled with blocks of 3 x 2 and cpu_flash with query blocks of 3, so that several
+    blocks, and windows, documents and masks across them, are exercised at these lengths."""
+    if backend in ("tiled", "cpu_flash"):
+        qs = fn.scale_queries(q, spec, k.shape[-2], docs, multipliers, mask)
+        blocks = dict(q_block=3, k_block=2) if backend == "tiled" else dict(q_block=3)
+        return backends.module(backend).attention(qs, k, v, spec, docs, mask=mask, **blocks)
+    return attend(q, k, v, spec, doc_ids=docs, multipliers=multipliers, mask=mask, backend=backend)
+
+
+def inputs(dtype=torch.float64, lq=6, lk=8, seed=0):
+    """q (2, 2, lq, 4), k and v (2, 1, lk, 4) of ``dtype`` (drawn in float64, then rounded) and a (2,) multiplier."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, n, 4, generator=g, dtype=torch.float64).to(dtype)
+               for h, n in ((2, lq), (1, lk), (1, lk)))
+    return q, k, v, torch.tensor([0.7, 1.3], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("option, backend", cells(TRAINING, training=True))
+def test_gradcheck_every_option_on_every_backend(option, backend):
+    """q, k, v and, with query scaling, a per-head multiplier (the learnable s / r)."""
+    spec = AttentionSpec(**OPTIONS[option])
+    q, k, v, mult = inputs()
+    args = [q, k, v] + ([mult] if spec.query_scaling != "none" else [])
+    args = [t.requires_grad_() for t in args]
+    assert torch.autograd.gradcheck(lambda q, k, v, m=None: run(backend, q, k, v, spec, DOCS, m), args, fast_mode=True)
+
+
+@pytest.mark.parametrize("option", supported("flex", training=False))
+def test_flex_every_option_float64_values(option):
+    """FlexAttention on CPU (forward only) equals the oracle to float64 precision for every option, query scaling
+    and base_scale included (test_flex.py's cases call the backend with queries already scaled)."""
+    spec = AttentionSpec(**OPTIONS[option])
+    q, k, v, mult = inputs()
+    mult = mult if spec.query_scaling != "none" else None
+    with torch.no_grad():
+        torch.testing.assert_close(run("flex", q, k, v, spec, DOCS, mult), run("dense", q, k, v, spec, DOCS, mult),
+                                   rtol=1e-10, atol=1e-10)
+
+
+def relative_errors(got: list[torch.Tensor], want: list[torch.Tensor], floor: float = 0.0) -> list[float]:
+    """max |got - want| over max |want| (or ``floor`` for a scalar, if larger), for each pair."""
+    return [float((g.double() - w).abs().max() / max(float(w.abs().max()), floor if w.numel() == 1 else 0.0))
+            for g, w in zip(got, want)]
+
+
+@pytest.mark.parametrize("option, backend", cells((*TRAINING, "flex"), training=False))
+def test_bfloat16_every_option_on_every_backend_against_float64(option, backend):
+    """bfloat16 q, k, v (and multiplier) against the float64 oracle on the same rounded inputs: the output and
+    gradients (flex: the output) within bfloat16's rounding of their size (the math runs in float32)."""
+    spec = AttentionSpec(**OPTIONS[option])
+    q, k, v, mult = inputs(torch.bfloat16)
+    mult = mult.to(torch.bfloat16) if spec.query_scaling != "none" else None
+    train = backend != "flex"
+    ins = [t.requires_grad_(train) for t in (q, k, v)]
+    ref = [t.detach().double().requires_grad_() for t in ins]
+    with torch.set_grad_enabled(train):
+        out = run(backend, *ins, spec, DOCS, mult)
+    want = attend(*ref, spec, doc_ids=DOCS, multipliers=None if mult is None else mult.double(), backend="dense")
+    assert out.dtype == torch.bfloat16
+    got, wanted = [out], [want.detach()]
+    if train:
+        gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        got += torch.autograd.grad(out, ins, gout.to(out.dtype))
+        wanted += torch.autograd.grad(want, ref, gout)
+    errors = relative_errors(got, wanted)
+    assert max(errors) <= BF16, errors
+
+
+def explicit_mask() -> torch.Tensor:
+    """(2, 1, 6, 8) visibility of the last 6 of 8 positions: causal, with holes, and a row (1, 3) that sees
+    nothing."""
+    mask = torch.ones(6, 8).tril(2).bool().repeat(2, 1, 1, 1)
+    mask[0, 0, 2, 1:4] = mask[1, 0, 4, ::2] = False
+    mask[1, 0, 3] = False
+    return mask
+
+
+#: the explicit mask on top of documents and query scaling (n_i counts the mask), p = 2 and ALiBi where they run
+MASKED = {"dense": dict(softmax_p=2.0, distance="alibi", query_scaling="sqrt_log_n", doc_masking=True),
+          "tiled": dict(softmax_p=2.0, distance="alibi", query_scaling="sqrt_log_n", doc_masking=True),
+          "sdpa": dict(query_scaling="sqrt_log_n", doc_masking=True),
+          "cpu_flash": dict(distance="alibi", query_scaling="sqrt_log_n", doc_masking=True)}
+
+
+@pytest.mark.parametrize("backend", list(MASKED))
+def test_explicit_mask_gradcheck_and_bfloat16(backend):
+    """`attend(mask=...)`: a float64 gradcheck (q, k, v, multiplier), and bfloat16 against the float64 oracle."""
+    spec, mask = AttentionSpec(**MASKED[backend]), explicit_mask()
+    q, k, v, mult = inputs()
+    args = [t.requires_grad_() for t in (q, k, v, mult)]
+    assert torch.autograd.gradcheck(lambda q, k, v, m: run(backend, q, k, v, spec, DOCS, m, mask), args,
+                                    fast_mode=True)
+    low = [t.detach().to(torch.bfloat16).requires_grad_() for t in args[:3]]
+    ref = [t.detach().double().requires_grad_() for t in low]
+    out = run(backend, *low, spec, DOCS, mult.detach().to(torch.bfloat16), mask)
+    want = attend(*ref, spec, doc_ids=DOCS, multipliers=mult.detach().to(torch.bfloat16).double(), mask=mask,
+                  backend="dense")
+    assert (out[1, :, 3] == 0).all()
+    gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = [out, *torch.autograd.grad(out, low, gout.to(out.dtype))]
+    errors = relative_errors(got, [want.detach(), *torch.autograd.grad(want, ref, gout)])
+    assert max(errors) <= BF16, errors
+
+
+# ---------------------------------------------------------------------------------------------------
+# the Attention layer: QK-norm, positions, out-norm, gates and learnable scaling around attend
+
+LAYER_OPTIONS = {
+    **{name: changes for name, (changes, _) in MODULE_OPTIONS.items()},
+    "rope_min_freq": dict(position="prope", prope_fraction=0.5, rope_min_freq=1 / 64),
+    "head_layer_affine": dict(out_norm="head_layer", out_norm_affine=True),
+    "gate_head_2sigmoid_width": dict(gate="head", gate_act="2sigmoid", gate_width=5),
+    "gate_elementwise_sigmoid": dict(gate="elementwise"),
+}
+DIM, HEADS = 8, 2
+
+
+def layer_and_input(changes: dict, seed: int = 0) -> tuple[Attention, torch.Tensor]:
+    """A float64 layer with every parameter moved off its init (so that unit norm weights and zero gates are
+    generic), and x (2, 8, DIM)."""
+    torch.manual_seed(seed)
+    layer = Attention(DIM, HEADS, AttentionSpec(**changes), backend="dense").double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return layer, torch.randn(2, 8, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+
+
+@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
+def test_layer_gradcheck_every_option(option):
+    """x and every parameter of the layer (projections, QK-norm and out-norm weights, gate, multiplier)."""
+    layer, x = layer_and_input(LAYER_OPTIONS[option])
+    names = [n for n, _ in layer.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
+
+    def forward(x, *values):
+        return torch.func.functional_call(layer, dict(zip(names, values)), (x, DOCS))
+
+    assert torch.autograd.gradcheck(forward, (x.requires_grad_(), *params), fast_mode=True)
+
+
+@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
+def test_layer_bfloat16_every_option_against_float64(option):
+    """A bfloat16 layer (weights, x and every intermediate rounded to bfloat16, attend in float32) against the same
+    rounded weights and x in float64: output and gradients of x and of every parameter within a few bfloat16
+    roundings of their size (the layer chains a few rounded products). A scalar multiplier's gradient sums one term
+    per head and position, whose signs may cancel (log_bn_global: 0.003 against about 0.5 for the other options'
+    multipliers): its error is measured against the layer's largest parameter gradient entry."""
+    layer, x = layer_and_input(LAYER_OPTIONS[option])
+    low = layer.to(torch.bfloat16)
+    ref = Attention(DIM, HEADS, low.spec, backend="dense").double()
+    ref.load_state_dict(low.state_dict())
+    x_low = x.to(torch.bfloat16).requires_grad_()
+    x_ref = x_low.detach().double().requires_grad_()
+    out, want = low(x_low, DOCS), ref(x_ref, DOCS)
+    assert out.dtype == torch.bfloat16
+    gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = [out, *torch.autograd.grad(out, [x_low, *low.parameters()], gout.to(out.dtype))]
+    wanted = [want.detach(), *torch.autograd.grad(want, [x_ref, *ref.parameters()], gout)]
+    errors = relative_errors(got, wanted, floor=max(float(w.abs().max()) for w in wanted[2:]))
+    assert max(errors) <= 8 * BF16, dict(zip(["out", "x", *(n for n, _ in low.named_parameters())], errors))
