@@ -152,6 +152,23 @@ def test_evaluate_refuses_lengths_below_one_naming_them(lengths, match):
         evaluate(model, task, lengths, tokens_per_length=64)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tokens_per_length=0), r"^tokens_per_length=0 is not valid; it must be an integer >= 1$"),
+    (dict(tokens_per_length=-64), r"^tokens_per_length=-64 is not valid"),
+    (dict(seed=-1), r"^seed=-1 is not valid; it must be an integer >= 0$"),
+    (dict(forward_tokens=0), r"^forward_tokens=0 is not valid; it must be an integer >= 1, or none$"),
+    (dict(autocast=torch.int32), r"^autocast=torch.int32 is not valid; it must be None, torch.float16 or "
+                                 r"torch.bfloat16$")])
+def test_evaluate_refuses_bad_arguments_naming_them(kwargs, match):
+    """tokens_per_length <= 0 and forward_tokens = 0 silently ran one sequence (one row) at a time, an integer
+    autocast dtype silently ran without autocast (torch only warns), and a negative seed was NumPy's 'expected
+    non-negative integer'."""
+    task = make_task("counting")
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, head="regress", dim=16, layers=1, heads=2))
+    with pytest.raises(ConfigError, match=match):
+        evaluate(model, task, [8], **{"tokens_per_length": 64, **kwargs})
+
+
 def test_eval_batches_follow_the_seeding_rule():
     task = make_task("counting")
     a = task.sample(2, 16, eval_generator(5, 16)).tokens

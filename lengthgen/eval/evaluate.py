@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lengthgen.config import MAX_SIZE, check_value
+from lengthgen.config import MAX_SIZE, check_value, invalid
 from lengthgen.data.config import step_generator
 from lengthgen.data.tasks.base import Batch, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
@@ -180,9 +180,15 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
 
     ``autocast``: the training autocast dtype (None: none). ``forward_tokens``: at most this many tokens per
     forward pass (None: each length's batch at once). Returns a `RunEval` with the seed, timing, parameter count
-    and provenance; callers fill in the run's config and seeds. A length below 1 is a `ConfigError` naming it.
+    and provenance; callers fill in the run's config and seeds. A length below 1, or a bad ``tokens_per_length``,
+    ``seed``, ``autocast`` or ``forward_tokens``, is a `ConfigError` naming it.
     """
     lengths = sorted(set(check_value("lengths", list(lengths), list[int], ge=1, le=MAX_SIZE)))
+    check_value("tokens_per_length", tokens_per_length, int, ge=1)
+    check_value("seed", seed, int, ge=0)
+    check_value("forward_tokens", forward_tokens, int | None, ge=1)
+    if autocast not in (None, torch.float16, torch.bfloat16):
+        raise invalid("autocast", autocast, "None, torch.float16 or torch.bfloat16")
     limit = getattr(source, "max_length", None)
     for length in lengths:
         if limit is not None and length > limit:
