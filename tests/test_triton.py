@@ -68,12 +68,16 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
 TOL = {"float32": 1e-4, "float16": 2e-2}
 
 
-def tolerance(case: dict) -> float:
-    """TOL, or for large logits the dtype's epsilon plus float32's times the logit size (test_numerics.py)."""
+def tolerance(case: dict, name: str) -> float:
+    """TOL, or for large logits the dtype's epsilon plus float32's times the logit size (test_numerics.py); for
+    dq and dk times p too: they go through pi = softmax(p l), whose relative error is p times the logits' error.
+    Under the interpreter tl.dot is NumPy's float32 matmul (OpenBLAS), whose logits of 1e4 are off by up to
+    3.4e-3 with its AVX-512 kernels and 2.5e-3 with its AVX2 ones: at p = 100, dk was off by 2.5e-2 and 2.7e-3."""
     dtype = case.get("dtype", "float32")
     if "logits" not in case:
         return TOL[dtype]
-    return torch.finfo(getattr(torch, dtype)).eps + 4 * torch.finfo(torch.float32).eps * case["logits"][1]
+    p = case["spec"].get("softmax_p", 1.0) if name in ("dq", "dk") else 1.0
+    return torch.finfo(getattr(torch, dtype)).eps + 4 * torch.finfo(torch.float32).eps * case["logits"][1] * max(1, p)
 
 
 def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int = 0) -> dict[str, float]:
@@ -157,12 +161,12 @@ def test_interpreter_matches_dense(group):
     results = _run_group(group)
     failures = []
     for name, case in INTERPRETER_GROUPS[group].items():
-        tol = tolerance(case)
         errors = results[name]
         if "error" in errors:
             failures.append(f"{name}: {errors['error']}")
             continue
-        failures += [f"{name} {k}: {e:.2e} > {tol:.0e}" for k, e in errors.items() if not e <= tol]
+        failures += [f"{name} {k}: {e:.2e} > {tolerance(case, k):.0e}" for k, e in errors.items()
+                     if not e <= tolerance(case, k)]
     assert not failures, "\n".join(failures)
 
 
