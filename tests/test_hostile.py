@@ -1379,9 +1379,11 @@ def test_compare_overwrite_keeps_train_runs_under_runs(tmp_path, capsys):
     (["compare", "--variants", "l2,baseline,l2"], "variant 'l2' is named twice; name each variant once"),
     (["train", "--wandb", ""], "train.wandb='' is not valid; it must be a W&B project name, or none"),
     (["train", "--set", 'train.wandb=" "'], "train.wandb=' ' is not valid"),
+    (["train", "--set", "train.init_from="], "train.init_from='' is not valid; it must be a run folder or checkpoint"),
 ])
 def test_a_repeated_variant_or_an_empty_wandb_project_is_an_error(tmp_path, capsys, args, message):
-    """--variants l2,l2 ran l2 once, and --wandb "" turned W&B off, both silently."""
+    """--variants l2,l2 ran l2 once, --wandb "" turned W&B off and train.init_from=$EMPTY trained from fresh
+    weights, all silently."""
     code, err = cli(capsys, *args, "--out", tmp_path / "out")
     assert code == 2 and message in err and not (tmp_path / "out").exists()
 

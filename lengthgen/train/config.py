@@ -139,6 +139,9 @@ class TrainConfig:
                           "every entry); set train.optimizer to normuon or adamw")
         if self.wandb is not None and not self.wandb.strip():
             raise invalid("TrainConfig.wandb", self.wandb, "a W&B project name, or none (W&B off)")
+        if self.init_from is not None and not self.init_from.strip():     # an empty shell variable: not a fresh start
+            raise invalid("TrainConfig.init_from", self.init_from, "a run folder or checkpoint, or none (start "
+                          "from fresh weights)")
 
     def unused(self) -> list[str]:
         """What this valid config asks for but a run of it never reaches: stages that start at or after the last
