@@ -952,6 +952,30 @@ def test_a_failed_command_removes_only_the_folder_it_created(tmp_path):
     assert (tmp_path / "kept").is_dir() and (tmp_path / "written" / "results.json").is_file()
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.init_from='nowhere'", "no run folder or checkpoint at nowhere"),
+    ("train.muon_lr_mul={'*' = 2.0}", "train.muon_lr_mul applies only with train.optimizer=muon or normuon")])
+def test_train_refused_once_its_folder_is_locked_removes_the_folder_it_created(tmp_path, capsys, override,
+                                                                              message):
+    """Errors found after train locked its new --out (the weights to start from, the optimizers' keys) left the
+    folder behind with only the lock file in it; an existing folder stays."""
+    code, err = cli(capsys, "train", *sets(override), "--out", tmp_path / "new")
+    assert code == 2 and message in err and not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    assert cli(capsys, "train", *sets(override), "--out", tmp_path / "kept")[0] == 2
+    assert (tmp_path / "kept").is_dir()
+
+
+@pytest.mark.parametrize("override", ["train.init_from='nowhere'", "train.muon_lr_mul={'*' = 2.0}"])
+def test_overwrite_refused_by_a_late_config_error_keeps_the_run(tmp_path, capsys, stopped, override):
+    """train --overwrite deleted the run in --out, then found the weights to start from missing or an optimizer
+    key that does not apply: a typo cost the earlier run."""
+    run = copy(stopped[0], tmp_path)
+    before = files(run)
+    assert cli(capsys, "train", *sets(override), "--out", run, "--overwrite")[0] == 2
+    assert files(run) == before
+
+
 @pytest.mark.parametrize("args, message", [
     (["--hf", "somewhere"], "give a run folder or checkpoint, or --hf PATH"),
     (["--corpus", "stdlib"], "--corpus and --tokenizer apply only with --hf"),

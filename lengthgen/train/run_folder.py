@@ -69,7 +69,12 @@ class FolderLock:
     def __init__(self, folder: Path, file: IO[str] | None, created: bool = False) -> None:
         self.folder, self._file, self.created = folder, file, created
 
-    def release(self) -> None:
+    def release(self, failed: bool = False) -> None:
+        """Release the lock; when ``failed`` (an error ends the command), first remove the folder if `lock` created
+        it and nothing else was written there."""
+        if failed and self._file is not None and self.created and [p.name for p in self.folder.iterdir()] == [LOCK]:
+            (self.folder / LOCK).unlink()
+            self.folder.rmdir()
         if self._file is not None:
             self._file.close()          # closing the file releases the flock
             self._file = None
@@ -78,10 +83,7 @@ class FolderLock:
         return self
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
-        if kind is not None and self.created and [p.name for p in self.folder.iterdir()] == [LOCK]:
-            (self.folder / LOCK).unlink()
-            self.folder.rmdir()
-        self.release()
+        self.release(failed=kind is not None)
 
 
 def lock(folder: str | Path) -> FolderLock:
@@ -207,10 +209,11 @@ def _seed_runs(entry: Path, path: str, in_base: bool = False) -> list[str]:
 
 
 def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool = True,
-                kind: str = "training run", keep: str | Path | None = None) -> None:
+                kind: str = "training run", keep: str | Path | None = None, delete: bool = True) -> None:
     """A new ``kind`` of output (a key of `KIND_MARKERS`) may start in ``folder`` only if it holds nothing;
-    ``overwrite`` first deletes what lengthgen wrote there. `RunFolderError` if it holds anything else, another
-    kind of output, or ``keep`` (a checkpoint the new run starts from), or anything at all without ``overwrite``."""
+    ``overwrite`` first deletes what lengthgen wrote there (`clear`; with ``delete=False`` the caller clears it
+    later). `RunFolderError` if it holds anything else, another kind of output, or ``keep`` (a checkpoint the new
+    run starts from), or anything at all without ``overwrite``."""
     folder = Path(folder)
     held = sorted(p.name for p in folder.iterdir() if p.name != LOCK) if folder.is_dir() else []
     if held and not overwrite:
@@ -226,9 +229,15 @@ def check_fresh(folder: str | Path, *, overwrite: bool = False, resumable: bool 
     if held and keep is not None and Path(keep).resolve().is_relative_to(folder.resolve()):
         raise RunFolderError(f"{folder} holds {keep} (train.init_from), which this run starts from; --overwrite "
                              "would delete it: choose another folder")
-    for name in held:
-        path = folder / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if delete:
+        clear(folder)
+
+
+def clear(folder: str | Path) -> None:
+    """Delete everything in ``folder`` but its lock file (what `check_fresh` let ``--overwrite`` delete)."""
+    for path in Path(folder).iterdir():
+        if path.name != LOCK:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def kinds_held(folder: str | Path) -> dict[str, list[str]]:
@@ -358,5 +367,5 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
 
 
 __all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "check_outputs",
-           "checkpoints_at", "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints",
+           "checkpoints_at", "clear", "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints",
            "remove_temporaries", "results_file", "saved_run_config"]

@@ -151,18 +151,21 @@ class Trainer:
                 if not self.is_main:
                     self._read_checkpoint(ckpt, extend)
                 self._restore(ckpt)
+            elif overwrite:     # only now: a config error found above (weights to start from, optimizer keys) keeps it
+                distributed.on_main(lambda: run_folder.clear(self.run_dir))
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
         self.start_step = self.step     # the resumed checkpoint's step, else 0
         if ckpt is None and self.bema is not None:
             self.bema.update(0)
 
-    def close(self) -> None:
-        """Release the run folder's lock, and the DDP wrapper: destroyed after the process group (by whoever
-        still held the trainer), its gloo reducer could deadlock the process at exit."""
+    def close(self, failed: bool = False) -> None:
+        """Release the run folder's lock (``failed``: removing the folder if it created it and wrote nothing), and
+        the DDP wrapper: destroyed after the process group (by whoever still held the trainer), its gloo reducer
+        could deadlock the process at exit."""
         if self.folder is not None:
-            self.folder.release()
+            self.folder.release(failed)
         if getattr(self, "parallel", None) is not None:
             self.parallel, self.forward_model = None, self.model
 
@@ -172,8 +175,8 @@ class Trainer:
         ``overwrite``); a resumed one loads the newest readable checkpoint (else starts at step 0, if the folder's
         ``config.json`` agrees) and cuts ``metrics.jsonl`` back to its step. Returns the checkpoint or None."""
         self.folder = run_folder.lock(self.run_dir)
-        if not resume:
-            run_folder.check_fresh(self.run_dir, overwrite=overwrite, keep=self.config.train.init_from)
+        if not resume:       # with overwrite, emptied once the run is built (`__init__`)
+            run_folder.check_fresh(self.run_dir, overwrite=overwrite, keep=self.config.train.init_from, delete=False)
             return None
         run_folder.check_kind(self.run_dir, "training run")
         try:
