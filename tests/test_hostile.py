@@ -976,6 +976,22 @@ def test_overwrite_refused_by_a_late_config_error_keeps_the_run(tmp_path, capsys
     assert files(run) == before
 
 
+@pytest.mark.parametrize("override, message", [
+    ("train.init_from='nowhere'", "no run folder or checkpoint at nowhere"),
+    ("train.muon_lr_mul={'*' = 2.0}", "train.muon_lr_mul applies only with train.optimizer=muon or normuon"),
+    ("train.adam_lr_mul={'nothing.*' = 2.0}", "train.adam_lr_mul: pattern 'nothing.*' matches no AdamW parameter")])
+def test_compare_checks_the_optimizer_keys_and_init_from_before_overwriting(tmp_path, capsys, two_compares,
+                                                                             override, message):
+    """compare --overwrite emptied the comparison, then its first run found the weights to start from missing or
+    an optimizer key that does not apply (without --overwrite: after the runs before it had trained)."""
+    out = tmp_path / "a"
+    shutil.copytree(two_compares[0], out)
+    before = files(out)
+    code, err = cli(capsys, "compare", *sets("train.steps=2", override), "--variants", "baseline", "--seeds", "1",
+                    "--eval-lengths", "8,16", "--eval-tokens", "16", "--out", out, "--overwrite")
+    assert code == 2 and message in err and files(out) == before
+
+
 @pytest.mark.parametrize("args, message", [
     (["--hf", "somewhere"], "give a run folder or checkpoint, or --hf PATH"),
     (["--corpus", "stdlib"], "--corpus and --tokenizer apply only with --hf"),

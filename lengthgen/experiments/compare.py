@@ -42,7 +42,8 @@ from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train.config import RunConfig, load_config
-from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, lock, saved_run_config
+from lengthgen.train.optim import build_optimizers
+from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, checkpoints_at, lock, saved_run_config
 from lengthgen.train.setup import check_backend, device_type, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
@@ -201,6 +202,9 @@ def plan(cfg: RunConfig, variants: list[str] | None = None, bases: list[str] | N
         with torch.device("meta"):              # the layers' specs, without weights (any vocabulary)
             model = GPT(dataclasses.replace(run_cfg.model, vocab_size=run_cfg.model.vocab_size or 2))
         check_backend(model, run_cfg, torch.device(device_type(run_cfg.train)))
+        build_optimizers(model, run_cfg.train)  # the optimizer keys against the parameters (patterns, Muon's keys)
+        if run_cfg.train.init_from and not cc.pretrain_steps:
+            checkpoints_at(run_cfg.train.init_from)
     return result
 
 
