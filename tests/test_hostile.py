@@ -992,6 +992,19 @@ def test_compare_checks_the_optimizer_keys_and_init_from_before_overwriting(tmp_
     assert code == 2 and message in err and files(out) == before
 
 
+def test_retrofit_checks_the_optimizer_keys_before_overwriting(tmp_path, capsys, stopped):
+    """retrofit --overwrite emptied its folder and evaluated the checkpoint before the control's finetuning found
+    an optimizer key that does not apply."""
+    out = tmp_path / "retrofit"
+    args = ["retrofit", stopped[0], "--set", "model.attention.out_norm=head_layer", "--steps", "1",
+            "--eval-lengths", "8", "--eval-tokens", "8", "--out", out, "--no-progress"]
+    assert cli(capsys, *args)[0] == 0
+    before = files(out)
+    code, err = cli(capsys, *args, "--set", "train.adam_lr_mul={'nothing' = 2.0}", "--overwrite")
+    assert code == 2 and "train.adam_lr_mul: pattern 'nothing' matches no AdamW parameter" in err
+    assert files(out) == before
+
+
 @pytest.mark.parametrize("args, message", [
     (["--hf", "somewhere"], "give a run folder or checkpoint, or --hf PATH"),
     (["--corpus", "stdlib"], "--corpus and --tokenizer apply only with --hf"),

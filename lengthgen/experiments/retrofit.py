@@ -35,6 +35,7 @@ from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import load_run, train
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.train.config import RunConfig
+from lengthgen.train.optim import build_optimizers
 from lengthgen.train.run_folder import RunFolderError, check_fresh, load_newest, lock
 from lengthgen.train.setup import autocast_dtype, device_type, resolve, run_threads
 from lengthgen.train.weights import load_initial_weights
@@ -77,9 +78,13 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
                           "a model key, e.g. --set model.attention.out_norm=head_layer")
     control_cfg = dataclasses.replace(cfg, model=base_cfg.model, name=f"{base_cfg.name or 'run'}-control")
     kind = device_type(cfg.train)
-    # fail before any evaluation when the new config changes more than added attention parameters
+    # fail before any evaluation when the new config changes more than added attention parameters, or has
+    # optimizer keys that do not apply to the control's or the retrofitted model
     torch.manual_seed(cfg.train.seed)
-    load_initial_weights(GPT(cfg.model), ckpt)
+    retrofitted = GPT(cfg.model)
+    load_initial_weights(retrofitted, ckpt)
+    build_optimizers(retrofitted, cfg.train)
+    build_optimizers(before_model, control_cfg.train)
     train_length = max(cfg.lengths())
     eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1, le=MAX_SIZE)
     cfg, source = resolve(cfg)      # the checkpoint's model must fit data.* overrides: vocabulary and head
