@@ -1621,3 +1621,19 @@ def test_report_of_an_interrupted_compare_says_how_to_finish_it(tmp_path, capsys
     (tmp_path / "rf" / "finetune").mkdir(parents=True)
     code, err = cli(capsys, "report", tmp_path / "rf")
     assert code == 2 and "holds a retrofit that did not finish" in err and "--overwrite" in err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "two"}, "environment variable WORLD_SIZE='two' is not an integer; torchrun sets it"),
+    ({"WORLD_SIZE": "2", "RANK": ""}, "environment variable RANK='' is not an integer"),
+    ({"WORLD_SIZE": "2", "RANK": "0"}, "WORLD_SIZE=2 asks for 2 processes, but MASTER_ADDR and MASTER_PORT are not "
+                                       "set: launch with torchrun (it sets them), or unset WORLD_SIZE")])
+def test_a_torchrun_environment_set_by_hand_is_one_line(tmp_path, capsys, monkeypatch, env, message):
+    """WORLD_SIZE left in the shell (or not an integer) ended in a traceback: int()'s ValueError, or torch's
+    rendezvous asking for MASTER_ADDR."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, err = cli(capsys, "train", *sets(), "--out", tmp_path / "run")
+    assert code == 2 and message in err and not (tmp_path / "run").exists()

@@ -28,23 +28,42 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from lengthgen.config import ConfigError
+
 #: long enough for rank 0's periodic evaluation or checkpoint while the others wait in a collective
 TIMEOUT = datetime.timedelta(hours=2)
 T = TypeVar("T")
 
 
 def env_world() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) without one."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """(rank, world size, local rank) from the torchrun environment; (0, 1, 0) without one. `ConfigError` names a
+    variable that is not an integer."""
+    world = _env_int("WORLD_SIZE", 1)
     if world <= 1:
         return 0, 1, 0
-    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+    return _env_int("RANK", 0), world, _env_int("LOCAL_RANK", 0)
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={text!r} is not an integer; torchrun sets it (unset it to "
+                          "train in one process)", name) from None
 
 
 def setup(device_type: str) -> tuple[int, int, int]:
-    """Join the process group when launched with WORLD_SIZE > 1 (idempotent); returns (rank, world, local rank)."""
+    """Join the process group when launched with WORLD_SIZE > 1 (idempotent); returns (rank, world, local rank).
+    `ConfigError` when the environment lacks torchrun's rendezvous address (a WORLD_SIZE set by hand)."""
     rank, world, local = env_world()
     if world > 1 and not dist.is_initialized():
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise ConfigError(f"environment variable WORLD_SIZE={world} asks for {world} processes, but "
+                              f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: launch "
+                              "with torchrun (it sets them), or unset WORLD_SIZE to train in one process",
+                              "WORLD_SIZE")
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(local)
@@ -215,7 +234,10 @@ def reported_by_rank0(err: BaseException) -> bool:
     does: local rank 0 of each node reports it, so a file missing on one node is still named) or marked
     ``every_rank`` (`on_main` hands rank 0's error on; `NonFiniteLossError`: the loss is averaged over ranks; rank
     0 reports it). An error of this rank's own (out of memory, a crash) is its own to report."""
-    rank, world, local_rank = env_world()
+    try:
+        rank, world, local_rank = env_world()
+    except ConfigError:         # the environment is the error: every process names it
+        return False
     if world == 1:
         return False
     return local_rank != 0 if not dist.is_initialized() else rank != 0 and getattr(err, "every_rank", False)
