@@ -183,6 +183,12 @@ def test_out_path_is_checked_before_measuring(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "bench_attention", lambda *a, **k: pytest.fail("measured before checking --out"))
     assert cli_main(["bench", "attention", "--device", "cpu", "--out", str(out)]) == 2
     assert out.read_text() == "keep" and "pass --overwrite" in capsys.readouterr().err
+    # --overwrite replaced any file, e.g. the user's notes, with the benchmark's JSON
+    assert cli_main(["bench", "attention", "--device", "cpu", "--out", str(out), "--overwrite"]) == 2
+    assert out.read_text() == "keep" and "exists and is not a benchmark's results" in capsys.readouterr().err
+    bench.write_json([], out, torch.device("cpu"))                     # an earlier benchmark's: replaced
+    monkeypatch.setattr(bench, "bench_attention", lambda *a, **k: [])
+    assert cli_main(["bench", "attention", "--device", "cpu", "--out", str(out), "--overwrite"]) == 0
     monkeypatch.undo()
     writes = []
     monkeypatch.setattr(bench, "write_json", lambda rows, path, device: writes.append(len(rows)))

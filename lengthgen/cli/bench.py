@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--time-budget", type=_seconds, default=None, help="seconds; later cases are skipped")
     parser.add_argument("--out", default=None, help="JSON path (default runs/bench/attention_<device>.json); "
                         "rewritten after each (length, head_dim) group")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out when it is an earlier benchmark's JSON")
     return parser
 
 
@@ -103,6 +103,9 @@ def main(args: argparse.Namespace) -> list[dict]:
     out = output_path(args)
     if out.exists() and not getattr(args, "overwrite", False):
         raise ConfigError(f"--out {out} exists; pass --overwrite to replace it, or give another --out")
+    if out.exists() and not bench.is_bench_json(out):
+        raise ConfigError(f"--out {out} exists and is not a benchmark's results (JSON of meta, columns and "
+                          "rows): --overwrite replaces only those; give another --out")
     rows = bench.bench_attention(args.lengths, args.head_dims, args.variants, args.backends, args.batch, args.heads,
                            args.dtype or ("float32" if cpu else "bfloat16"), out, device=device,
                            warmup=args.warmup if args.warmup is not None else (1 if cpu else 3),

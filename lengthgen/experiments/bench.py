@@ -374,4 +374,15 @@ def write_json(rows: Sequence[dict], path: str | os.PathLike, device: torch.devi
                                               default=str))
 
 
-__all__ = ["bench_attention", "VARIANTS", "COLUMNS", "causal_flops", "format_table", "packed_doc_ids"]
+def is_bench_json(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a benchmark's rows as `write_json` writes them (the only file ``--overwrite``
+    replaces)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and {"meta", "columns", "rows"} <= data.keys()
+
+
+__all__ = ["bench_attention", "VARIANTS", "COLUMNS", "causal_flops", "format_table", "is_bench_json",
+           "packed_doc_ids"]
