@@ -33,7 +33,7 @@ from lengthgen.model import GPT, GPTConfig
 from lengthgen.optional import MissingPackageError
 from lengthgen.train import load_run, train
 from lengthgen.train.config import RunConfig
-from lengthgen.train.run_folder import LOCK, RunFolderError, RunFolderWarning, load_newest, lock
+from lengthgen.train.run_folder import LOCK, RunFolderError, RunFolderWarning, check_fresh, load_newest, lock
 from lengthgen.train.setup import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -1400,6 +1400,21 @@ def test_overwrite_refuses_files_lengthgen_did_not_write_inside_its_folders(tmp_
     code, err = cli(capsys, "train", "--out", run, "--overwrite", *sets())
     assert code == 2 and "(checkpoints/best_keep, tb/NOTES.txt)" in err
     assert (run / "checkpoints" / "best_keep").is_dir() and (run / "tb" / "NOTES.txt").is_file()
+
+
+def test_overwrite_takes_the_runs_of_a_base_named_like_a_run(tmp_path, stopped):
+    """A base named NAME-seedN (runs/pre-seed0/v1-seed0) was taken for a run folder, whose run folders compare
+    --overwrite then refused as files lengthgen did not write; a user's file beside them still is refused."""
+    out = tmp_path / "compare"
+    for run in ("v1-seed0", "v2-seed0"):
+        shutil.copytree(stopped[0], out / "runs" / "pre-seed0" / run)
+    (out / "results.json").write_text("{}")
+    (out / "runs" / "pre-seed0" / "notes.txt").write_text("mine")
+    with pytest.raises(RunFolderError, match=r"did not write \(runs/pre-seed0/notes.txt\)"):
+        check_fresh(out, overwrite=True, kind="comparison")
+    (out / "runs" / "pre-seed0" / "notes.txt").unlink()
+    check_fresh(out, overwrite=True, kind="comparison")
+    assert list(out.iterdir()) == []
 
 
 def test_overwrite_takes_the_results_files_eval_wrote_into_the_run(tmp_path, capsys, stopped):

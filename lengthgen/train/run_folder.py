@@ -199,12 +199,13 @@ def not_written(folder: Path, where: str = "") -> list[str]:
 
 
 def _seed_runs(entry: Path, path: str, in_base: bool = False) -> list[str]:
-    """`not_written` of a comparison's run folder ``NAME-seedN`` or of a base's folder of them; else ``path``."""
+    """`not_written` of a base's folder of a comparison's run folders ``NAME-seedN`` (a base's name may end in
+    ``-seedN`` too) or of one of them; else ``path``."""
     is_run = lambda p: p.is_dir() and _SEED_RUN.fullmatch(p.name)  # noqa: E731
-    if is_run(entry):
-        return not_written(entry, path + "/")
     if not in_base and entry.is_dir() and any(is_run(r) for r in entry.iterdir()):
         return [p for r in sorted(entry.iterdir()) for p in _seed_runs(r, f"{path}/{r.name}", True)]
+    if is_run(entry):
+        return not_written(entry, path + "/")
     return [path]
 
 
