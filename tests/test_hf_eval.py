@@ -67,12 +67,13 @@ def test_eval_hf_missing_model_is_a_clear_error(tmp_path, capsys):
 def test_a_corpus_without_documents_in_the_split_is_one_line(tiny_llama_dir, tmp_path, capsys, command):
     """A --corpus whose val split is empty went to a CorpusError traceback (train names it in one line)."""
     (tmp_path / "a.txt").write_text("hello world\n")
+    out = tmp_path / ("out.json" if command == "eval" else "out")
     code = main([command, "--hf", str(tiny_llama_dir), "--corpus", str(tmp_path / "a.txt"), "--lengths", "8",
-                 "--out", str(tmp_path / "out")])
+                 "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"lengthgen {command}: error: --corpus: corpus {tmp_path / 'a.txt'}/val has no documents")
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
 
 
 def test_eval_hf_starts_rows_with_the_bos_token_the_folder_declares(tmp_path):

@@ -912,8 +912,8 @@ def test_eval_out_replaces_only_an_earlier_evaluation(tmp_path, capsys, stopped,
     run = copy(stopped[0], tmp_path)
     results = tmp_path / "results.json"
     shutil.copy(two_compares[0] / "results.json", results)
-    for path, text in ((tmp_path / "notes.txt", "mine"), (tmp_path / "mine.json", '{"kind": "run"}'),
-                       (run / "notes.json", "{}"), (results, results.read_text())):
+    for path, text in ((tmp_path / "mine.json", '{"kind": "run"}'), (run / "notes.json", "{}"),
+                       (results, results.read_text())):
         path.write_text(text)
         code, err = cli(capsys, "eval", run, "--lengths", "8", "--tokens", "64", "--out", path)
         assert code == 2 and err.endswith(f"--out {path} exists and is not an earlier evaluation (a results file of "
@@ -925,18 +925,33 @@ def test_eval_out_replaces_only_an_earlier_evaluation(tmp_path, capsys, stopped,
     assert RunEval.load(earlier).lengths[0].length == 8
 
 
+@pytest.mark.parametrize("name", ["notes.txt", "results", "eval.JSON"])
+def test_eval_out_is_a_json_file_name(tmp_path, capsys, stopped, name):
+    """``eval --out results`` wrote its evaluation, which a second ``eval --out results`` then refused to replace
+    as 'not an earlier evaluation' (only .json files are read as results); a user's notes.txt was named so too."""
+    out = tmp_path / name
+    for mine in (None, "mine"):
+        if mine:
+            out.write_text(mine)
+        code, err = cli(capsys, "eval", stopped[0], "--lengths", "8", "--tokens", "64", "--out", out)
+        assert code == 2 and err.endswith(f"--out {out}: give a file name ending in .json, the results' format (an "
+                                          "earlier evaluation is replaced only under such a name)")
+        assert (out.read_text() if out.exists() else None) == mine
+
+
 @pytest.mark.parametrize("tokenizer", [[], ["--tokenizer", "byte"]])
 @pytest.mark.parametrize("command", ["eval", "needle"])
 def test_hf_given_a_run_folder_names_it_and_leaves_no_folder(tmp_path, capsys, stopped, command, tokenizer):
     """--hf RUN went to transformers' ValueError (or a missing tokenizer.json), and needle left its --out
     folder behind holding only a lock file."""
-    code, err = cli(capsys, command, "--hf", stopped[0], *tokenizer, "--out", tmp_path / "out")
+    out = tmp_path / ("out.json" if command == "eval" else "out")
+    code, err = cli(capsys, command, "--hf", stopped[0], *tokenizer, "--out", out)
     assert code == 2 and f"HF model path '{stopped[0]}' is a lengthgen run folder: give it as the run" in err
-    assert not (tmp_path / "out").exists()
+    assert not out.exists()
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"hidden_size": 8}')
-    code, err = cli(capsys, command, "--hf", tmp_path / "model", *tokenizer, "--out", tmp_path / "out")
-    assert code == 2 and "its config.json has no model_type" in err and not (tmp_path / "out").exists()
+    code, err = cli(capsys, command, "--hf", tmp_path / "model", *tokenizer, "--out", out)
+    assert code == 2 and "its config.json has no model_type" in err and not out.exists()
 
 
 def test_a_failed_command_removes_only_the_folder_it_created(tmp_path):

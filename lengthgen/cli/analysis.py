@@ -93,8 +93,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", help="with --hf: text corpus (stdlib, a path, bin:GLOB; default stdlib)")
     p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
-    p.add_argument("--out", "-o", help="write the results JSON here (in a lengthgen folder: under its lock); it "
-                                       "replaces only an earlier evaluation")
+    p.add_argument("--out", "-o", help="write the results JSON here, a NAME.json (in a lengthgen folder: under its "
+                                       "lock); it replaces only an earlier evaluation")
 
 
 def only_hf(args: argparse.Namespace) -> None:
@@ -116,6 +116,9 @@ def eval_command(args: argparse.Namespace) -> int:
         raise CommandError("give a run folder or checkpoint, or --hf PATH")
     only_hf(args)
     with writing(Path(args.out), args.run) if args.out else contextlib.nullcontext():
+        if args.out and Path(args.out).suffix != ".json":     # else a later eval --out could not replace it
+            raise CommandError(f"--out {args.out}: give a file name ending in .json, the results' format (an "
+                               "earlier evaluation is replaced only under such a name)")
         if args.out and Path(args.out).exists() and results_file(args.out) != "run":
             raise CommandError(f"--out {args.out} exists and is not an earlier evaluation (a results file of "
                                "lengthgen eval); choose another file name")
