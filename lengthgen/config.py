@@ -385,7 +385,7 @@ def read_config_text(path: str | Path) -> str:
         what = "a folder" if path.is_dir() else "not a regular file"
         raise ConfigError(f"config file {path} is {what}; give a TOML or JSON file")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")       # a byte-order mark (Windows editors) is not TOML or JSON
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 

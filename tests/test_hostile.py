@@ -1050,6 +1050,17 @@ def test_config_file_that_is_binary_or_a_folder(tmp_path, capsys, content, messa
     assert code == 2 and "c.json: invalid JSON" in err
 
 
+@pytest.mark.parametrize("suffix, text", [(".toml", "[train]\nsteps = 7\n"), (".json", '{"train": {"steps": 7}}')])
+def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path, capsys, suffix, text):
+    """A UTF-8 byte-order mark (Windows editors write one) was 'Invalid statement (line 1, column 1)'."""
+    path = tmp_path / f"c{suffix}"
+    path.write_text("\ufeff" + text, encoding="utf-8")
+    code, err = cli(capsys, "config", "show", path)
+    assert code == 0, err
+    from lengthgen.train.config import load_config
+    assert load_config(path).train.steps == 7
+
+
 def test_out_that_is_a_file_or_under_one(tmp_path, capsys):
     (tmp_path / "f").write_text("keep")
     for out, says in ((tmp_path / "f", "file exists"), (tmp_path / "f" / "sub", "not a directory")):
