@@ -1061,6 +1061,14 @@ def test_a_config_file_with_a_byte_order_mark_is_read(tmp_path, capsys, suffix, 
     assert load_config(path).train.steps == 7
 
 
+def test_a_results_file_given_as_a_config_is_named(tmp_path, capsys):
+    """train --config results.json said 'schema is not a valid key'."""
+    (tmp_path / "results.json").write_text('{"schema": "lengthgen-results/1", "kind": "comparison", "runs": []}')
+    code, err = cli(capsys, "train", "--config", tmp_path / "results.json", "--out", tmp_path / "o")
+    assert code == 2 and err.endswith(f"{tmp_path / 'results.json'} is a lengthgen results file (comparison), not a "
+                                      "config; a run's config is the config.json in its folder")
+
+
 def test_out_that_is_a_file_or_under_one(tmp_path, capsys):
     (tmp_path / "f").write_text("keep")
     for out, says in ((tmp_path / "f", "file exists"), (tmp_path / "f" / "sub", "not a directory")):

@@ -264,9 +264,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg = RunConfig()
     elif str(path).endswith(".json"):
         try:
-            cfg = RunConfig.from_dict(json.loads(read_config_text(path)))
+            data = json.loads(read_config_text(path))
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path}: invalid JSON: {err}") from None
+        if isinstance(data, dict) and {"schema", "kind"} <= data.keys():       # eval.results' files
+            raise ConfigError(f"{path} is a lengthgen results file ({data['kind']}), not a config; a run's config is "
+                              "the config.json in its folder")
+        cfg = RunConfig.from_dict(data)
     else:
         cfg = RunConfig.from_dict(load_toml(path))
     return cfg.override(*overrides)
