@@ -1,10 +1,12 @@
 """Atomic, durable file writes: a temporary file in the target's folder, flushed to disk, then ``os.replace`` and
-the folder flushed too; nothing partial is left, and a power loss after the call cannot lose the file."""
+the folder flushed too; nothing partial is left, and a power loss after the call cannot lose the file. A whole
+folder likewise (`atomic_write_folder`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -43,11 +45,34 @@ def fsync(path: str | Path) -> None:
         os.close(fd)
 
 
-def _creation_mode() -> int:
-    """The permissions ``open(path, "w")`` gives a new file: 0o666 less the process umask."""
+def atomic_write_folder(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call ``write(tmp_folder)`` on a new folder beside ``path``, then rename it to ``path``, which must be missing
+    or empty (else `FileExistsError`: another process wrote there meanwhile); its files are flushed to disk first,
+    and the temporary folder is removed on failure, so nothing partial is left."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        write(tmp)
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                fsync(file)
+        os.chmod(tmp, _creation_mode(0o777))  # mkdir's permissions: mkdtemp's folder is private
+        try:
+            os.replace(tmp, path)
+        except OSError as err:              # ENOTEMPTY / EEXIST: a folder with files
+            raise FileExistsError(f"{path} is not empty") from err
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync(path.parent)
+    return path
+
+
+def _creation_mode(base: int = 0o666) -> int:
+    """The permissions ``open(path, "w")`` (``base`` 0o666) or ``mkdir`` (0o777) gives: ``base`` less the umask."""
     umask = os.umask(0)
     os.umask(umask)
-    return 0o666 & ~umask
+    return base & ~umask
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

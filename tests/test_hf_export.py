@@ -22,6 +22,7 @@ from lengthgen.model import GPT  # noqa: E402
 from lengthgen.train import load_run, train  # noqa: E402
 from lengthgen.train.checkpoint import rng_state, save_checkpoint  # noqa: E402
 from lengthgen.train.config import RunConfig  # noqa: E402
+from lengthgen.train.run_folder import RunFolderError  # noqa: E402
 
 # Every parameterized attention knob at once, and each norm placement, with the GPT options around them.
 FULL = {"softmax_p": 2.0, "query_scaling": "log_n", "learnable_scaling": "global", "distance": "alibi",
@@ -135,6 +136,43 @@ def test_export_refuses_other_heads_and_used_folders(tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().err and (used / "notes.txt").read_text() == "keep me"
     with pytest.raises(ConfigError, match="GPTConfig.heads"):
         LengthgenConfig(gpt={"heads": 0})
+
+
+def test_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The folder was written in place: a failed export left a half-written model folder, and two exports into one
+    new folder mixed their files. Now it is written beside and renamed, with a new folder's permissions."""
+    import os
+
+    from transformers import PreTrainedModel
+
+    run = written_run(tmp_path / "run", {})
+    save = PreTrainedModel.save_pretrained
+
+    def fail_after_saving(self, folder, **kwargs):
+        save(self, folder, **kwargs)
+        raise OSError("disk full")
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", fail_after_saving)
+    with pytest.raises(OSError, match="disk full"):
+        lhf.export_run(run, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]          # no hf/, no temporary folder
+
+    def another_export_meanwhile(self, folder, **kwargs):
+        save(self, folder, **kwargs)
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "config.json").write_text("{}")
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", another_export_meanwhile)
+    with pytest.raises(RunFolderError, match="was written by another process meanwhile"):
+        lhf.export_run(run, tmp_path / "hf")
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save)
+    (tmp_path / "empty").mkdir()
+    lhf.export_run(run, tmp_path / "empty")                                    # an empty folder is taken
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
+    assert (tmp_path / "empty").stat().st_mode & 0o777 == 0o777 & ~umask
 
 
 def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lengthgen.atomic import atomic_write_folder
 from lengthgen.config import ConfigError
 from lengthgen.data.text import make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
@@ -79,9 +80,16 @@ def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[
     ids = {} if tokenizer is None else {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id")
                                         for k in ("bos", "eos", "pad")}
     model = LengthgenForCausalLM.from_gpt(gpt, **ids)
-    model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+    try:            # a failed export leaves nothing; one into a folder written meanwhile is refused
+        atomic_write_folder(out, write)
+    except FileExistsError:
+        raise RunFolderError(f"export folder {out} was written by another process meanwhile: choose a new "
+                             "folder") from None
     weights = "BEMA weights" if bema else "weights"
     return [f"model: {out / 'config.json'}, {out / 'model.safetensors'} ({weights} of {run})", note]
 
