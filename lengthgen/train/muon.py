@@ -60,7 +60,8 @@ class Muon(torch.optim.Muon):
         bufs = [self.state[p]["momentum_buffer"] for p in params]
         momentum = group["momentum"]
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
-        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        # one lerp per matrix: torch 2.11's DTensor (FSDP2) has no out-of-place _foreach_lerp
+        updates = [g.lerp(b, momentum) for g, b in zip(grads, bufs)] if group["nesterov"] else bufs
         return params, orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
     @torch.no_grad()
