@@ -64,6 +64,15 @@ class Muon(torch.optim.Muon):
         updates = [g.lerp(b, momentum) for g, b in zip(grads, bufs)] if group["nesterov"] else bufs
         return params, orthogonalize(updates, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
+    def _apply(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        """torch Muon's step with the orthogonalized updates: ``p <- p (1 - lr wd) - lr' update``, lr' the
+        ``adjust_lr_fn`` of p's shape."""
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        if wd and params:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        for p, update in zip(params, updates):
+            p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -71,12 +80,7 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params, updates = self._orthogonalized(group)
-            lr, wd = float(group["lr"]), group["weight_decay"]
-            if wd and params:
-                torch._foreach_mul_(params, 1 - lr * wd)
-            for p, update in zip(params, updates):
-                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+            self._apply(group, *self._orthogonalized(group))
         return loss
 
 

@@ -44,29 +44,23 @@ class NorMuon(Muon):
             group.setdefault("cautious", cautious)
             group.setdefault("lr_mul", 1.0)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, beta2 = group["lr"], group["weight_decay"], group["beta2"]
-            for p, update in zip(*self._orthogonalized(group)):
-                state = self.state[p]
-                if "second_moment" not in state:
-                    rows, cols = p.shape
-                    state["second_moment"] = p.new_zeros((rows, 1) if rows >= cols else (1, cols),
-                                                         dtype=torch.float32)
-                update = normalize_per_neuron(update.float(), state["second_moment"], beta2)
-                lr_update = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-                if wd and group["cautious"]:
-                    decay_rate = wd * (lr / group["lr_mul"]) * lr_update
-                    p.sub_(p * (update * p >= 0) * decay_rate)
-                elif wd:
-                    p.mul_(1 - lr * wd)
-                p.add_(update.to(p.dtype), alpha=-lr_update)
-        return loss
+    def _apply(self, group: dict, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        """Each orthogonalized update normalized per neuron (`normalize_per_neuron`), then the (cautious) decay
+        and the step."""
+        lr, wd, beta2 = group["lr"], group["weight_decay"], group["beta2"]
+        for p, update in zip(params, updates):
+            state = self.state[p]
+            if "second_moment" not in state:
+                rows, cols = p.shape
+                state["second_moment"] = p.new_zeros((rows, 1) if rows >= cols else (1, cols), dtype=torch.float32)
+            update = normalize_per_neuron(update.float(), state["second_moment"], beta2)
+            lr_update = _adjust_lr(lr, group["adjust_lr_fn"], p.shape)
+            if wd and group["cautious"]:
+                decay_rate = wd * (lr / group["lr_mul"]) * lr_update
+                p.sub_(p * (update * p >= 0) * decay_rate)
+            elif wd:
+                p.mul_(1 - lr * wd)
+            p.add_(update.to(p.dtype), alpha=-lr_update)
 
 
 def normalize_per_neuron(update: torch.Tensor, second_moment: torch.Tensor, beta2: float) -> torch.Tensor:
