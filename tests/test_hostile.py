@@ -1083,6 +1083,21 @@ def test_out_that_is_a_file_or_under_one(tmp_path, capsys):
         assert code == 2 and err.endswith(f"--out {out}: {tmp_path / 'f'} is a file, not a folder")
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="/sys, where even root cannot create a file, is Linux's")
+def test_out_where_nothing_can_be_written_is_refused_before_the_work(capsys, monkeypatch, stopped):
+    """``eval --out`` in a forbidden (or read-only) folder evaluated every length, then failed to write."""
+    def not_now(*args, **kwargs):
+        raise AssertionError("the work began")
+
+    monkeypatch.setattr("lengthgen.experiments.eval_run.eval_run", not_now)
+    monkeypatch.setattr("lengthgen.experiments.theory.main_theory", not_now)
+    for command, out in ((["eval", stopped[0], "--lengths", "8"], "/sys/lengthgen-test/eval.json"),
+                         (["theory"], "/sys/lengthgen-test")):
+        code, err = cli(capsys, *command, "--out", out)
+        assert code == 2 and err.endswith(f"--out {out}: nothing can be written in /sys (permission denied); "
+                                          "choose another path"), err
+
+
 @pytest.mark.parametrize("args", [["--heads", "0"], ["--reps", "0"], ["--time-budget", "-1"], ["--lengths", "0"],
                                   ["--device", "tpu"], ["--variants", "foo"], ["--backends", "foo"],
                                   ["--dtype", "int8"], ["--batch", "-1"]])

@@ -18,11 +18,12 @@ import inspect
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from lengthgen.cli import training  # noqa: F401, I001 - registers train, compare, retrofit (listed first)
 from lengthgen.cli import analysis  # noqa: F401 - registers report, eval, needle, export, sample, theory, config
 from lengthgen.cli import bench  # noqa: F401 - registers bench
-from lengthgen.cli.common import COMMANDS, CONFIG_HELP, SEEDS_HELP, CommandError, Parser
+from lengthgen.cli.common import COMMANDS, CONFIG_HELP, SEEDS_HELP, CommandError, Parser, check_writable
 from lengthgen.memory import out_of_memory
 
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"lengthgen {args.command}: {message}", file=sys.stderr)
 
         try:
+            if getattr(args, "out", None):      # found now, not when the work is done
+                check_writable(Path(args.out))
             return args.handler(args)
         except (CommandError, ConfigError, ResultsError, RunFolderError, CheckpointError, MissingPackageError,
                 FileNotFoundError) as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -141,6 +142,19 @@ def float_list(text: str) -> list[float]:
         return [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 0,0.5,1") from None
+
+
+def check_writable(path: Path) -> None:
+    """Refuse an --out where nothing can be written (a read-only or forbidden folder) before the work, not
+    after it: a file is created and removed in the nearest existing folder on the way to ``path``."""
+    base = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    folder = base if base.is_dir() else base.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise CommandError(f"--out {path}: nothing can be written in {folder} "
+                           f"({(err.strerror or str(err)).lower()}); choose another path") from None
 
 
 def writing(path: Path, source: str | None = None) -> contextlib.AbstractContextManager:
