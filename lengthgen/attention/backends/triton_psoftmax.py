@@ -26,7 +26,8 @@ key-block-major pass stops at the document's end), from `mods.document_bounds`; 
 distance term (scale_invariant, ALiBi with the slopes of `mods.alibi_slopes` passed in, log_bias) are written
 inline (Triton cannot call the Python mods of `lengthgen.attention.mods`; the tests hold the kernel to them
 through the dense oracle). Explicit masks are not taken. Backward: one kernel for dK/dV per key block
-(looping over the query heads of its KV group, so GQA needs no atomics) and one for dQ per query block;
+(looping over the query heads of its KV group, so GQA needs no atomics) and, launched first, one for dQ per
+query block, which also computes delta (FlashAttention's preprocess, before: eager float32 ops over out and dO);
 both recompute the logits and use the saved m and log S_p. With causal masks only, the tiles that every query row
 sees whole (below the diagonal band) skip the mask and its bounds checks, as the Triton tutorial's fused attention
 splits its causal loop (`_whole_before`, and the dK/dV kernel's ``q_mid``); the band and the edges are masked.
@@ -287,13 +288,14 @@ if triton is not None:
         return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
     @triton.jit
-    def _bwd_dq_kernel(Q, K, V, DO, DQ, M, LSP, DELTA, STARTS, SLOPES,
+    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, M, LSP, DELTA, STARTS, SLOPES,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
                        H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
                        D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
                        PREC: tl.constexpr):
-        """dQ for one query block. DQ is contiguous (B, H, LQ, D)."""
+        """dQ for one query block, and first its rows' delta_i = dO_i . out_i, stored to DELTA for the dK/dV kernel
+        (launched after this one). O, DQ and DELTA are contiguous: (B, H, LQ, D_V), (B, H, LQ, D), (B, H, LQ)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -312,7 +314,10 @@ if triton is not None:
                      mask=row_ok[:, None], other=0.0)
         m_i = tl.load(M + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
         lsp = tl.load(LSP + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + bh.to(tl.int64) * LQ + offs_m, mask=row_ok, other=0.0)
+        o = tl.load(O + bh.to(tl.int64) * LQ * D_V + offs_m[:, None] * D_V + offs_dv[None, :], mask=row_ok[:, None],
+                    other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, delta, mask=row_ok)
         slope = _slope(SLOPES, h, DIST)
 
         first = pid_m * BLOCK_M + OFF
@@ -527,7 +532,7 @@ def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, 
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
-    delta = (out.float() * d_out.float()).sum(-1).contiguous()         # dO_i . out_i, (B, H, Lq)
+    delta = torch.empty_like(row_max)             # dO_i . out_i (B, H, Lq), written by the dQ kernel
     dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, hkv, lk, v.shape[-1]), dtype=v.dtype, device=v.device)
@@ -536,7 +541,7 @@ def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, 
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts)
     cfg = _configs("dq", max(d, v.shape[-1]), q.element_size())
     _bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, d_out, dq, row_max, log_sp, delta, starts, slopes, *strides, **sc, **cfg)
+        q, k, v, out, d_out, dq, row_max, log_sp, delta, starts, slopes, *strides, **sc, **cfg)
     cfg = _configs("dkdv", max(d, v.shape[-1]), q.element_size())
     _bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * hkv)](
         q, k, v, d_out, dk, dv, row_max, log_sp, delta, starts, ends, slopes, *strides, HKV=hkv, **sc, **cfg)
