@@ -198,12 +198,18 @@ class _AtenOps(TorchDispatchMode):
     """Records the aten ops dispatched inside the block (each is a kernel launch on a GPU)."""
 
     def __enter__(self):
-        self.ops = []
+        self.ops, self.sizes = [], []
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
+        self.sizes.append(out.numel() if isinstance(out, torch.Tensor) else 0)
+        return out
+
+    def passes(self, numel: int) -> list[str]:
+        """The ops that wrote ``numel`` elements or more (a pass over a tensor that large), allocations aside."""
+        return [op for op, n in zip(self.ops, self.sizes) if n >= numel and not op.startswith("empty")]
 
 
 @pytest.mark.parametrize("scaling", ["log_n", "log_bn", "sqrt_log_n"])
@@ -229,6 +235,55 @@ def test_query_scaling_is_one_cached_factor(scaling):
     n = torch.arange(1, 13, dtype=torch.float64).clamp(max=9)[None]
     gains = fn.query_gain(n, spec) + fn.query_gain(n, spec, mult.detach())       # both calls' d(sum q')/dq / base
     torch.testing.assert_close(q.grad, (gains * 0.5).expand(2, 2, 12, 4), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("scaling, learned", [("none", False), ("sqrt_log_n", False), ("sqrt_log_n", True)])
+def test_queries_for_a_half_precision_kernel_are_one_pass_each_way(scaling, learned):
+    """q' for a fused kernel that takes it in bf16 (`backends.query_dtype` on CUDA) is the float32 product rounded
+    once, as the upcast, multiply and downcast it replaces (bitwise, values and dq; d multiplier to float32
+    rounding), in one op over q forward and one backward, where those were three each (a learned multiplier's
+    gradient adds its float32 product of grad and q, as before)."""
+    spec = AttentionSpec(query_scaling=scaling, window=9)
+    mult = torch.tensor([0.5, 2.0], requires_grad=learned) if scaling != "none" else None
+    wrt = lambda: [q] + ([mult] if learned else [])      # noqa: E731
+    q = randn(2, 2, 12, 64, seed=5, dtype=torch.float32).mul(30).bfloat16().requires_grad_()
+    grad = randn(2, 2, 12, 64, seed=6, dtype=torch.float32).bfloat16()
+    with _AtenOps() as old_ops:
+        plain = fn.scale_queries(q, spec, 12, multiplier=mult).to(torch.bfloat16)     # the ops it replaces
+        want = torch.autograd.grad(plain, wrt(), grad)
+    with _AtenOps() as forward:
+        got = fn.scale_queries(q, spec, 12, multiplier=mult, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, plain)
+    with _AtenOps() as backward:
+        grads = torch.autograd.grad(got, wrt(), grad)
+    assert torch.equal(grads[0], want[0])
+    if learned:
+        torch.testing.assert_close(grads[1], want[1], rtol=1e-6, atol=0)
+    assert forward.passes(q.numel()) == ["mul.out"], forward.ops
+    assert backward.passes(q.numel())[0] == "mul.out", backward.ops
+    assert len(backward.passes(q.numel())) == (4 if learned else 1), backward.ops
+    assert len(old_ops.passes(q.numel())) == (7 if learned else 6), old_ops.ops
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "triton"])
+@pytest.mark.parametrize("scaling", ["none", "sqrt_log_n"])
+def test_cuda_fused_kernels_take_queries_rounded_once(backend, scaling):
+    """On CUDA `attend` hands SDPA, FlexAttention and the Triton kernel q' in bf16, made in one op; their output
+    equals the backend's on the float32 q' that it rounded itself before (bitwise), and so do the gradients
+    (up to the kernels' own nondeterminism)."""
+    from lengthgen.attention import backends
+
+    spec = AttentionSpec(query_scaling=scaling)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
+    got = attend(q, k, v, spec, backend=backend)
+    want = backends.attention(backend, q.device)(fn.scale_queries(q, spec, 256), k, v, spec)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b)
 
 
 def test_alibi_slopes():

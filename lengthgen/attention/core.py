@@ -74,13 +74,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
         keep = (q.sum() + k.sum() + v.sum()).to(v.dtype) * 0     # empty sums: zero gradients to the inputs
         out = v.new_zeros((*q.shape[:3], v.shape[-1])) + keep
         return (out, v.new_zeros((*q.shape[:3], k.shape[2])) + keep) if return_weights else out
-    qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask)
     if return_weights:
+        qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask)
         return dense_attention(qs, k, v, spec, doc_ids, mask=mask, return_weights=True)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, k, v))
+    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                               for t in (q, k, v, multipliers))
     masked = mask is not None
     name = backends.choose(spec, q, k.shape[-2], training, masked) if backend == "auto" else backend
     reason = backends.unsupported(name, spec, q, training, masked)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run this spec here: {reason}")
+    qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask, dtype=backends.query_dtype(name, q, k))
     return backends.attention(name, q.device)(qs, k, v, spec, doc_ids, mask=mask)

@@ -81,21 +81,59 @@ def _position_feature(spec: AttentionSpec, lq: int, lk: int, device: torch.devic
 
 
 def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
-                  multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                  multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """q' = q * g_i * base_scale: the part of the logit that depends on the query only (n_i from
-    `mods.visible_counts`, with the explicit ``mask`` if given). In float32 for half-precision q: rounding q' to
-    bfloat16 would change logits of size 1e4 by about 20."""
+    `mods.visible_counts`, with the explicit ``mask`` if given). Computed in float32 for half-precision q:
+    rounding q' to bfloat16 would change logits of size 1e4 by about 20. ``dtype``: q''s dtype (default that
+    compute dtype); a fused kernel that rounds q' to the keys' half precision anyway takes it so (`scale_rows`)."""
     base = spec.base_scale if spec.base_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    q = q.to(compute_dtype(q.dtype))
+    compute = compute_dtype(q.dtype)
+    dtype = dtype or compute
     if spec.query_scaling == "none":
-        return q * base
+        return scale_rows(q, base, dtype)
     lq = q.shape[-2]
     if mask is None and not (spec.doc_masking and doc_ids is not None) and not torch.compiler.is_compiling():
-        f = _position_feature(spec, lq, lk, q.device, q.dtype)
+        f = _position_feature(spec, lq, lk, q.device, compute)
     else:
         n = mods.visible_counts(spec, lq, lk, doc_ids, mask, device=q.device)
-        f = gain_feature(n.clamp(min=1).to(q.dtype)[:, None, :, None], spec)  # a row that sees nothing outputs 0
-    return q * _combine(f, spec, multiplier, base)
+        f = gain_feature(n.clamp(min=1).to(compute)[:, None, :, None], spec)  # a row that sees nothing outputs 0
+    return scale_rows(q, _combine(f, spec, multiplier, base), dtype)
+
+
+def scale_rows(q: torch.Tensor, factor: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``(q.to(c) * factor).to(dtype)`` for q's compute dtype c: the product in float32 for half-precision q,
+    rounded once to ``dtype``. Eager, a half-precision ``dtype`` takes one pass over q in the forward and one in
+    the backward (`_RowScale`), where the three ops above take three (each an upcast copy or float32 product of
+    all of q); in a compiled graph Inductor fuses the ops themselves."""
+    compute = compute_dtype(q.dtype)
+    if dtype == compute or torch.compiler.is_compiling():
+        return (q.to(compute) * factor).to(dtype)
+    return _RowScale.apply(q, factor, dtype)
+
+
+class _RowScale(torch.autograd.Function):
+    """`scale_rows` in one op each way: ``torch.mul`` with an ``out`` of the narrower dtype computes in the inputs'
+    common dtype (float32) and rounds on the store; the gradients are the same ops' (dq = grad * factor rounded to
+    q's dtype, dfactor = sum of grad * q over the dimensions ``factor`` broadcasts)."""
+
+    @staticmethod
+    def forward(ctx, q, factor, dtype):
+        tensor = isinstance(factor, torch.Tensor)
+        ctx.save_for_backward(q if tensor and factor.requires_grad else None, factor if tensor else None)
+        ctx.number, ctx.q_dtype = (None if tensor else factor), q.dtype
+        return torch.mul(q, factor, out=torch.empty(q.shape, dtype=dtype, device=q.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, factor = ctx.saved_tensors
+        factor = ctx.number if factor is None else factor
+        dq = dfactor = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.mul(grad, factor, out=torch.empty(grad.shape, dtype=ctx.q_dtype, device=grad.device))
+        if ctx.needs_input_grad[1]:
+            dfactor = (grad.to(factor.dtype) * q.to(factor.dtype)).sum_to_size(factor.shape)
+        return dq, dfactor, None
 
 
 # ---------------------------------------------------------------------------------------------------

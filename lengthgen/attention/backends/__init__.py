@@ -84,6 +84,13 @@ def attention(name: str, device: torch.device) -> Callable:
     return _EAGER[name]
 
 
+def query_dtype(name: str, q: torch.Tensor, k: torch.Tensor) -> torch.dtype | None:
+    """The dtype backend ``name`` takes the scaled queries q' in: the keys' dtype for the fused CUDA kernels (SDPA,
+    FlexAttention and Triton round q' to it: `functional.kernel_inputs`), so that q' is rounded once as it is
+    made; None (the compute dtype, `functional.scale_queries`) for the others."""
+    return k.dtype if q.is_cuda and name in ("sdpa", "flex", "triton") else None
+
+
 def unsupported(name: str, spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:
     """Why backend ``name`` cannot run ``spec`` on these inputs (with an explicit mask if ``masked``), or None."""
     try:
