@@ -235,11 +235,12 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
         v_lse = v.new_zeros(k.shape[0], hkv, lk, LSE_VALUE_DIM)
         zeros, aux_p = flex(qs, k, v_lse, score_mod=_times(score_mod, p), **kw)
         lse_p = aux_p.lse
-        factor = torch.exp(lse_1.to(compute) - lse_p.to(compute) / p).unsqueeze(-1)
         # + the pass's output, exactly 0 (zero values; its gradients are exactly 0 too): in a compiled model's
         # backward an unused output has no gradient, and Inductor (torch 2.11) fails to lower that
-        out = out.to(compute) * factor + zeros[..., :1]
-    out = out.to(dtype)
+        factor = torch.exp(lse_1.to(compute) - lse_p.to(compute) / p).unsqueeze(-1) + zeros[..., :1]
+        out = fn.scale_rows(out, factor, dtype)      # in float32, rounded once (one pass each way when eager)
+    else:
+        out = out.to(dtype)
     return (out, lse_1.detach(), lse_p.detach()) if return_lse else out
 
 
