@@ -224,33 +224,58 @@ AOT_CASES = [(90, "bf16", 128, "none", False, False, 1.0), (90, "bf16", 128, "sc
              (80, "fp32", 128, "log_bias", True, True, 2.0)]       # the last: the most shared memory, A100's limit
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
-def test_kernels_compile_for_cuda(kernel, monkeypatch):
-    """Every kernel compiles for sm_80 and sm_90 with the launch configuration the backend uses, and fits the
-    architecture's shared memory. The interpreter accepts code the compiler rejects (plain Python globals, for
-    one), so this is the CPU check that the CUDA build works."""
-    pytest.importorskip("triton")
+def compile_for_cuda(kernel, arch, dtype, head_dim, distance, window, docs, p):
+    """``kernel`` (fwd, dq, dkdv) compiled ahead of time for sm_``arch`` with the backend's launch configuration."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from lengthgen.attention.backends import triton_psoftmax as tp
 
+    fn = {"fwd": tp._fwd_kernel, "dq": tp._bwd_dq_kernel, "dkdv": tp._bwd_dkdv_kernel}[kernel]
+    cfg = tp._configs(kernel, head_dim, 4 if dtype == "fp32" else 2)
+    options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    constants = dict(D=head_dim, D_V=head_dim, DIST=tp.DISTANCE_CODES[distance], HAS_WINDOW=window,
+                     HAS_DOCS=docs, P_KIND=tp.p_kind(p), PREC="ieee" if dtype == "fp32" else "tf32", **cfg)
+    signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in TENSOR_ARGS
+                 else "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
+                 else "fp32" if name in FP32_SCALARS else "i32" for name in fn.arg_names}
+    return triton_compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+@pytest.fixture
+def compiler(monkeypatch):
+    pytest.importorskip("triton")
+    from lengthgen.attention.backends import triton_psoftmax as tp
+
     if tp.INTERPRETED:
         pytest.skip("this process built the kernels for TRITON_INTERPRET=1")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")       # triton 3.9's default, without its warning
-    fn = {"fwd": tp._fwd_kernel, "dq": tp._bwd_dq_kernel, "dkdv": tp._bwd_dkdv_kernel}[kernel]
+    return compile_for_cuda
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_kernels_compile_for_cuda(kernel, compiler):
+    """Every kernel compiles for sm_80 and sm_90 with the launch configuration the backend uses, and fits the
+    architecture's shared memory. The interpreter accepts code the compiler rejects (plain Python globals, for
+    one), so this is the CPU check that the CUDA build works."""
     for arch, dtype, head_dim, distance, window, docs, p in AOT_CASES:
-        cfg = tp._configs(kernel, head_dim, 4 if dtype == "fp32" else 2)
-        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        constants = dict(D=head_dim, D_V=head_dim, DIST=tp.DISTANCE_CODES[distance], HAS_WINDOW=window,
-                         HAS_DOCS=docs, P_KIND=tp.p_kind(p), PREC="ieee" if dtype == "fp32" else "tf32", **cfg)
-        signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in TENSOR_ARGS
-                     else "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
-                     else "fp32" if name in FP32_SCALARS else "i32" for name in fn.arg_names}
-        compiled = triton_compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32),
-                                  options=options)
+        compiled = compiler(kernel, arch, dtype, head_dim, distance, window, docs, p)
         assert 0 < compiled.metadata.shared <= SHARED_LIMIT[arch], (arch, dtype, head_dim, compiled.metadata.shared)
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dq", "dkdv"])
+def test_distance_logs_are_one_hardware_instruction(kernel, compiler):
+    """log(1 + t / tau) of scale-invariant attention and log-bias is the hardware ``lg2.approx`` per score, not
+    libdevice's IEEE ``logf`` (about 35 instructions per score, which nearly doubled the forward kernel's code:
+    its cost per score exceeds the tensor cores' at head_dim 64). Measured as the kernels' sm_90 PTX lines."""
+    def ptx(distance):
+        return compiler(kernel, 90, "bf16", 64, distance, False, False, 1.0).asm["ptx"]
+
+    plain = ptx("none").count("\n")
+    for distance in ("scale_invariant", "log_bias"):
+        code = ptx(distance)
+        assert "lg2.approx" in code and code.count("\n") < 1.25 * plain, (distance, code.count("\n"), plain)
 
 
 # ---------------------------------------------------------------------------------------------------
