@@ -122,7 +122,7 @@ class _RowScale(torch.autograd.Function):
         tensor = isinstance(factor, torch.Tensor)
         ctx.save_for_backward(q if tensor and factor.requires_grad else None, factor if tensor else None)
         ctx.number, ctx.q_dtype = (None if tensor else factor), q.dtype
-        return torch.mul(q, factor, out=torch.empty(q.shape, dtype=dtype, device=q.device))
+        return torch.mul(q, factor, out=torch.empty_like(q, dtype=dtype))      # q's layout, as .to() keeps it
 
     @staticmethod
     def backward(ctx, grad):
@@ -130,7 +130,7 @@ class _RowScale(torch.autograd.Function):
         factor = ctx.number if factor is None else factor
         dq = dfactor = None
         if ctx.needs_input_grad[0]:
-            dq = torch.mul(grad, factor, out=torch.empty(grad.shape, dtype=ctx.q_dtype, device=grad.device))
+            dq = torch.mul(grad, factor, out=torch.empty_like(grad, dtype=ctx.q_dtype))
         if ctx.needs_input_grad[1]:
             dfactor = (grad.to(factor.dtype) * q.to(factor.dtype)).sum_to_size(factor.shape)
         return dq, dfactor, None
