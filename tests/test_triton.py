@@ -29,7 +29,8 @@ def distance_for(p: float, regime: str) -> str:
     return "none" if p == 1 else ("scale_invariant" if regime == "spread" else "alibi")
 
 
-# name -> case: spec fields, shapes (b, h, hkv, lq, lk, d, dv), dtype, documents?, logits (regime, size)?
+# name -> case: spec fields, shapes (b, h, hkv, lq, lk, d, dv), dtype, documents?, logits (regime, size)?, the
+# kernel's scale of the dot products (q is divided by it, so that the logits keep their size)?
 # tolerances are on max |error| / max(|reference|, 1) for out, dq, dk, dv (with large logits, the gradients'
 # errors are over the size of the terms they sum, as in test_numerics.py)
 INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
@@ -41,21 +42,22 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
     },
     "terms": {
         "scale_invariant_window_p2": dict(spec=dict(distance="scale_invariant", tau=4.0, window=9, softmax_p=2.0),
-                                          shape=(1, 2, 2, 40, 40, 16, 16)),
-        "alibi_gqa_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 4, 1, 33, 33, 16, 16)),
+                                          shape=(1, 2, 2, 40, 40, 16, 16), scale=0.25),
+        "alibi_gqa_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 4, 1, 33, 33, 16, 16),
+                             scale=0.125),
         "log_bias_docs_window_p1.5": dict(spec=dict(distance="log_bias", log_bias_lambda=0.8, softmax_p=1.5,
                                                     doc_masking=True, window=20), shape=(2, 2, 2, 40, 40, 16, 16),
-                                          docs=True),
+                                          docs=True, scale=0.3),
         "window_p1": dict(spec=dict(window=5), shape=(1, 2, 2, 37, 37, 16, 16)),
         "alibi_6_heads_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 6, 3, 24, 24, 16, 16)),
     },
     "shapes": {
         "fewer_queries_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 1, 24, 50, 16, 16),
-                                      docs=True),
+                                      docs=True, scale=0.5),
         "decode_one_p0.5": dict(spec=dict(softmax_p=0.5, window=17), shape=(1, 2, 2, 1, 40, 16, 16)),
         "padded_dims_8_4": dict(spec=dict(softmax_p=2.0), shape=(1, 2, 1, 20, 20, 8, 4)),
         "fp16_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 2, 32, 32, 16, 16),
-                             docs=True, dtype="float16"),
+                             docs=True, dtype="float16", scale=0.25),
         "strided_layout_p1": dict(spec=dict(), shape=(1, 2, 2, 32, 32, 32, 32), strided=True),
         # logits up to 1e4 (see test_numerics.py): each p once, float32 and float16, both regimes
         **{f"{regime}_1e4_p{p}_{dtype}": dict(spec=dict(softmax_p=p, distance=distance_for(p, regime)),
@@ -82,7 +84,7 @@ def tolerance(case: dict, name: str) -> float:
 
 def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int = 0) -> dict[str, float]:
     """Relative max errors of the triton backend's out, dq, dk, dv and returned LSE_1, LSE_p against the float64
-    dense oracle."""
+    dense oracle (on q times the case's ``scale``, which the kernel applies to its dot products)."""
     from lengthgen.attention import AttentionSpec
     from lengthgen.attention import functional as fn
     from lengthgen.attention.backends import triton_psoftmax as tp
@@ -105,14 +107,17 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
             q, k = q / 0.7 * math.sqrt(size / (3 * math.sqrt(d))), k * math.sqrt(size / (3 * math.sqrt(d)))
         else:
             q[..., 0] = k[..., 0] = math.sqrt(size)
+    scale = case.get("scale", 1.0)
+    q = q / scale
     grad = torch.randn(b, h, lq, dv, generator=gen)
     docs = make_docs(b, lk, seed=lk, max_len=12) if case.get("docs") else None
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
     assert tp.unsupported(spec, q, True) is None, tp.unsupported(spec, q, True)
-    out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True)
+    out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True,
+                                     scale=scale)
     grads = torch.autograd.grad(out, (q, k, v), grad.to(device=device, dtype=dtype))
     ref_in = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse_1, ref_lse_p = fn.dense_attention(*ref_in, spec, docs, return_lse=True)
+    ref, ref_lse_1, ref_lse_p = fn.dense_attention(ref_in[0] * scale, *ref_in[1:], spec, docs, return_lse=True)
     ref_grads = torch.autograd.grad(ref, ref_in, grad.double())
     scales = [1.0] * 4
     if "logits" in case:                              # |dO| |v| |k| a_t for dq, |dO| |v| |q| a_t for dk, |dO| for dv
@@ -214,7 +219,7 @@ def test_unsupported_reasons(monkeypatch):
 TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 FP32_POINTERS = {"M", "LSP", "LSE1", "SLOPES", "DELTA"}
 INT32_POINTERS = {"STARTS", "ENDS"}
-FP32_SCALARS = {"p", "inv_p", "tau_inv", "lam"}
+FP32_SCALARS = {"p", "inv_p", "scale", "tau_inv", "lam"}
 #: opt-in shared memory per block, bytes (CUDA C++ Programming Guide, compute capabilities table)
 SHARED_LIMIT = {80: 166912, 90: 232448}
 # (arch, dtype, head_dim, distance, window, documents, p): each distance, dtype, flag and p case at least once

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lengthgen.attention import backends
-from lengthgen.attention.functional import dense_attention, scale_queries
+from lengthgen.attention.functional import base_scale, dense_attention, scale_queries
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
 
 
@@ -84,5 +84,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     reason = backends.unsupported(name, spec, q, training, masked)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run this spec here: {reason}")
-    qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask, dtype=backends.query_dtype(name, q, k))
-    return backends.attention(name, q.device)(qs, k, v, spec, doc_ids, mask=mask)
+    run, dtype = backends.attention(name, q.device), backends.query_dtype(name, q, k)
+    if name in backends.KERNEL_SCALE:            # the kernel multiplies its dot products by base_scale (float32)
+        qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask, dtype=dtype, base=1.0)
+        return run(qs, k, v, spec, doc_ids, mask=mask, scale=base_scale(spec, q.shape[-1]))
+    return run(scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask, dtype=dtype), k, v, spec, doc_ids,
+               mask=mask)

@@ -8,9 +8,11 @@ For query position i, visible keys j, distance t = i - j and n_i = number of key
     out_i    = sum_j w_ij v_j
 
 ``g_i`` depends on n_i only, so it is folded into the queries (`scale_queries`) before any backend runs;
-backends then see ``logit_ij = a_t * (q'_i . k_j) + bias_t``. The distance terms (a_t, bias_t) and the
-visibility rules (causal, sliding window, documents) are the score and mask mods of
-`lengthgen.attention.mods`.
+backends then see ``logit_ij = a_t * c * (q'_i . k_j) + bias_t``, where ``c`` is 1 (``base_scale`` folded into
+q') or, for the fused kernels that scale their dot products in float32 themselves (SDPA, FlexAttention, Triton:
+`backends.KERNEL_SCALE`), ``base_scale`` (q' = q * g_i; without query scaling no pass over the queries at all).
+The distance terms (a_t, bias_t) and the visibility rules (causal, sliding window, documents) are the score and
+mask mods of `lengthgen.attention.mods`.
 
 Queries are the *last* ``Lq`` positions of the ``Lk`` keys (``Lq == Lk`` in training; ``Lq < Lk`` when
 decoding with a cache).
@@ -80,18 +82,25 @@ def _position_feature(spec: AttentionSpec, lq: int, lk: int, device: torch.devic
         return gain_feature(n[:, None, :, None], spec)
 
 
+def base_scale(spec: AttentionSpec, head_dim: int) -> float:
+    """The logits' constant factor: ``spec.base_scale``, by default 1 / sqrt(head_dim) (Vaswani et al. 2017)."""
+    return float(spec.base_scale) if spec.base_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
 def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
                   multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
-    """q' = q * g_i * base_scale: the part of the logit that depends on the query only (n_i from
+                  dtype: torch.dtype | None = None, base: float | None = None) -> torch.Tensor:
+    """q' = q * g_i * base: the part of the logit that depends on the query only (n_i from
     `mods.visible_counts`, with the explicit ``mask`` if given). Computed in float32 for half-precision q:
     rounding q' to bfloat16 would change logits of size 1e4 by about 20. ``dtype``: q''s dtype (default that
-    compute dtype); a fused kernel that rounds q' to the keys' half precision anyway takes it so (`scale_rows`)."""
-    base = spec.base_scale if spec.base_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    compute dtype); a fused kernel that rounds q' to the keys' half precision anyway takes it so (`scale_rows`).
+    ``base``: default `base_scale`; 1 for a kernel that multiplies its dot products by it (`backends.KERNEL_SCALE`),
+    which without query scaling gets q itself (in ``dtype``)."""
+    base = base_scale(spec, q.shape[-1]) if base is None else float(base)
     compute = compute_dtype(q.dtype)
     dtype = dtype or compute
     if spec.query_scaling == "none":
-        return scale_rows(q, base, dtype)
+        return q.to(dtype) if base == 1.0 else scale_rows(q, base, dtype)
     lq = q.shape[-2]
     if mask is None and not (spec.doc_masking and doc_ids is not None) and not torch.compiler.is_compiling():
         f = _position_feature(spec, lq, lk, q.device, compute)

@@ -2,7 +2,8 @@
 
 Each backend module has ``unsupported(spec, q, training, masked=False) -> reason | None`` and
 ``attention(qs, k, v, spec, doc_ids=None, *, mask=None, ...)``, taking queries already scaled by
-`functional.scale_queries`; ``mask`` is an explicit (B, 1, Lq, Lk) visibility (``masked``: one is given).
+`functional.scale_queries`; ``mask`` is an explicit (B, 1, Lq, Lk) visibility (``masked``: one is given). Those of
+`KERNEL_SCALE` also take ``scale``, a factor of the dot products applied in the kernel, in float32.
 
 Backends that offer ``return_lse=True`` (dense, tiled, cpu_flash, flex, triton) return ``(out, LSE_1, LSE_p)``:
 ``LSE_1 = logsumexp_j(logit_ij)`` and ``LSE_p = logsumexp_j(p * logit_ij)`` over the visible keys, natural log,
@@ -29,6 +30,11 @@ BACKENDS = ("auto", *MODULES)
 #: model (`attention`): Python loops over key blocks (tiled, cpu_flash), Triton launches, data-dependent checks
 #: (dense), FlexAttention on CPU (its compiled CPU path has no LSE and no backward)
 TRACED = {"sdpa": ("cpu", "cuda"), "flex": ("cuda",)}
+#: backends whose kernel multiplies the dot products by a ``scale`` in float32 (SDPA's and FlexAttention's own
+#: ``scale``; the Triton kernel's): `attend` hands them ``base_scale`` there, not in the queries, which then take
+#: no pass of their own without query scaling (on CUDA, where the eager q * base_scale pass cost about 0.1 ms at
+#: 16K tokens x 16 heads x 128 each way, ~16% of SDPA flash's forward + backward at L = 1K)
+KERNEL_SCALE = ("sdpa", "flex", "triton")
 #: imported up front (a lookup that traces) but the Triton kernel's, which imports triton when first asked for
 _LOADED: dict[str, ModuleType] = {"dense": dense, "tiled": tiled, "sdpa": sdpa, "cpu_flash": cpu_flash, "flex": flex}
 #: backend -> its ``attention`` under ``torch.compiler.disable`` (made here, as making one in a trace is a break too)

@@ -197,8 +197,10 @@ BLOCK_MASKS = _BlockMaskCache()
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False):
-    """FlexAttention p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D).
+              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False,
+              scale: float = 1.0):
+    """FlexAttention p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D);
+    ``scale``: FlexAttention's own, the dot products' factor before the score mod.
 
     Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
@@ -222,7 +224,7 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
         block_mask = build_block_mask(spec, lq, lk, mods.document_starts(spec, doc_ids), device)
     else:
         block_mask = BLOCK_MASKS.get(lq, lk, spec, doc_ids, device)
-    kw = dict(block_mask=block_mask, scale=1.0, enable_gqa=hkv != h, return_aux=AuxRequest(lse=True))
+    kw = dict(block_mask=block_mask, scale=float(scale), enable_gqa=hkv != h, return_aux=AuxRequest(lse=True))
     if lq < BLOCK_SIZE < lq * (h // hkv):
         # torch's decoding kernel (picked for Lq < 128) puts the G query heads of a kv head in one block of
         # next_pow2(Lq * G) rows and has no config beyond the 128-row sparse block (NoValidChoicesError)

@@ -1,6 +1,6 @@
 """`sdpa`: ``F.scaled_dot_product_attention`` for p = 1 and no distance terms.
 
-Query-length scaling and ``base_scale`` are already folded into the queries, so SDPA runs with scale 1
+Query-length scaling is already folded into the queries; ``scale`` (`attend` gives ``base_scale``) is SDPA's own
 (in float32 for half-precision inputs on CPU, in the input dtype on CUDA: `functional.kernel_inputs`).
 Causal attention without window, documents or explicit mask uses ``is_causal`` (flash / efficient kernels);
 otherwise the mask mods are evaluated into a boolean mask (memory quadratic in length: `auto` prefers
@@ -28,7 +28,8 @@ def unsupported(spec: AttentionSpec, q: torch.Tensor | None = None, training: bo
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, scale: float = 1.0
+              ) -> torch.Tensor:
     reason = unsupported(spec)
     if reason:
         raise ValueError(f"backend 'sdpa' cannot run this spec: {reason}")
@@ -37,6 +38,6 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     gqa = qs.shape[1] != k.shape[1]
     starts = mods.document_starts(spec, doc_ids)
     if lq == lk and spec.window is None and starts is None and mask is None:
-        return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=1.0, enable_gqa=gqa).to(dtype)
+        return F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=gqa).to(dtype)
     visible = mods.dense_mask(mods.mask_mod_for(spec, lq, lk, starts, mask), qs.shape[0], lq, lk, qs.device)
-    return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=1.0, enable_gqa=gqa).to(dtype)
+    return F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa).to(dtype)

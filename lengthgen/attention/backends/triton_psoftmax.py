@@ -1,8 +1,8 @@
 """`triton`: one fused causal flash-style Triton kernel for p-softmax attention, forward and backward.
 
 For scaled queries q' (B, H, Lq, D) and keys/values (B, Hkv, Lk, D) (GQA: H a multiple of Hkv; queries are
-the last Lq of Lk positions) with ``l_ij = a_t (q'_i . k_j) + bias_t``, t = i - j, and masks causal,
-same document, ``i - j < W``::
+the last Lq of Lk positions) with ``l_ij = a_t c (q'_i . k_j) + bias_t``, t = i - j, c the ``scale`` of the dot
+products (`attend` gives ``base_scale``), and masks causal, same document, ``i - j < W``::
 
     forward  (per query block, over visible key blocks; running max m of l)
         S_p   <- S_p exp(p (m_old - m)) + sum_j exp(p (l_j - m))
@@ -15,8 +15,11 @@ same document, ``i - j < W``::
               delta_i = dO_i . out_i)
         w_j = exp(l_j) Z_p^(-1/p)  =>  dw_j/dl_k = delta_jk w_j - w_j pi_k
         dl_ij = w_ij (dO_i . v_j) - pi_ij delta_i          dS_ij = a_t dl_ij
-        dq = dS k      dk = dS^T q'      dv = w^T dO
+        dq = c dS k    dk = c dS^T q'    dv = w^T dO
 
+The kernels hold the logits in log2 units, z = l log2(e) (c log2(e) multiplies the dot products, the distance
+terms' coefficients carry the log2(e)), so that every exponential is one ``exp2`` of a difference, c costs
+nothing (as FlashAttention's ``softmax_scale * log2(e)``), and m and log S_p are saved in log2 units.
 p is a runtime argument; a compile-time case (`p_kind`) takes one exponential per score for p = 1 and p = 2
 (``exp(2 x) = exp(x)^2`` in the forward, ``pi = w^2`` in the backward) and two for any other p. Inputs fp16 / bf16
 (fp32 too, as IEEE fp32 dots), fp32 accumulation, head dims up to 128 (query/key and value dims are padded with
@@ -37,6 +40,7 @@ On CPU the kernels run only under ``TRITON_INTERPRET=1`` (set before this module
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -101,28 +105,30 @@ if triton is not None:
 
     @triton.jit
     def _slope(SLOPES, h, DIST: tl.constexpr):
-        """ALiBi slope m_h of head h (0 for the other distance terms)."""
+        """ALiBi slope m_h of head h in log2 units, m_h log2(e) (0 for the other distance terms)."""
         slope = 0.0
         if DIST == 2:
-            slope = tl.load(SLOPES + h)
+            slope = tl.load(SLOPES + h) * LOG2E
         return slope
 
     @triton.jit
-    def _logits(s, t, slope, tau_inv, lam, DIST: tl.constexpr):
-        """(l, a_t) for dot products s and distances t (int, any sign; only t >= 0 is ever visible): the
-        score mods `mods.scale_invariant`, `mods.alibi`, `mods.log_bias` written inline. One return per
-        compile-time branch: the compiler rejects a function whose reachable returns differ in type."""
+    def _logits(s, t, qk_scale, slope, tau_inv, lam, DIST: tl.constexpr):
+        """(z, a_t) for dot products s and distances t (int, any sign; only t >= 0 is ever visible): the logits
+        l = a_t c s + bias_t of the score mods `mods.scale_invariant`, `mods.alibi`, `mods.log_bias` (written
+        inline) in log2 units, z = l log2(e), with ``qk_scale`` = c log2(e) and ``slope``, ``lam`` in log2 units.
+        One return per compile-time branch: the compiler rejects a function whose reachable returns differ in
+        type."""
         tf = tl.maximum(t, 0).to(tl.float32)
         if DIST == 0:
-            return s, 1.0
-        elif DIST == 1:                                 # scale_invariant: a_t s - 2 log(1 + t / tau)
+            return s * qk_scale, 1.0
+        elif DIST == 1:                                 # scale_invariant: a_t c s - 2 log(1 + t / tau)
             log_t = _log(1.0 + tf * tau_inv)
             a = tl.sqrt(1.0 + 2.0 * log_t)
-            return s * a - 2.0 * log_t, a
+            return s * (a * qk_scale) - (2.0 * LOG2E) * log_t, a
         elif DIST == 2:                                 # ALiBi: -m_h t
-            return s - slope * tf, 1.0
-        else:                                           # log_bias
-            return s - lam * _log(1.0 + tf * tau_inv), 1.0
+            return s * qk_scale - slope * tf, 1.0
+        else:                                           # log_bias: -lambda log(1 + t / tau)
+            return s * qk_scale - lam * _log(1.0 + tf * tau_inv), 1.0
 
     @triton.jit
     def _log(x):
@@ -159,17 +165,17 @@ if triton is not None:
             return tl.maximum((first + 1) // BLOCK_N * BLOCK_N, lo)
 
     @triton.jit
-    def _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST: tl.constexpr,
+    def _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, qk_scale, slope, tau_inv, lam, DIST: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
-        """(logits, a_t) of query rows ``q`` against keys ``k``: -inf where `_visible` hides a key (``MASKED``),
-        or without the mask for a block every row sees whole."""
+        """(z, a_t) of query rows ``q`` against keys ``k`` (`_logits`): -inf where `_visible` hides a key
+        (``MASKED``), or without the mask for a block every row sees whole."""
         s = tl.dot(q, tl.trans(k), input_precision=PREC)
         if MASKED:
             ok, t = _visible(pos_q, offs_n, start_q, LK, WINDOW, HAS_WINDOW, HAS_DOCS)
-            logit, a = _logits(s, t, slope, tau_inv, lam, DIST)
+            logit, a = _logits(s, t, qk_scale, slope, tau_inv, lam, DIST)
             logit = tl.where(ok, logit, float("-inf"))
         else:
-            logit, a = _logits(s, pos_q[:, None] - offs_n[None, :], slope, tau_inv, lam, DIST)
+            logit, a = _logits(s, pos_q[:, None] - offs_n[None, :], qk_scale, slope, tau_inv, lam, DIST)
         return logit, a
 
     @triton.jit
@@ -182,19 +188,19 @@ if triton is not None:
             return tl.load(ptr + offs[:, None] * stride + cols[None, :])
 
     @triton.jit
-    def _fwd_block(q, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, s_p, s_1, acc, skl, svl, LK, WINDOW, p, slope,
-                   tau_inv, lam, offs_d, offs_dv, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
+    def _fwd_block(q, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, s_p, s_1, acc, skl, svl, LK, WINDOW, p, qk_scale,
+                   slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr, PREC: tl.constexpr,
                    MASKED: tl.constexpr):
         """One key block of the forward: the running max m, S_p, S_1 and the output accumulator updated."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_ptr, offs_n, skl, offs_d, LK, MASKED)
-        logit, _a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST, HAS_WINDOW,
+        logit, _a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, qk_scale, slope, tau_inv, lam, DIST, HAS_WINDOW,
                             HAS_DOCS, PREC, MASKED)
         m_new = tl.maximum(m_i, tl.max(logit, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2((m_i - m_safe) * LOG2E)
-        e = tl.exp2((logit - m_safe[:, None]) * LOG2E)
+        alpha = tl.exp2(m_i - m_safe)
+        e = tl.exp2(logit - m_safe[:, None])
         if P_KIND == 1:
             s_p = s_p * alpha + tl.sum(e, 1)
         else:
@@ -202,8 +208,7 @@ if triton is not None:
             if P_KIND == 2:                              # exp(2 x) = exp(x)^2: no second exponential
                 s_p = s_p * (alpha * alpha) + tl.sum(e * e, 1)
             else:
-                s_p = s_p * tl.exp2(p * (m_i - m_safe) * LOG2E) + \
-                    tl.sum(tl.exp2(p * (logit - m_safe[:, None]) * LOG2E), 1)
+                s_p = s_p * tl.exp2(p * (m_i - m_safe)) + tl.sum(tl.exp2(p * (logit - m_safe[:, None])), 1)
         v = _load_rows(v_ptr, offs_n, svl, offs_dv, LK, MASKED)
         acc = acc * alpha[:, None] + tl.dot(e.to(v.dtype), v, input_precision=PREC)
         return m_new, s_p, s_1, acc
@@ -211,7 +216,7 @@ if triton is not None:
     @triton.jit
     def _fwd_kernel(Q, K, V, O, M, LSP, LSE1, STARTS, SLOPES,
                     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
-                    H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
+                    H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, scale, tau_inv, lam,
                     D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
                     PREC: tl.constexpr):
@@ -220,6 +225,7 @@ if triton is not None:
         b = bh // H
         h = bh % H
         hk = h // GROUPS
+        qk_scale, lam = scale * LOG2E, lam * LOG2E       # the logits in log2 units (`_logits`)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, D_V)
@@ -250,49 +256,48 @@ if triton is not None:
         mid = _whole_before(first, lo, BLOCK_N, HAS_WINDOW, HAS_DOCS)
         for start_n in range(lo, mid, BLOCK_N):
             m_i, s_p, s_1, acc = _fwd_block(q, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, s_p, s_1, acc, skl, svl,
-                                            LK, WINDOW, p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST,
-                                            HAS_WINDOW, HAS_DOCS, P_KIND, PREC, False)
+                                            LK, WINDOW, p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N,
+                                            DIST, HAS_WINDOW, HAS_DOCS, P_KIND, PREC, False)
         for start_n in range(mid, hi, BLOCK_N):
             m_i, s_p, s_1, acc = _fwd_block(q, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, s_p, s_1, acc, skl, svl,
-                                            LK, WINDOW, p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST,
-                                            HAS_WINDOW, HAS_DOCS, P_KIND, PREC, True)
+                                            LK, WINDOW, p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N,
+                                            DIST, HAS_WINDOW, HAS_DOCS, P_KIND, PREC, True)
         log2_sp = tl.log2(tl.where(row_ok, s_p, 1.0))    # padding rows: no log(0)
         out = acc * tl.exp2(-inv_p * log2_sp)[:, None]
-        log_sp = log2_sp * LN2
         if P_KIND == 1:
-            lse_1 = m_i + log_sp
+            lse_1 = (m_i + log2_sp) * LN2
         else:
-            lse_1 = m_i + tl.log2(tl.where(row_ok, s_1, 1.0)) * LN2
+            lse_1 = (m_i + tl.log2(tl.where(row_ok, s_1, 1.0))) * LN2
         o_ptr = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
         tl.store(o_ptr + offs_m[:, None] * sol + offs_dv[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(M + bh.to(tl.int64) * LQ + offs_m, m_i, mask=row_ok)
-        tl.store(LSP + bh.to(tl.int64) * LQ + offs_m, log_sp, mask=row_ok)
+        tl.store(LSP + bh.to(tl.int64) * LQ + offs_m, log2_sp, mask=row_ok)
         tl.store(LSE1 + bh.to(tl.int64) * LQ + offs_m, lse_1, mask=row_ok)
 
     @triton.jit
     def _weights(logit, m_i, lsp, p, inv_p, P_KIND: tl.constexpr):
         """The backward's w = exp(l - m - log S_p / p) and pi = softmax(p l) = w^p of logits with the saved row max
-        ``m_i`` and log S_p ``lsp`` (0 where a logit is -inf)."""
+        ``m_i`` and log S_p ``lsp`` (0 where a logit is -inf), all three in log2 units."""
         y = logit - m_i[:, None]
-        w = tl.exp2((y - (lsp * inv_p)[:, None]) * LOG2E)
+        w = tl.exp2(y - (lsp * inv_p)[:, None])
         if P_KIND == 1:
             pi = w
         elif P_KIND == 2:                                # exp(2 y - log S_2) = exp(y - log S_2 / 2)^2
             pi = w * w
         else:
-            pi = tl.exp2((p * y - lsp[:, None]) * LOG2E)
+            pi = tl.exp2(p * y - lsp[:, None])
         return w, pi
 
     @triton.jit
     def _dq_block(q, do, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, lsp, delta, dq, skl, svl, LK, WINDOW, p,
-                  inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
+                  inv_p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N: tl.constexpr, DIST: tl.constexpr,
                   HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr, PREC: tl.constexpr,
                   MASKED: tl.constexpr):
         """One key block of dQ: dq + dS k."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_ptr, offs_n, skl, offs_d, LK, MASKED)
         v = _load_rows(v_ptr, offs_n, svl, offs_dv, LK, MASKED)
-        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST, HAS_WINDOW,
+        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, qk_scale, slope, tau_inv, lam, DIST, HAS_WINDOW,
                            HAS_DOCS, PREC, MASKED)
         w, pi = _weights(logit, m_i, lsp, p, inv_p, P_KIND)
         dpv = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -304,7 +309,7 @@ if triton is not None:
     @triton.jit
     def _bwd_dq_kernel(Q, K, V, O, DO, DQ, M, LSP, DELTA, STARTS, SLOPES,
                        sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
-                       H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
+                       H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, scale, tau_inv, lam,
                        D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
                        PREC: tl.constexpr):
@@ -315,6 +320,7 @@ if triton is not None:
         b = bh // H
         h = bh % H
         hk = h // GROUPS
+        qk_scale, lam = scale * LOG2E, lam * LOG2E       # the logits in log2 units (`_logits`)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, D_V)
@@ -350,14 +356,14 @@ if triton is not None:
         mid = _whole_before(first, lo, BLOCK_N, HAS_WINDOW, HAS_DOCS)
         for start_n in range(lo, mid, BLOCK_N):
             dq = _dq_block(q, do, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, lsp, delta, dq, skl, svl, LK, WINDOW,
-                           p, inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST, HAS_WINDOW, HAS_DOCS,
-                           P_KIND, PREC, False)
+                           p, inv_p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST, HAS_WINDOW,
+                           HAS_DOCS, P_KIND, PREC, False)
         for start_n in range(mid, hi, BLOCK_N):
             dq = _dq_block(q, do, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, lsp, delta, dq, skl, svl, LK, WINDOW,
-                           p, inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST, HAS_WINDOW, HAS_DOCS,
-                           P_KIND, PREC, True)
+                           p, inv_p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST, HAS_WINDOW,
+                           HAS_DOCS, P_KIND, PREC, True)
         tl.store(DQ + bh.to(tl.int64) * LQ * D + offs_m[:, None] * D + offs_d[None, :],
-                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+                 (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
     def _load_vec(ptr, offs, LIMIT, MASKED: tl.constexpr):
@@ -369,7 +375,7 @@ if triton is not None:
 
     @triton.jit
     def _dkdv_block(k, v, q_ptr, do_ptr, M, LSP, DELTA, st_ptr, start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF,
-                    WINDOW, p, inv_p, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M: tl.constexpr,
+                    WINDOW, p, inv_p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M: tl.constexpr,
                     DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
                     PREC: tl.constexpr, MASKED: tl.constexpr):
         """One query block of dK, dV (``M``, ``LSP``, ``DELTA``: this head's rows): dk + dS^T q', dv + w^T dO.
@@ -384,7 +390,7 @@ if triton is not None:
         start_q = offs_m
         if HAS_DOCS:
             start_q = tl.load(st_ptr + pos_q, mask=offs_m < LQ, other=LK)
-        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, slope, tau_inv, lam, DIST, HAS_WINDOW,
+        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, qk_scale, slope, tau_inv, lam, DIST, HAS_WINDOW,
                            HAS_DOCS, PREC, MASKED)                                         # (M, N)
         if MASKED:
             logit = tl.where((offs_m < LQ)[:, None], logit, float("-inf"))
@@ -400,7 +406,7 @@ if triton is not None:
     @triton.jit
     def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M, LSP, DELTA, STARTS, ENDS, SLOPES,
                          sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
-                         H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, tau_inv, lam,
+                         H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, scale, tau_inv, lam,
                          D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
                          P_KIND: tl.constexpr, PREC: tl.constexpr):
@@ -410,6 +416,7 @@ if triton is not None:
         bhk = tl.program_id(1)
         b = bhk // HKV
         hk = bhk % HKV
+        qk_scale, lam = scale * LOG2E, lam * LOG2E       # the logits in log2 units (`_logits`)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, D_V)
@@ -448,21 +455,21 @@ if triton is not None:
             slope = _slope(SLOPES, h, DIST)
             for start_m in range(qi_lo, q_mid, BLOCK_M):
                 dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
-                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, slope,
+                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, qk_scale, slope,
                                      tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
                                      PREC, True)
             for start_m in range(q_mid, q_full, BLOCK_M):
                 dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
-                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, slope,
+                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, qk_scale, slope,
                                      tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
                                      PREC, False)
             for start_m in range(q_full, qi_hi, BLOCK_M):
                 dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
-                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, slope,
+                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, qk_scale, slope,
                                      tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
                                      PREC, True)
         tl.store(DK + bhk.to(tl.int64) * LK * D + offs_n[:, None] * D + offs_d[None, :],
-                 dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+                 (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
         tl.store(DV + bhk.to(tl.int64) * LK * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
                  dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
@@ -517,18 +524,20 @@ def p_kind(p: float) -> int:
     return 1 if p == 1.0 else 2 if p == 2.0 else 0
 
 
-def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_docs: bool) -> dict:
+def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_docs: bool,
+             scale: float) -> dict:
     p = float(spec.softmax_p)
     return dict(H=q.shape[1], GROUPS=q.shape[1] // k.shape[1], LQ=q.shape[2], LK=k.shape[2],
-                OFF=k.shape[2] - q.shape[2], WINDOW=spec.window or 0, p=p, inv_p=1.0 / p,
+                OFF=k.shape[2] - q.shape[2], WINDOW=spec.window or 0, p=p, inv_p=1.0 / p, scale=scale,
                 tau_inv=1.0 / float(spec.tau), lam=float(spec.log_bias_lambda), D=q.shape[-1], D_V=v.shape[-1],
                 DIST=DISTANCE_CODES[spec.distance], HAS_WINDOW=spec.window is not None, HAS_DOCS=has_docs,
                 P_KIND=p_kind(p), PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
-def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Tensor, has_docs: bool):
-    """Run the forward kernel on padded inputs. Returns (out (B, H, Lq, Dv) contiguous, LSE_1, row max m, log S_p),
-    the last three (B, H, Lq) float32."""
+def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Tensor, has_docs: bool,
+            scale: float = 1.0):
+    """Run the forward kernel on padded inputs (``scale``: the dot products' factor c). Returns (out (B, H, Lq, Dv)
+    contiguous, LSE_1, row max m, log S_p), the last three (B, H, Lq) float32, m and log S_p in log2 units."""
     b, h, lq, _ = q.shape
     out = torch.empty((b, h, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
     row_max = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
@@ -537,11 +546,12 @@ def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Te
     grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](q, k, v, out, row_max, log_sp, lse_1, starts, slopes, *q.stride()[:3], *k.stride()[:3],
                       *v.stride()[:3], *out.stride()[:3], starts.stride(0) if has_docs else 0,
-                      **_scalars(spec, q, k, v, has_docs), **cfg)
+                      **_scalars(spec, q, k, v, has_docs, scale), **cfg)
     return out, lse_1, row_max, log_sp
 
 
-def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, ends, slopes, has_docs: bool):
+def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, ends, slopes, has_docs: bool,
+             scale: float = 1.0):
     """dq, dk, dv (contiguous) from the saved forward tensors (row max m and log S_p)."""
     b, h, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -550,7 +560,7 @@ def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, 
     dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, hkv, lk, v.shape[-1]), dtype=v.dtype, device=v.device)
-    sc = _scalars(spec, q, k, v, has_docs)
+    sc = _scalars(spec, q, k, v, has_docs, scale)
     s_starts = starts.stride(0) if has_docs else 0
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts)
     cfg = _configs("dq", max(d, v.shape[-1]), q.element_size())
@@ -564,24 +574,27 @@ def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, 
 
 class _TritonPSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec, starts, ends, slopes, has_docs):
-        out, lse_1, row_max, log_sp = forward(q, k, v, spec, starts, slopes, has_docs)
+    def forward(ctx, q, k, v, spec, starts, ends, slopes, has_docs, scale):
+        out, lse_1, row_max, log_sp = forward(q, k, v, spec, starts, slopes, has_docs, scale)
         ctx.save_for_backward(q, k, v, out, row_max, log_sp, starts, ends, slopes)
-        ctx.spec, ctx.has_docs = spec, has_docs
-        lse_p = spec.softmax_p * row_max + log_sp
+        ctx.spec, ctx.has_docs, ctx.scale = spec, has_docs, scale
+        lse_p = (spec.softmax_p * row_max + log_sp) * math.log(2)       # m, log S_p: log2 units
         ctx.mark_non_differentiable(lse_1, lse_p)
         return out, lse_1, lse_p
 
     @staticmethod
     def backward(ctx, d_out, _d_lse1, _d_lsep):
         q, k, v, out, row_max, log_sp, starts, ends, slopes = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, d_out, row_max, log_sp, ctx.spec, starts, ends, slopes, ctx.has_docs)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = backward(q, k, v, out, d_out, row_max, log_sp, ctx.spec, starts, ends, slopes, ctx.has_docs,
+                              ctx.scale)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
-              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False):
-    """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D|Dv).
+              doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False,
+              scale: float = 1.0):
+    """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D|Dv);
+    ``scale`` multiplies the dot products in float32 (`functional.kernel_scale`).
 
     Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
@@ -597,7 +610,7 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     starts, ends = _documents(docs, qs.device)
     slopes = _slopes(spec, qs.shape[1], qs.device)
     has_docs = docs is not None
-    out, lse_1, lse_p = _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, slopes, has_docs)
+    out, lse_1, lse_p = _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, slopes, has_docs, float(scale))
     out = out if dv == dv_pad else out[..., :dv]
     return (out, lse_1, lse_p) if return_lse else out
 
