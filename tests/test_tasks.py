@@ -334,6 +334,22 @@ def test_dyck_tvd_is_zero_for_the_law_and_one_off_it():
     torch.testing.assert_close(task.metrics(torch.zeros_like(law), batch)["tvd"], expected)
 
 
+def test_dyck_metrics_of_a_model_with_a_larger_vocabulary():
+    """model.vocab_size may exceed the task's (training allows it): ids beyond the task's are never legal, and
+    mass on them counts as error, like mass on BOS."""
+    task = make_task("dyck", num_types=2, max_depth=3)
+    batch = task.sample(8, 50, gen(1))
+    law = task.next_token_law(batch.extra["legal"])
+    wide = torch.nn.functional.pad(law, (0, 3))                      # 3 ids the task never uses
+    metrics = task.metrics(wide.log(), batch)
+    assert metrics["tvd"].abs().max() < 1e-6
+    assert (metrics["legal_accuracy"] == 1).all()
+    beyond = torch.nn.functional.one_hot(torch.full_like(batch.tokens, task.vocab_size + 2), task.vocab_size + 3)
+    metrics = task.metrics(beyond.float() * 1e4, batch)
+    torch.testing.assert_close(metrics["tvd"], torch.ones(8, 50))
+    assert (metrics["legal_accuracy"] == 0).all()
+
+
 # ------------------------------------------------------------------ Tomita
 
 def tomita_reference(grammar: int, s: str) -> bool:

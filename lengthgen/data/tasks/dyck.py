@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.config import MAX_SIZE, check_value
@@ -79,14 +80,15 @@ class DyckTask(Task):
         k = self.num_types
         openers, closer = legal[..., :k].sum(-1, keepdim=True), legal[..., k:].sum(-1, keepdim=True)
         p_close = torch.where(openers == 0, 1.0, closer / 2)
-        is_opener = torch.arange(self.vocab_size, device=legal.device) < k
+        is_opener = torch.arange(legal.shape[-1], device=legal.device) < k
         return legal * torch.where(is_opener, (1 - p_close) / openers.clamp(min=1), p_close)
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         """Per position (B, L): ``tvd``, the total variation distance between the softmax over the whole
-        vocabulary and the next token's law (`next_token_law`; mass on BOS counts as error); ``legal_accuracy``,
-        whether the argmax prediction is a legal next token."""
-        legal = batch.extra["legal"]
+        vocabulary and the next token's law (`next_token_law`; mass on BOS, or on ids beyond the task's of a model
+        with a larger vocabulary, counts as error); ``legal_accuracy``, whether the argmax prediction is a legal
+        next token."""
+        legal = F.pad(batch.extra["legal"], (0, output.shape[-1] - self.vocab_size))   # extra ids: never legal
         probs = output.float().softmax(-1)
         tvd = 0.5 * (probs - self.next_token_law(legal)).abs().sum(-1)
         return {"tvd": tvd, "legal_accuracy": legal.gather(-1, output.argmax(-1, keepdim=True))[..., 0].float()}
