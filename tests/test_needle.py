@@ -292,6 +292,10 @@ def test_bad_requests_are_one_line_errors_naming_the_value():
         check_needles(make_task("dyck"), [64], [0], 1)
     with pytest.raises(ConfigError, match=r"compare.needle_depths: lengths: length 8: .*minimum length 11"):
         check_needles(make_task("passkey"), [8], [0], 1, key="compare.needle_depths")
+    model = GPT(GPTConfig(vocab_size=32, dim=16, layers=1, heads=2))
+    for samples in (0, -3, 2.5):           # was named tokens_per_length, an argument the caller never gave
+        with pytest.raises(ConfigError, match=rf"^samples={samples} is not valid; it must be an integer >= 1"):
+            needle_map(model, make_task("passkey"), [16], [0.5], samples=samples, progress=False)
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):

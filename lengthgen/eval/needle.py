@@ -108,6 +108,7 @@ def needle_map(model: nn.Module, source: Any, lengths: list[int], depths: list[f
     cell ``samples`` sequences with ``needles`` needles (see the module docstring); checked first by
     `check_needles`. A progress bar over the cells on a terminal (``progress``)."""
     lengths, depths = sorted(set(lengths)), sorted(set(check_value("depths", list(depths), list[float], ge=0, le=1)))
+    check_value("samples", samples, int, ge=1)
     check_needles(source, lengths, depths, needles)
     start, cells = time.perf_counter(), []
     with _bar(len(lengths) * len(depths), progress) as bar:
