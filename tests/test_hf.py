@@ -350,6 +350,15 @@ def test_retrofit_warns_when_outputs_change():
         "rope_min_freq=0.0009765625 is not applied on HF models (the model applies its own RoPE)"]
 
 
+def test_retrofit_refuses_an_unknown_backend_and_leaves_the_model_alone():
+    """A typo in ``backend`` was accepted and only failed at the first forward, with the model already switched to
+    lengthgen attention."""
+    model = tiny("llama")
+    with pytest.raises(ValueError, match=r"^retrofit: unknown attention backend 'flash'; choose one of auto, dense"):
+        lhf.retrofit(model, "l2", backend="flash")
+    assert model.config._attn_implementation == "eager" and not hasattr(model.config, "lengthgen_spec")
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_save_and_reload_keep_the_retrofit(kind, tmp_path):
     model = quiet_retrofit(tiny(kind), FULL)

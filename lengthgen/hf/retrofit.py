@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from lengthgen.attention.backends import BACKENDS
 from lengthgen.attention.spec import BASE, AttentionSpec, resolve_spec
 from lengthgen.hf.attention import LengthgenState, capture_input, needs_state, release_input
 from lengthgen.hf.registry import NAME, register, require_transformers
@@ -116,6 +117,8 @@ def retrofit(model: nn.Module, spec: AttentionSpec | str | dict | None = "baseli
     """
     register()
     spec = resolve_spec(spec)
+    if backend not in BACKENDS:
+        raise ValueError(f"retrofit: unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"retrofit: found no attention modules with q/k/v/o projections in {type(model).__name__}")
