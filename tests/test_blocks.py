@@ -298,6 +298,22 @@ def test_regress_and_classify_heads_run_in_float32_under_autocast():
         assert classify(tokens).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("head", ["regress", "classify"])
+def test_regress_and_classify_heads_of_a_model_cast_to_another_dtype(head, dtype):
+    """``model.to(dtype)`` (bfloat16 inference, float64 checks) crashed in the head: it fed float32 features to
+    weights of the model's dtype. The head computes in float32, or float64 for a float64 model."""
+    model = GPT(tiny(head=head, num_classes=3)).to(dtype)
+    tokens = torch.randint(11, (2, 5))
+    out = model(tokens)
+    compute = torch.promote_types(dtype, torch.float32)
+    features = model.features(tokens)
+    features = features[:, -1] if head == "classify" else features
+    want = torch.nn.functional.linear(features.to(compute), model.head.weight.to(compute), model.head.bias.to(compute))
+    assert out.dtype == compute
+    torch.testing.assert_close(out, want.squeeze(-1) if head == "regress" else want, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # config errors
 
