@@ -141,6 +141,21 @@ def test_evaluate_rejects_lengths_beyond_the_task():
         evaluate(model, task, [8, 64], tokens_per_length=64)
 
 
+@pytest.mark.parametrize("task, config, match", [
+    ("dyck", dict(vocab_size=3), r"^evaluate: the model embeds 3 token ids but task 'dyck' uses 5$"),
+    ("counting", dict(vocab_size=32), r"^evaluate: the model's lm head does not fit task 'counting', which needs the "
+                                      r"regress head$"),
+    ("dyck", dict(vocab_size=5, head="regress"), r"^evaluate: the model's regress head does not fit task 'dyck', "
+                                                 r"which needs the lm head$"),
+    ("tomita", dict(vocab_size=4), r"^evaluate: the model's lm head does not fit task 'tomita'")])
+def test_evaluate_refuses_a_model_that_does_not_fit_the_task(task, config, match):
+    """A model of too small a vocabulary or of another head ended in torch's 'index out of range in self' or a
+    tensor size mismatch inside the loss or the task's metrics."""
+    model = GPT(GPTConfig(dim=16, layers=1, heads=2, **config))
+    with pytest.raises(ValueError, match=match):
+        evaluate(model, make_task(task), [8], tokens_per_length=16)
+
+
 @pytest.mark.parametrize("lengths, match", [([16, 0], r"lengths\[1\]=0 is not valid"),
                                             ([-3], r"lengths\[0\]=-3 is not valid"),
                                             ([8.5], r"lengths\[0\]=8.5 is not valid")])

@@ -189,6 +189,7 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     check_value("forward_tokens", forward_tokens, int | None, ge=1)
     if autocast not in (None, torch.float16, torch.bfloat16):
         raise invalid("autocast", autocast, "None, torch.float16 or torch.bfloat16")
+    _check_fits(model, source)
     limit = getattr(source, "max_length", None)
     for length in lengths:
         if limit is not None and length > limit:
@@ -212,6 +213,21 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     return RunEval(rows, eval_seed=seed, provenance=Provenance.capture(device),
                    eval_seconds=round(time.perf_counter() - start, 2),
                    parameters=sum(p.numel() for p in model.parameters()))
+
+
+def _check_fits(model: nn.Module, source: Any) -> None:
+    """A ValueError when a lengthgen model (one with a ``head_kind``) cannot run on ``source``: another head, or fewer
+    token ids than the source uses (torch would fail deep inside the embedding, the loss or the metrics)."""
+    head = getattr(model, "head_kind", None)
+    name = getattr(source, "name", "the source")
+    if head is None:
+        return
+    needs = getattr(source, "head", "lm")
+    if head != needs:
+        raise ValueError(f"evaluate: the model's {head} head does not fit task {name!r}, which needs the {needs} head")
+    vocab, used = getattr(getattr(model, "config", None), "vocab_size", None), getattr(source, "vocab_size", None)
+    if vocab is not None and used is not None and vocab < used:
+        raise ValueError(f"evaluate: the model embeds {vocab} token ids but task {name!r} uses {used}")
 
 
 def _device(model: nn.Module) -> torch.device:
