@@ -160,11 +160,10 @@ class GPT(nn.Module):
         x = self.features(tokens, doc_ids, cache)
         if self.head_kind == "lm":
             return self.logits(x)
-        head = self.head
-        dtype = torch.promote_types(head.weight.dtype, torch.float32)   # float64 for a model cast to float64
-        with torch.autocast(x.device.type, enabled=False):   # float32 scalars and class logits
+        dtype = torch.promote_types(self.head.weight.dtype, torch.float32)   # float32 scalars and class logits
+        with torch.autocast(x.device.type, enabled=False):
             x = (x[:, -1] if self.head_kind == "classify" else x).to(dtype)
-            out = head(x) if head.weight.dtype == dtype else F.linear(x, head.weight.to(dtype), head.bias.to(dtype))
+            out = F.linear(x, self.head.weight.to(dtype), self.head.bias.to(dtype))
         return out.squeeze(-1) if self.head_kind == "regress" else out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
