@@ -260,3 +260,17 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="vocab_size is None"):
         GPT(GPTConfig())
     assert math.isclose(tiny().to_dict()["attention"]["softmax_p"], 1.0)
+
+
+def test_gpt_checks_a_config_changed_after_it_was_made():
+    """A field set after `GPTConfig` was built is checked (and converted) when the model is made: a preset name
+    becomes its spec, an invalid value is a ConfigError naming the field; the caller's config is left as it was."""
+    cfg = GPTConfig(vocab_size=10, dim=16, heads=2, layers=1)
+    cfg.attention = "l2"
+    model = GPT(cfg)
+    assert model.config.attention == AttentionSpec.preset("l2") and cfg.attention == "l2"
+    cfg.heads = 3
+    with pytest.raises(ConfigError, match="GPTConfig.heads"):
+        GPT(cfg)
+    with pytest.raises(ValueError, match="GPTConfig"):
+        GPT({"vocab_size": 10})

@@ -11,6 +11,7 @@ gives the lm head's logits a chunk of positions at a time (long evaluations neve
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -49,9 +50,11 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise ValueError(f"GPT takes a GPTConfig, got {type(config).__name__}")
         if config.vocab_size is None:
             raise ValueError("GPTConfig.vocab_size is None: set it (training runs fill it from the task)")
-        self.config = cfg = config
+        self.config = cfg = dataclasses.replace(config)      # checked again: fields may have been set since
         self.head_kind = cfg.resolved_head
         specs, attention = cfg.layer_specs(), cfg.attention_layers()
         self.value_index = list(cfg.value_embeds) or [-1] * cfg.layers
