@@ -1593,6 +1593,17 @@ def test_an_empty_out_is_an_error(capsys, command):
     assert code == 2 and "argument --out: '' is empty; give a path" in err
 
 
+@pytest.mark.parametrize("command, flag", [(["compare", *sets()], "--config"), (["compare", *sets()], "--variants"),
+                                           (["compare", *sets()], "--bases"), (["train", *sets()], "--config"),
+                                           (["eval", "--hf", "model"], "--corpus"),
+                                           (["eval", "--hf", "model"], "--tokenizer")])
+def test_an_empty_option_is_an_error_not_its_default(tmp_path, capsys, command, flag):
+    """Found by a probe: compare --config "$EMPTY" ran the embedded default experiment, --variants '' its five
+    default variants and --bases '' every base; eval --hf --corpus '' read the stdlib corpus, all silently."""
+    code, err = cli(capsys, *command, flag, "", "--out", tmp_path / "out.json")
+    assert code == 2 and f"argument {flag}: '' is empty; give " in err and not (tmp_path / "out.json").exists()
+
+
 @pytest.mark.parametrize("key", ["max_documents", "max_tokens"])
 def test_text_limits_below_one_are_config_errors(tmp_path, capsys, key):
     """data.text.max_documents=-1 was taken, then failed as a corpus without documents."""

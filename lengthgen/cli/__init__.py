@@ -51,6 +51,11 @@ _AGAIN = {"train": " (the run continues from its last checkpoint with --resume)"
           "retrofit": " (retrofit has no --resume: run it again with --overwrite)"}
 
 
+#: options whose empty value ('' from an empty shell variable) would silently mean their default; what to give
+_NOT_EMPTY = {"out": "a path", "config": "a config file or a name in configs/", "variants": "comma-separated names",
+              "bases": "comma-separated names", "corpus": "a corpus", "tokenizer": "a tokenizer"}
+
+
 def _again(args: argparse.Namespace) -> str:
     """How the interrupted or failed command goes on (`_AGAIN`); nothing when its --out folder was not made."""
     out = getattr(args, "out", None)
@@ -85,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         if any(a.endswith((".toml", ".json")) for a in unknown) and "--config" in usage:
             hint = "; a config file is given with --config FILE (-c FILE)"
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
-    if getattr(args, "out", None) == "":    # not the current folder, nor the default: an empty shell variable
-        args.parser.error("argument --out: '' is empty; give a path")
+    for option, give in _NOT_EMPTY.items():     # an empty shell variable: not the current folder, nor the default
+        if getattr(args, option, None) == "":
+            args.parser.error(f"argument --{option}: '' is empty; give {give}")
     with warnings.catch_warnings():
         show = warnings.showwarning
 
