@@ -223,6 +223,19 @@ def test_more_steps_need_extend_and_the_extension_is_recorded(tmp_path, stopped,
     assert json.loads((run / "config.json").read_text())["train"]["steps"] == 6
 
 
+def test_an_extension_interrupted_before_its_first_checkpoint_is_recorded_once(tmp_path, stopped):
+    """Found by a probe: a --extend stopped before its first checkpoint and resumed with --extend again left two
+    ``extended`` entries at the checkpoint's step in metrics.jsonl, the first for steps the run never trained to."""
+    run = copy(stopped[0], tmp_path)
+    resume(run)
+    resume(run, "train.steps=8", "train.checkpoint_every=0", extend=True, stop_at=6)
+    shutil.rmtree(run / "checkpoints" / "step_00000006")      # as if killed between steps 4 and 6
+    resume(run, "train.steps=10", extend=True)
+    entries = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e for e in entries if "extended" in e] == [{"step": 4, "extended": {"train.steps": [4, 10]}}]
+    assert [s for s, _ in losses(run)] == list(range(1, 11))
+
+
 @pytest.mark.filterwarnings("ignore:corpus .* has no validation split")      # a one-file corpus: expected
 def test_resume_on_edited_corpus_files_is_refused(tmp_path):
     """Resuming after the corpus files changed trained on, and silently mixed in, other data."""

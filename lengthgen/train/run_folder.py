@@ -340,9 +340,11 @@ def _metrics_to(folder: str | Path, step: int) -> Iterator[tuple[str, dict[str, 
 
 def cut_metrics(folder: str | Path, step: int) -> None:
     """Keep the entries of ``metrics.jsonl`` up to ``step`` (a resumed run logs the later ones again); lines that
-    are not JSON entries (a partial last line) go too."""
+    are not JSON entries (a partial last line) go too, and so does an ``extended`` entry at ``step`` itself: a
+    session that resumed from this checkpoint logged it, and the resuming run logs its own extension again."""
     if (Path(folder) / METRICS).exists():
-        atomic_write_text(Path(folder) / METRICS, "".join(line + "\n" for line, _ in _metrics_to(folder, step)))
+        kept = (line for line, entry in _metrics_to(folder, step) if "extended" not in entry or entry["step"] < step)
+        atomic_write_text(Path(folder) / METRICS, "".join(line + "\n" for line in kept))
 
 
 def last_evaluation(folder: str | Path, step: int) -> dict[str, Any]:
