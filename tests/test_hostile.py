@@ -236,6 +236,16 @@ def test_an_extension_interrupted_before_its_first_checkpoint_is_recorded_once(t
     assert [s for s, _ in losses(run)] == list(range(1, 11))
 
 
+@pytest.mark.parametrize("content", ['{"starts": [', "", "[]", '{"starts": 5}'])
+def test_a_damaged_run_json_is_a_one_line_error(tmp_path, capsys, stopped, content):
+    """Found by a probe: resuming a run whose run.json was truncated or edited ended in a traceback."""
+    run = copy(stopped[0], tmp_path)
+    (run / "run.json").write_text(content)
+    code, err = cli(capsys, "train", *sets("train.checkpoint_every=1"), "--out", run, "--resume")
+    assert code == 2 and f"{run / 'run.json'} is unreadable" in err
+    assert (run / "run.json").read_text() == content
+
+
 @pytest.mark.filterwarnings("ignore:corpus .* has no validation split")      # a one-file corpus: expected
 def test_resume_on_edited_corpus_files_is_refused(tmp_path):
     """Resuming after the corpus files changed trained on, and silently mixed in, other data."""

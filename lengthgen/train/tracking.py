@@ -24,6 +24,7 @@ from lengthgen.attention import FIELDS, PRESETS, AttentionSpec
 from lengthgen.config import ConfigError, toml_value
 from lengthgen.eval import Provenance
 from lengthgen.train.config import RunConfig
+from lengthgen.train.run_folder import RunFolderError
 
 
 def import_wandb(project: str) -> Any:
@@ -37,9 +38,16 @@ def import_wandb(project: str) -> Any:
 
 
 def record_start(run_dir: Path, step: int, parameters: int, provenance: Provenance) -> dict[str, Any]:
-    """Add this start (its step and provenance) to ``run_dir/run.json``; returns the file's content."""
+    """Add this start (its step and provenance) to ``run_dir/run.json``; returns the file's content.
+    `RunFolderError` names a damaged run.json (left as it is)."""
     path = Path(run_dir) / "run.json"
-    info = json.loads(path.read_text()) if path.exists() else {"starts": []}
+    try:
+        info = json.loads(path.read_text()) if path.exists() else {"starts": []}
+        if not (isinstance(info, dict) and isinstance(info.get("starts"), list)):
+            raise ValueError("not a run record: a table with a list of starts")
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise RunFolderError(f"{path} is unreadable ({err}); it records each start of the run (versions, "
+                             "device): repair it, or move it away to start a new record") from None
     info["parameters"] = parameters
     info["starts"].append({"step": step, **dataclasses.asdict(provenance)})
     atomic_write_text(path, json.dumps(info, indent=1))
