@@ -95,6 +95,24 @@ def test_resume_adds_a_start_and_logs_each_step_once(tmp_path, capsys):
     assert [e["step"] for e in logged if "loss" in e] == list(range(1, 8))
 
 
+def test_a_restart_at_step_0_logs_each_step_once(tmp_path):
+    """Found by a probe: a run resumed before its first checkpoint (train.checkpoint_every=0, as stdlib_small)
+    starts again at step 0, and TensorBoard showed every step twice, the first session's beside the new one's."""
+    cfg = tiny("train.log_every=1", "train.checkpoint_every=0")
+    run = tmp_path / "run"
+    train(cfg, run, stop_at=5)
+    shutil.rmtree(run / "checkpoints")              # as if killed at step 5, before any checkpoint
+    (run / "latest.json").unlink()
+    time.sleep(1.1)                                 # a new event file name (see the test above)
+    train(cfg, run, resume=True)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 8))
+    assert [e.step for e in events.Scalars("eval/16/loss")] == [5, 7]
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

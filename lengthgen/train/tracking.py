@@ -102,8 +102,9 @@ class Trackers:
     def __init__(self, run_dir: Path, cfg: RunConfig, start: int, header: str, info: dict[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # a resumed run drops the events after its checkpoint, which it logs again (as metrics.jsonl does)
-        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start + 1 if start else None)
+        # a resumed run drops the events after its checkpoint, which it logs again (as metrics.jsonl does); one
+        # restarted at step 0 (no checkpoint yet) drops every step of the sessions before it
+        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start + 1)
         self.tensorboard.add_text("run", _markdown(header), start)
         self.tensorboard.add_text("config", _markdown(cfg.to_json()), start)
         self.wandb = None
