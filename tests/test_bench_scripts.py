@@ -1,6 +1,6 @@
 """The benchmark scripts' command lines (benchmarks/attention_cpu.py, attention_crossover.py, train_step_cpu.py,
-triton_configs.py): bad input is a one-line error, exit status 2, before anything is measured; results are written
-atomically and replace an existing file only with ``--overwrite``."""
+triton_configs.py, triton_code.py): bad input is a one-line error, exit status 2, before anything is measured;
+results are written atomically and replace an existing file only with ``--overwrite``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import attention_cpu  # noqa: E402
 import attention_crossover  # noqa: E402
 import train_step_cpu  # noqa: E402
+import triton_code  # noqa: E402
 import triton_configs  # noqa: E402
 
 
@@ -59,6 +60,8 @@ def _refused(main, argv, capsys) -> str:
     (triton_configs.main, ["--out", "x.json", "--ps", "nan"], "--ps: 'nan' is not valid"),
     (attention_cpu.main, ["--timeout", "-5"], "--timeout: '-5' is not valid; give a finite number > 0"),
     (attention_cpu.main, ["--timeout", "inf"], "--timeout: 'inf' is not valid"),
+    (triton_code.main, ["--head-dims", "64,96"], "--head-dims: 96 is not valid; give powers of two from 16 to 128"),
+    (triton_code.main, ["--distances", "none,rope"], "--distances: rope is not valid; choose from none"),
 ])
 def test_bad_lists_are_one_line_errors(main, argv, message, capsys):
     assert message in _refused(main, argv, capsys)

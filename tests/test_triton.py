@@ -3,8 +3,8 @@
 CPU: the kernels run under the Triton interpreter at tiny shapes. ``TRITON_INTERPRET=1`` must be set before
 triton builds the kernels, so each group of cases runs in a subprocess (this file run as a script): nothing
 leaks into other test modules sharing the pytest(-xdist) worker. Every kernel is also compiled ahead of time
-for sm_80 and sm_90 (CPU; triton ships ptxas). CUDA (skipped without it): forward and backward in float32 and
-bfloat16 at head dims 64 and 128.
+for sm_80 and sm_90 (CPU; triton ships ptxas; `benchmarks/triton_code.py`). CUDA (skipped without it):
+forward and backward in float32 and bfloat16 at head dims 64 and 128.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from helpers import make_docs
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))                  # triton_code: the kernels compiled for CUDA
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -215,11 +216,6 @@ def test_unsupported_reasons(monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 # ahead-of-time compilation for CUDA targets (no GPU needed: triton ships ptxas)
 
-#: kernel argument names by type; every other argument is an int32 scalar
-TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-FP32_POINTERS = {"M", "LSP", "LSE1", "SLOPES", "DELTA"}
-INT32_POINTERS = {"STARTS", "ENDS"}
-FP32_SCALARS = {"p", "inv_p", "scale", "tau_inv", "lam"}
 #: opt-in shared memory per block, bytes (CUDA C++ Programming Guide, compute capabilities table)
 SHARED_LIMIT = {80: 166912, 90: 232448}
 # (arch, dtype, head_dim, distance, window, documents, p): each distance, dtype, flag and p case at least once
@@ -227,25 +223,6 @@ AOT_CASES = [(90, "bf16", 128, "none", False, False, 1.0), (90, "bf16", 128, "sc
              (90, "fp16", 64, "alibi", True, True, 0.5), (90, "bf16", 64, "log_bias", False, True, 2.0),
              (80, "bf16", 128, "log_bias", True, True, 1.5),       # 16-bit tiles (swept on an H100) on an A100
              (80, "fp32", 128, "log_bias", True, True, 2.0)]       # the last: the most shared memory, A100's limit
-
-
-def compile_for_cuda(kernel, arch, dtype, head_dim, distance, window, docs, p):
-    """``kernel`` (fwd, dq, dkdv) compiled ahead of time for sm_``arch`` with the backend's launch configuration."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from lengthgen.attention.backends import triton_psoftmax as tp
-
-    fn = {"fwd": tp._fwd_kernel, "dq": tp._bwd_dq_kernel, "dkdv": tp._bwd_dkdv_kernel}[kernel]
-    cfg = tp._configs(kernel, head_dim, 4 if dtype == "fp32" else 2)
-    options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-    constants = dict(D=head_dim, D_V=head_dim, DIST=tp.DISTANCE_CODES[distance], HAS_WINDOW=window,
-                     HAS_DOCS=docs, P_KIND=tp.p_kind(p), PREC="ieee" if dtype == "fp32" else "tf32", **cfg)
-    signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in TENSOR_ARGS
-                 else "*fp32" if name in FP32_POINTERS else "*i32" if name in INT32_POINTERS
-                 else "fp32" if name in FP32_SCALARS else "i32" for name in fn.arg_names}
-    return triton_compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", arch, 32), options=options)
 
 
 @pytest.fixture
@@ -256,6 +233,8 @@ def compiler(monkeypatch):
     if tp.INTERPRETED:
         pytest.skip("this process built the kernels for TRITON_INTERPRET=1")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")       # triton 3.9's default, without its warning
+    from triton_code import compile_for_cuda
+
     return compile_for_cuda
 
 
@@ -282,6 +261,24 @@ def test_distance_logs_are_one_hardware_instruction(kernel, compiler):
         code = ptx(distance)
         assert "lg2.approx" in code and code.count("\n") < 1.25 * plain, (distance, code.count("\n"), plain)
 
+
+
+def test_triton_code_counts_the_compiled_kernels(tmp_path, capsys, compiler):
+    """`benchmarks/triton_code.py` compiles each kernel for sm_90 without a GPU and lists its PTX lines and SASS
+    opcodes: the tensor-core MMAs (HGMMA on Hopper) and the exponentials (MUFU) are there, and ALiBi's distance
+    term adds code."""
+    import triton_code
+
+    out = tmp_path / "code.md"
+    triton_code.main(["--head-dims", "64", "--distances", "none,alibi", "--out", str(out)])
+    lines = out.read_text().splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| fwd")]
+    assert [row[2] for row in rows] == ["none", "alibi"] and capsys.readouterr().out == out.read_text()
+    header = lines[2].split(" | ")
+    cell = lambda row, name: int(row[header.index(name)])      # noqa: E731
+    for row in rows:
+        assert cell(row, "HGMMA") > 0 and cell(row, "MUFU") > 0 and cell(row, "SASS") > cell(row, "PTX lines") / 4
+    assert cell(rows[1], "PTX lines") > cell(rows[0], "PTX lines")
 
 # ---------------------------------------------------------------------------------------------------
 # CUDA
