@@ -497,6 +497,14 @@ def test_an_infinite_seed_is_a_cross_at_the_top_not_a_mean():
     _assert_readable(fig)
 
 
+def test_a_minus_infinite_seed_is_a_cross_at_the_bottom():
+    """The evaluator gives a failed model's higher-is-better metric -inf (its worst value): that cross was drawn at
+    the top edge, above every finite curve, where an accuracy's best values are."""
+    results = comparison({"a": [0.8, 0.9, 0.85], "b": [0.5, -math.inf, 0.6]})
+    crosses = [line for line in extrapolation_figure(results).axes[0].get_lines() if line.get_gid() == "infinite"]
+    assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [64] and list(crosses[0].get_ydata()) == [0.0]
+
+
 
 def test_a_length_without_a_value_breaks_the_curve():
     """A length where every seed's value is NaN (a metric undefined there) was skipped and the curve drawn straight
