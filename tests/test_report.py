@@ -259,6 +259,17 @@ def test_report_summarizes_the_setup_and_defines_both_means():
     assert "![attention diagnostics by position](diagnostics.png)" in text
 
 
+def test_the_cells_promise_a_ratio_only_where_the_training_length_was_evaluated():
+    """Evaluated only beyond the training length, the headline cells have no ratio to it, which the table's
+    legend still announced."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    assert "(ratio to the mean at the training length)" in markdown_report(results)
+    results.train_length = 8                                  # evaluated at 16, 32, 64 only
+    text = markdown_report(results)
+    assert "| a | 0.9 [0.9, 0.9] | 0.9 [0.9, 0.9] | 0.85 [0.8, 0.9] |" in text
+    assert "ratio" not in text.split("## accuracy at length L")[1].split("## accuracy, mean")[0]
+
+
 @pytest.mark.parametrize("train, says", [
     ({"optimizer": "adamw", "lr": 0.001}, "; adamw lr 0.001, "),
     ({"optimizer": "muon", "lr": 0.008, "muon_lr": 0.023, "muon_lr_mul": {"blocks.*.mlp.proj.weight": 4.0}},

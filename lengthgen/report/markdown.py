@@ -33,9 +33,9 @@ def markdown_report(results: Comparison) -> str:
     lines += ["## Setup", "", *setup(results), "", "## Conclusion", "", conclusion(results), "",
               f"Rule: {RULE}. Each seed has its own initialization, training batches and evaluation batches.", "",
               f"## {metric} at length L ({arrow})", "",
-              f"{at_length(results, metric)}. Cells: mean over seeds, [min, max] over seeds when several, (ratio to "
-              f"the mean at the training length); {AT_CHANCE} = not better than the chance level in every seed; "
-              f"{CHANCE}.", ""]
+              f"{at_length(results, metric)}. Cells: mean over seeds, [min, max] over seeds when several"
+              + (", (ratio to the mean at the training length)" if results.train_length in results.eval_lengths
+                 else "") + f"; {AT_CHANCE} = not better than the chance level in every seed; {CHANCE}.", ""]
     rows = value_rows(results, metric, ratio=True) + verdict_rows(results, "best (rule)")
     lines += table(rows)
     if any(not same(run.at(n).mean.get(metric), run.at(n).at_length.get(metric))
