@@ -247,6 +247,25 @@ def test_values_at_chance_are_marked_and_never_win():
     assert "° = not better than the chance level in every seed" in terminal
 
 
+def test_each_variant_is_judged_against_its_own_chance_level():
+    """A variant may train on another law of the task (compare.variants.x = {data.task_kwargs...}, or a merged
+    comparison), with another chance level: every variant was judged against the first run's, so a variant at its
+    own chance was named best, unmarked, under a chance row that was not its own."""
+    results = comparison({"a": [0.5, 0.6, 0.55], "b": [0.92, 0.93, 0.94], "c": [0.2, 0.3, 0.25]})
+    for run in results.variants["b"]:
+        for row in run.lengths:
+            row.chance = {"accuracy": 0.95}
+    found = verdicts(results)[64]
+    assert found.winner is None and found.status == "at chance" and found.at_chance == ["b"]
+    assert "(0.95)" in found.reason
+    text = markdown_report(results)
+    assert "| b | 0.9 [0.9, 0.9]° (1x) | 0.9 [0.9, 0.9]° (1x) | 0.93 [0.92, 0.94]° (1.03x) |" in text
+    assert "| chance (a) | 0.1 | 0.1 | 0.1 |" in text and "| chance (b) | 0.95 | 0.95 | 0.95 |" in text
+    assert "| chance |" not in text
+    fig = extrapolation_figure(results)                       # no chance line that is only some variants'
+    assert not any(line.get_color() == "black" for ax in fig.axes for line in ax.get_lines())
+
+
 def test_report_summarizes_the_setup_and_defines_both_means():
     results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
     text = markdown_report(results)

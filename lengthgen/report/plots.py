@@ -163,7 +163,7 @@ def extrapolation_figure(results: Comparison):
                 _draw(ax, *_by_bucket([run.at(longest).buckets[metric] for run in runs]), styles[variant],
                       gid=variant)
             chance_rows = results.variants[names[0]][0].at(longest).chance_buckets.get(metric)
-            if chance_rows:
+            if chance_rows and chance[-1] is not None:      # None: the variants' chance levels differ
                 ax.plot([b.hi for b in chance_rows], [b.mean for b in chance_rows], **CHANCE_STYLE)
             _log2_axis(ax, train_length,
                        f"position in a length-{longest} sequence\n(each bucket [lo, hi) drawn at hi)")

@@ -70,12 +70,15 @@ def above_chance(values: list[float], chance: float | None, higher_is_better: bo
     return finite and (chance is None or all(better(v, chance, higher_is_better) for v in values))
 
 
-def verdict(values: dict[str, list[float]], higher_is_better: bool, chance: float | None = None) -> Verdict:
-    """Apply the rule (module docstring) to ``values``: variant -> its seeds' values at one length."""
+def verdict(values: dict[str, list[float]], higher_is_better: bool,
+            chance: float | dict[str, float | None] | None = None) -> Verdict:
+    """Apply the rule (module docstring) to ``values``: variant -> its seeds' values at one length; ``chance``:
+    the chance level of every variant, or variant -> its own (variants trained on other laws of one task)."""
+    levels = chance if isinstance(chance, dict) else dict.fromkeys(values, chance)
     finite = {name: v for name, v in values.items() if v and all(math.isfinite(x) for x in v)}
     means = {name: sum(v) / len(v) for name, v in finite.items()}
     known = {name: [x for x in v if not math.isnan(x)] for name, v in values.items()}   # NaN: undefined there
-    at_chance = [name for name, v in known.items() if v and not above_chance(v, chance, higher_is_better)]
+    at_chance = [name for name, v in known.items() if v and not above_chance(v, levels.get(name), higher_is_better)]
     if not means:
         return Verdict("no value", None, "no variant has a finite value in every seed", at_chance=at_chance)
     best = (max if higher_is_better else min)(means, key=means.get)
@@ -96,8 +99,8 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool, chance: floa
     top = " and ".join([", ".join(tied[:-1]), tied[-1]] if len(tied) > 1 else tied)
     if best in at_chance:
         lead = f"{best}, the best mean, is" if len(tied) == 1 else f"{top}, tied for the best mean, are"
-        return Verdict("at chance", best, f"{lead} not better than the chance level ({chance:.4g}) in every seed, "
-                       "so no variant is named best", at_chance=at_chance)
+        return Verdict("at chance", best, f"{lead} not better than the chance level ({levels[best]:.4g}) in every "
+                       "seed, so no variant is named best", at_chance=at_chance)
     worst = (min if higher_is_better else max)(values[best])
     overlapping = [name for name, v in values.items()
                    if name != best and not all(better(worst, x, higher_is_better) for x in v)]

@@ -26,13 +26,18 @@ def seed_values(results: Comparison, name: str, length: int, field: str = "at_le
             for variant, runs in results.variants.items()}
 
 
+def chance_levels(results: Comparison, name: str, length: int) -> dict[str, float | None]:
+    """Variant -> the chance level of ``name`` at ``length`` over the positions of "at length" of its runs (None:
+    the source has none); variants trained on other laws of one task (other task arguments) have their own."""
+    return {variant: next((run.at(length).chance[name] for run in runs if name in run.at(length).chance), None)
+            for variant, runs in results.variants.items()}
+
+
 def chance_level(results: Comparison, name: str, length: int) -> float | None:
-    """The chance level of ``name`` at ``length`` over the positions of "at length" (None: the source has none)."""
-    for runs in results.variants.values():
-        for run in runs:
-            if name in run.at(length).chance:
-                return run.at(length).chance[name]
-    return None
+    """The chance level of ``name`` at ``length`` that every variant with one shares (None: the source has none,
+    or the variants' differ: `chance_levels`)."""
+    levels = {level for level in chance_levels(results, name, length).values() if level is not None}
+    return levels.pop() if len(levels) == 1 else None
 
 
 def undefined(results: Comparison, name: str, length: int) -> str | None:
@@ -68,7 +73,7 @@ def verdicts(results: Comparison, names: list[str] | None = None) -> dict[int, V
     def among(values: dict[str, list[float]]) -> dict[str, list[float]]:
         return values if names is None else {k: v for k, v in values.items() if k in names}
     return {n: verdict(among(seed_values(results, results.metric, n)), results.higher_is_better,
-                       chance_level(results, results.metric, n)) for n in results.eval_lengths}
+                       chance_levels(results, results.metric, n)) for n in results.eval_lengths}
 
 
 def digits(results: Comparison) -> dict[int, int]:
@@ -81,7 +86,8 @@ def digits(results: Comparison) -> dict[int, int]:
         for n, found in verdicts(results, names).items():
             if found.winner is None:
                 continue
-            values, chance = seed_values(results, results.metric, n), chance_level(results, results.metric, n)
+            values = seed_values(results, results.metric, n)
+            chance = chance_levels(results, results.metric, n)[found.winner]
             floor = worst(values[found.winner])
             pairs = [pair for other in names if other != found.winner
                      for pair in ((mean(values[found.winner]), mean(values[other])), (floor, best(values[other])))]
@@ -139,7 +145,7 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
     training length, where that is finite. The headline at length L has the `digits` that show a named winner
     apart."""
     lengths, train_length = results.eval_lengths, results.train_length
-    chance = {n: chance_level(results, name, n) if field == "at_length" else None for n in lengths}
+    chance = {n: chance_levels(results, name, n) if field == "at_length" else {} for n in lengths}
     places = digits(results) if (name, field) == (results.metric, "at_length") else dict.fromkeys(lengths, 4)
     rows = [["variant", *(length_label(n, train_length) for n in lengths)]]
     by_length = {n: seed_values(results, name, n, field) for n in lengths}
@@ -148,14 +154,19 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
         base = mean(by_length[train_length][variant]) if train_length in by_length else math.nan
         cells = []
         for n in lengths:
-            text = cell(by_length[n][variant], chance[n] if higher is not None else None, bool(higher), places[n],
+            text = cell(by_length[n][variant], chance[n].get(variant) if higher is not None else None, bool(higher),
+                        places[n],
                         undefined(results, name, n))
             if ratio and base and math.isfinite(base) and not math.isnan(mean(by_length[n][variant])):
                 text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
             cells.append(text)
         rows.append([variant, *cells])
-    if any(c is not None for c in chance.values()):
-        rows.append(["chance", *(f"{chance[n]:.{places[n]}g}" if chance[n] is not None else "n/a" for n in lengths)])
+    level = lambda c, n: "n/a" if c is None else f"{c:.{places[n]}g}"  # noqa: E731
+    if any(len(set(chance[n].values())) > 1 for n in lengths):     # variants of other laws: a row each
+        rows += [[f"chance ({variant})", *(level(chance[n][variant], n) for n in lengths)]
+                 for variant in results.variants]
+    elif any(c is not None for n in lengths for c in chance[n].values()):
+        rows.append(["chance", *(level(next(iter(chance[n].values()), None), n) for n in lengths)])
     return rows
 
 
@@ -184,8 +195,9 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
         text = (f"{where} no variant is named best ({found.status}): {found.reason}"
                 + (f"; {metric} is undefined there: {why}." if why else "."))
     chance = chance_level(results, metric, longest)
-    if chance is not None and found.at_chance:
-        text += f" Not better than chance ({chance:.{places}g}) in every seed: {', '.join(found.at_chance)}."
+    if found.at_chance and any(c is not None for c in chance_levels(results, metric, longest).values()):
+        level = "their own chance levels" if chance is None else f"chance ({chance:.{places}g})"
+        text += f" Not better than {level} in every seed: {', '.join(found.at_chance)}."
     return text + (f" Means: {listed}." if listed else "")
 
 
