@@ -155,8 +155,7 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
         cells = []
         for n in lengths:
             text = cell(by_length[n][variant], chance[n].get(variant) if higher is not None else None, bool(higher),
-                        places[n],
-                        undefined(results, name, n))
+                        places[n], undefined(results, name, n))
             if ratio and base and math.isfinite(base) and not math.isnan(mean(by_length[n][variant])):
                 text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
             cells.append(text)
