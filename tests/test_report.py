@@ -559,3 +559,22 @@ def test_other_metrics_are_marked_where_their_direction_is_recorded():
     results.directions = {}                                  # a file written before directions were kept
     text = markdown_report(results)
     assert "## accuracy at length L\n" in text and "°" not in text.split("## accuracy at length L")[1]
+
+
+@pytest.mark.parametrize("seed_sd", [0.0, 1.0])
+def test_separation_rate_without_a_difference_is_at_most_p(seed_sd):
+    """No variant differs: the rule finds a separated variant (named or too few seeds) at the rate p states when
+    the runs are independent, and more rarely when the runs of one seed share an effect (its batches: x = b_seed +
+    e), where p is an upper bound (module docstring of `lengthgen.report.stats`). 2 variants x 3 seeds: p = 0.1."""
+    rng, trials, found = random.Random(0), 4000, 0
+    for _ in range(trials):
+        b = [rng.gauss(0, seed_sd) for _ in range(3)]
+        values = {v: [b[s] + rng.gauss(0, 1) for s in range(3)] for v in ("x", "y")}
+        outcome = verdict(values, False)
+        found += outcome.status in ("separated", "too few seeds")
+        assert outcome.status in ("separated", "too few seeds", "not separated")
+    rate, sd = found / trials, math.sqrt(0.1 * 0.9 / trials)
+    if seed_sd == 0:
+        assert abs(rate - 0.1) < 4 * sd, rate
+    else:
+        assert rate < 0.1 - 4 * sd, rate

@@ -31,7 +31,8 @@ def markdown_report(results: Comparison) -> str:
     arrow = "higher is better" if results.higher_is_better else "lower is better"
     lines = [f"# {results.title}", ""] + ([results.description, ""] if results.description else [])
     lines += ["## Setup", "", *setup(results), "", "## Conclusion", "", conclusion(results), "",
-              f"Rule: {RULE}. Each seed has its own initialization, training batches and evaluation batches.", "",
+              f"Rule: {RULE}. Each seed has its own initialization, training batches and evaluation batches; the "
+              "variants' runs of one seed see the same batches.", "",
               f"## {metric} at length L ({arrow})", "",
               f"{at_length(results, metric)}. Cells: mean over seeds, [min, max] over seeds when several"
               + (", (ratio to the mean at the training length)" if results.train_length in results.eval_lengths

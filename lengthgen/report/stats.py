@@ -1,8 +1,8 @@
 """The one rule that names a winner among variants, used by every report and terminal table.
 
-Each seed of a variant has its own initialization, training batches and evaluation batches, so the spread over
-seeds holds both training and evaluation noise. At one evaluated length, given each variant's headline values
-(one per seed) and the task's chance level:
+Each seed has its own initialization, training batches and evaluation batches, so the spread over seeds holds
+both training and evaluation noise; the variants' runs of one seed see the same batches (a paired design). At
+one evaluated length, given each variant's headline values (one per seed) and the task's chance level:
 
 1. A variant is *above chance* when every seed is strictly better than the chance level (no chance level:
    always).
@@ -16,7 +16,11 @@ seeds holds both training and evaluation noise. At one evaluated length, given e
 p is the exact permutation probability that the rule would find *some* separated variant if no variant differed
 (all N runs exchangeable): variant i's n_i seeds are the best n_i of the N runs with probability 1 / C(N, n_i),
 and these events exclude each other, so p = sum_i 1 / C(N, n_i). With 3 seeds each that is 2/20 = 0.1 for 2
-variants (too few: run 4 seeds, 2/70 = 0.029), 3/84 = 0.036 for 3 and 5/455 = 0.011 for 5. Each length, and each
+variants (too few: run 4 seeds, 2/70 = 0.029), 3/84 = 0.036 for 3 and 5/455 = 0.011 for 5. Runs that share a
+seed's batches are not independent: what the batches add to every run of a seed (x = b_seed + e) makes a
+separation rarer when no variant differs (the variant's worst seed must beat the others' runs of a luckier seed),
+so p is then an upper bound. Simulated with Gaussian or t(3) noise, 2-5 variants x 2-5 seeds, 2e5 trials: 0.97-1.0x
+the independent p with a seed effect of 0.3 noise sd, 0.2-0.8x with 1 sd, 0-0.3x with 3 sd. Each length, and each
 base of a comparison with bases, is a test of its own, not corrected for the several lengths and bases of a table;
 a report's conclusion reads the longest length.
 """
@@ -34,7 +38,9 @@ RULE = ("a variant is named best at a length only when every variant has at leas
         "variant (non-overlapping min-max ranges over seeds) with p <= 0.05, p being the exact probability that "
         "the seeds of some variant would beat all the others' if no variant differed (sum over the variants of "
         "1 / C(N, n), N runs in all, n of the variant: with 3 seeds each 0.1 for 2 variants, 0.036 for 3, 0.011 "
-        "for 5); each length and each base is tested on its own, without a correction for the others")
+        "for 5; exact for independent runs, an upper bound where the variants' runs of one seed share its batches, "
+        "which makes a separation rarer); each length and each base is tested on its own, without a correction for "
+        "the others")
 
 
 @dataclass
