@@ -921,6 +921,28 @@ def test_report_needle_and_theory_out_never_replace_a_users_files(tmp_path, caps
     assert code == 2 and "plots holds theory.png, which lengthgen did not write" in err
 
 
+def test_needle_and_report_never_replace_each_others_retrieval_map(tmp_path, capsys):
+    """Found by a probe: needle --out a comparison's folder replaced its needle.png (the variants' map that its
+    report.md embeds) with one run's map, and report --out a needle folder replaced the needle.png that needle.md
+    embeds with the variants' map, both silently and without --overwrite."""
+    mqar = ("data.task=mqar", "data.task_kwargs={vocab_size = 16}")
+    _compare(tmp_path / "cmp", *mqar, "compare.needle_depths=[0, 1]", "compare.needle_samples=2")
+    needle = ["needle", tmp_path / "cmp" / "runs" / "baseline-seed0", "--lengths", "16", "--depths", "0.5",
+              "--samples", "2", "--no-progress"]
+    assert cli(capsys, *needle, "--out", tmp_path / "map")[0] == 0
+    before = files(tmp_path / "cmp"), files(tmp_path / "map")
+    assert "needle.png" in before[0] and "needle.png" in before[1]
+    code, err = cli(capsys, *needle, "--out", tmp_path / "cmp")
+    assert code == 2 and err.endswith(f"--out {tmp_path / 'cmp'} holds a comparison's report (results.json), whose "
+                                      "needle.png this map would replace; choose another folder"), err
+    code, err = cli(capsys, "report", tmp_path / "cmp", "--out", tmp_path / "map")
+    assert code == 2 and err.endswith(f"--out {tmp_path / 'map'} holds a retrieval map of lengthgen needle "
+                                      "(needle.json), whose needle.png this report's map would replace; choose "
+                                      "another folder"), err
+    assert (files(tmp_path / "cmp"), files(tmp_path / "map")) == before
+    assert cli(capsys, "report", tmp_path / "cmp")[0] == 0            # its own report is rebuilt in place
+
+
 def test_eval_out_refuses_another_runs_eval_json(tmp_path, capsys, stopped):
     run, other = copy(stopped[0], tmp_path), tmp_path / "other"
     shutil.copytree(run, other)

@@ -24,8 +24,8 @@ def report_command(args: argparse.Namespace) -> int:
     from lengthgen.eval import Comparison
     from lengthgen.report import terminal_table, write_report
     from lengthgen.report.markdown import DIAGNOSTICS, EXTRAPOLATION
-    from lengthgen.report.needle import NEEDLE_PLOT
-    from lengthgen.train.run_folder import check_outputs, kinds_held, lock
+    from lengthgen.report.needle import NEEDLE_PLOT, variant_maps
+    from lengthgen.train.run_folder import check_outputs, kinds_held, lock, results_file
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
     for path in paths:
@@ -52,6 +52,9 @@ def report_command(args: argparse.Namespace) -> int:
     merged = _current_keys(Comparison.load(paths[0]))
     for path in paths[1:]:
         merged.merge(_current_keys(Comparison.load(path)), str(path))
+    if variant_maps(merged) and results_file(out / "needle.json") == "needle":
+        raise CommandError(f"--out {out} holds a retrieval map of lengthgen needle (needle.json), whose needle.png "
+                           "this report's map would replace; choose another folder")
     check_outputs(out, ["results.json", "report.md", EXTRAPOLATION, DIAGNOSTICS, NEEDLE_PLOT])
     with lock(out):
         if out.resolve() != paths[0].parent.resolve():
@@ -172,7 +175,7 @@ def needle_command(args: argparse.Namespace) -> int:
     Writes needle.json (every cell), needle.md (tables) and needle.png (the heatmap, training length marked)."""
     from lengthgen.report.needle import NEEDLE_PLOT, grid_rows, write_needle
     from lengthgen.report.tables import table
-    from lengthgen.train.run_folder import check_outputs, lock
+    from lengthgen.train.run_folder import check_outputs, lock, results_file
 
     if not (args.run or args.hf) or (args.run and args.hf):
         raise CommandError("give a run folder or checkpoint, or --hf PATH")
@@ -185,6 +188,9 @@ def needle_command(args: argparse.Namespace) -> int:
     if (out / "config.json").is_file() and not (args.run and Path(args.run).resolve().is_relative_to(out.resolve())):
         raise CommandError(f"--out {out} is another run's folder (its own map would be replaced); choose another "
                            "folder")
+    if results_file(out / "results.json") == "comparison":
+        raise CommandError(f"--out {out} holds a comparison's report (results.json), whose needle.png this map would "
+                           "replace; choose another folder")
     check_outputs(out, ["needle.json", "needle.md", NEEDLE_PLOT])
     with lock(out):
         if args.hf:
