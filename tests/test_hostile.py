@@ -673,6 +673,9 @@ def test_report_of_a_truncated_empty_or_keyless_results_file(tmp_path, capsys, c
     (lambda d: d.pop("provenance"), "(the file: missing key 'provenance')"),
     (lambda d: d.update(extra=1), "(the file: unknown key 'extra')"),
     (lambda d: d.update(eval_lengths=[8, 16, 16]), "(eval_lengths [8, 16, 16] repeat length 16)"),
+    (lambda d: d.update(eval_lengths=[16, 8]), "(eval_lengths [16, 8] are not in ascending order)"),
+    (lambda d: d["variants"]["baseline"].append(d["variants"]["baseline"][0]),
+     "(variants.baseline[1] repeats seed 0 of variants.baseline[0])"),
     (lambda d: d["variants"]["baseline"][0]["lengths"].append(d["variants"]["baseline"][0]["lengths"][1]),
      "(variants.baseline[0] was evaluated twice at length 16)"),
     (lambda d: d.update(metric="accuracy"), "(metric 'accuracy' is not among the values of variants.baseline[0] at "

@@ -396,8 +396,9 @@ def _fields(cls: Any) -> tuple[dict[str, dataclasses.Field], dict[str, Any]]:
 
 
 def _incomplete(body: dict[str, Any], kind: str) -> str | None:
-    """What a well-typed comparison lacks for a report: positive lengths, none repeated, a variant, a run per
-    variant, every run's evaluation at each of ``eval_lengths`` (once) holding ``metric``; None if nothing."""
+    """What a well-typed comparison lacks for a report: positive lengths, ascending, none repeated, a variant, a run
+    per variant, no seed twice in a variant, every run's evaluation at each of ``eval_lengths`` (once) holding
+    ``metric``; None if nothing."""
     if kind != "comparison":
         return None
     lengths, metric = body["eval_lengths"], body["metric"]
@@ -405,12 +406,17 @@ def _incomplete(body: dict[str, Any], kind: str) -> str | None:
         return f"train_length {body['train_length']} and eval_lengths {lengths}: need positive lengths"
     if (repeated := _repeated(lengths)) is not None:
         return f"eval_lengths {lengths} repeat length {repeated}"
+    if lengths != sorted(lengths):          # the report's longest length is the last
+        return f"eval_lengths {lengths} are not in ascending order"
     if not body["variants"]:
         return "no variants"
     for name, runs in body["variants"].items():
         if not runs:
             return f"variant {name!r} has no runs"
         for i, run in enumerate(runs):
+            first = next(j for j, other in enumerate(runs) if other.get("seed") == run.get("seed"))
+            if first < i and run.get("seed") is not None:       # one run counted as two seeds
+                return f"variants.{name}[{i}] repeats seed {run['seed']} of variants.{name}[{first}]"
             evaluated = {row["length"]: row["at_length"] for row in run["lengths"]}
             lacking = sorted(set(lengths) - set(evaluated))
             if lacking:
