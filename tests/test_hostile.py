@@ -973,6 +973,22 @@ def test_eval_out_replaces_only_an_earlier_evaluation(tmp_path, capsys, stopped,
     assert RunEval.load(earlier).lengths[0].length == 8
 
 
+def test_eval_out_keeps_a_runs_live_and_bema_evaluations_apart(tmp_path, capsys):
+    """Found by a probe: eval RUN --bema --out RUN/eval.json wrote the BEMA weights' evaluation as the run's eval.json,
+    and eval RUN --out RUN/eval_bema.json the live weights' as its eval_bema.json; a resume kept both as current."""
+    run = train(config("train.bema.enabled=true", "train.bema.tau=1"), tmp_path / "run", progress=False).run_dir
+    before = files(run)
+    for name, flags, fix in (("eval.json", ["--bema"], "leave out --bema"), ("eval_bema.json", [], "add --bema")):
+        code, err = cli(capsys, "eval", run, "--lengths", "8", "--tokens", "64", *flags, "--out", run / name)
+        assert code == 2 and err.endswith(f"--out {run / name}: the run's {name} holds the evaluation of its "
+                                          f"{'BEMA' if 'bema' in name else 'live'} weights; {fix} or choose "
+                                          "another file name"), err
+    assert files(run) == before
+    for name, flags in (("eval.json", []), ("eval_bema.json", ["--bema"])):
+        assert cli(capsys, "eval", run, "--lengths", "8", "--tokens", "64", *flags, "--out", run / name)[0] == 0
+        assert RunEval.load(run / name).bema == bool(flags)
+
+
 @pytest.mark.parametrize("name", ["notes.txt", "results", "eval.JSON"])
 def test_eval_out_is_a_json_file_name(tmp_path, capsys, stopped, name):
     """``eval --out results`` wrote its evaluation, which a second ``eval --out results`` then refused to replace

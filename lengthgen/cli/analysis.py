@@ -125,6 +125,12 @@ def eval_command(args: argparse.Namespace) -> int:
         if args.out and Path(args.out).exists() and results_file(args.out) != "run":
             raise CommandError(f"--out {args.out} exists and is not an earlier evaluation (a results file of "
                                "lengthgen eval); choose another file name")
+        name = Path(args.out or "").name
+        if name in ("eval.json", "eval_bema.json") and (Path(args.out).parent / "config.json").is_file() \
+                and (name == "eval_bema.json") != args.bema:      # a run's own file: of the weights its name says
+            raise CommandError(f"--out {args.out}: the run's {name} holds the evaluation of its "
+                               f"{'live' if args.bema else 'BEMA'} weights; "
+                               f"{'leave out' if args.bema else 'add'} --bema or choose another file name")
         if args.hf:
             from lengthgen.hf import evaluate_hf
 
