@@ -196,6 +196,14 @@ def test_a_finished_run_resumed_evaluates_what_its_folder_lacks(tmp_path):
     resume(run, *evals, "train.eval_lengths=[8, 16]")
     assert {k: v for k, v in files(run).items() if k.startswith("eval")} == \
         {k: v for k, v in kept.items() if k.startswith("eval")}
+    # lengthgen eval --out RUN/eval.json replaced it at the same lengths with fewer tokens (found by a probe: only
+    # the lengths were compared, so the resume kept it as the run's final evaluation)
+    sizes = lambda: [row.batch_size for row in RunEval.load(run / "eval.json").lengths]      # noqa: E731
+    want = sizes()
+    assert main(["eval", str(run), "--lengths", "8,16", "--tokens", "32", "--out", str(run / "eval.json")]) == 0
+    assert sizes() != want
+    resume(run, *evals, "train.eval_lengths=[8, 16]")
+    assert sizes() == want
     resume(run, *evals, "train.eval_lengths=[8, 32]")
     for name in ("eval.json", "eval_bema.json"):
         assert [row.length for row in RunEval.load(run / name).lengths] == [8, 32]

@@ -312,10 +312,9 @@ class Trainer:
         ``eval_batches * eval_batch_size`` sequences of the training length's tokens per length, at most
         ``eval_batch_size`` of them per forward pass."""
         cfg, tc = self.config, self.config.train
-        train_tokens = tc.eval_batch_size * max(cfg.lengths())
         result = evaluate(self.model, self.eval_source, lengths or tc.eval_lengths or [cfg.data.length],
-                          tokens_per_length=max(1, tc.eval_batches) * train_tokens, seed=tc.seed,
-                          autocast=self.autocast_dtype, forward_tokens=train_tokens, diagnostics=diagnostics)
+                          tokens_per_length=self._eval_tokens(), seed=tc.seed, autocast=self.autocast_dtype,
+                          forward_tokens=tc.eval_batch_size * max(cfg.lengths()), diagnostics=diagnostics)
         return dataclasses.replace(result, config=cfg.to_dict(), seed=tc.seed, run_dir=str(self.run_dir),
                                    final_train_loss=self.history[-1] if self.history else None)
 
@@ -353,11 +352,17 @@ class Trainer:
             if bema is not None:
                 bema.save(self.run_dir / "eval_bema.json")
 
+    def _eval_tokens(self) -> int:
+        """Tokens per evaluated length: ``eval_batches * eval_batch_size`` sequences of the training length."""
+        tc = self.config.train
+        return max(1, tc.eval_batches) * tc.eval_batch_size * max(self.config.lengths())
+
     def _evaluated(self) -> bool:
         """Whether the folder holds the final evaluation that this config asks for: eval.json, and eval_bema.json
         once BEMA has started, each of the same ``train.eval_lengths``, ``eval_batches`` and ``eval_batch_size``,
-        evaluated at those lengths. A finished run resumed with other eval lengths, after a kill between the two
-        files, or whose eval.json ``lengthgen eval --out`` replaced, is evaluated again."""
+        evaluated at those lengths with as many sequences per length. A finished run resumed with other eval
+        lengths, after a kill between the two files, or whose eval.json ``lengthgen eval --out`` replaced (other
+        lengths or ``--tokens``), is evaluated again."""
         names = ["eval.json"] + (["eval_bema.json"] if self.bema is not None and self.bema.started else [])
         tc = self.config.train
         asked = json.loads(json.dumps({k: getattr(tc, k) for k in _EVAL_KEYS}))
@@ -365,8 +370,10 @@ class Trainer:
             stored = [RunEval.load(self.run_dir / name) for name in names]
         except (FileNotFoundError, ResultsError):
             return False
+        tokens = self._eval_tokens()
         return all({k: run.config.get("train", {}).get(k) for k in _EVAL_KEYS} == asked
-                   and [row.length for row in run.lengths] == sorted(set(tc.eval_lengths)) for run in stored)
+                   and [row.length for row in run.lengths] == sorted(set(tc.eval_lengths))
+                   and all(row.batch_size == max(1, tokens // row.length) for row in run.lengths) for run in stored)
 
     # -- the loop ------------------------------------------------------------------------------------
     def _forward_backward(self, batch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
