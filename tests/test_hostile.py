@@ -787,9 +787,10 @@ def test_stale_temporaries_are_removed_at_start(tmp_path, stopped):
     run = copy(stopped[0], tmp_path)
     (run / "checkpoints" / "step_00000004.tmp-dead").mkdir()
     (run / "checkpoints" / "step_00000004.tmp-dead" / "model.safetensors").write_bytes(b"half")
-    (run / ".latest.json.x1y2.tmp").write_text("{")
+    (run / ".latest.json.x1y2_3z4.tmp").write_text("{")        # lengthgen.atomic's (tempfile's 8 characters)
+    (run / ".notes.tmp").write_text("another program's")          # found by a probe: removed too
     resume(run)
-    assert not list(run.rglob("*.tmp*"))
+    assert [p.name for p in run.rglob("*.tmp*")] == [".notes.tmp"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000003", "step_00000004"]
 
 

@@ -133,9 +133,15 @@ def _holder(text: str) -> str:
         return "holder unknown"
 
 
+#: an atomic write's temporary (`lengthgen.atomic`: tempfile's ``.NAME.``, 8 random characters, ``.tmp``)
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
 def remove_temporaries(folder: Path) -> None:
-    """Delete what an interrupted atomic write left: ``.NAME.*.tmp`` files and ``checkpoints/step_N.tmp-*``."""
-    for path in [*folder.glob(".*.tmp"), *folder.glob("checkpoints/.*.tmp"), *folder.glob("checkpoints/*.tmp-*")]:
+    """Delete what an interrupted atomic write left: ``.NAME.XXXXXXXX.tmp`` files and ``checkpoints/step_N.tmp-*``
+    (another program's hidden ``.tmp`` files in an --out folder are not lengthgen's to remove)."""
+    written = [p for p in [*folder.glob(".*.tmp"), *folder.glob("checkpoints/.*.tmp")] if _TEMPORARY.fullmatch(p.name)]
+    for path in [*written, *folder.glob("checkpoints/*.tmp-*")]:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
