@@ -406,6 +406,29 @@ def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_val_corpus_inside_the_training_corpus_is_refused(tmp_path):
+    """A val_corpus whose files the corpus also names (a directory holding both, as FineWeb's train and val shards
+    often are) was trained on, yet evaluated as "long documents (val split)": now an error naming a shared file."""
+    write_docs(tmp_path, [f"train document {i} " * 8 for i in range(20)], "train.jsonl")
+    val = write_docs(tmp_path, [f"val document {i} " * 40 for i in range(4)], "val.jsonl")
+    for split in ("train", "val"):
+        with pytest.raises(ValueError, match=r"val_corpus .*val.jsonl.* shares 1 file with corpus"):
+            make_text_data(str(tmp_path), "byte", split, val_corpus=str(val), cache=False)
+    with pytest.raises(ValueError, match=r"shares \d+ files with corpus 'stdlib'"):
+        make_text_data("stdlib", "byte", val_corpus="stdlib")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_bin_shard(shards / "fineweb_train_000001.bin", [BOS, 1, 2, BOS, 3])
+    write_bin_shard(shards / "fineweb_val_000000.bin", [BOS, 4, 5])
+    cfg = DataConfig(kind="text", text={"corpus": f"bin:{shards}", "cache": False,
+                                        "val_corpus": f"bin:{shards}/fineweb_val_*.bin"})
+    with pytest.raises(ConfigError, match=r"data.text: val_corpus .* shares 1 file"):
+        make_source(cfg)
+    apart = {"corpus": f"bin:{shards}/fineweb_train_*.bin", "val_corpus": f"bin:{shards}/fineweb_val_*.bin"}
+    assert make_text_data(**apart, cache=False).stream.num_documents == 2
+    assert make_text_data(**apart, split="val", cache=False).stream.num_documents == 1
+
+
 def test_packed_rows_beyond_every_document_are_held_out_text(tmp_path):
     """Where no document is as long as an evaluation length the rows are packed documents: of the validation
     text when there is one (the training text would be scored as if unseen), and the description names the split."""

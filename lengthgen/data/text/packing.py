@@ -329,6 +329,12 @@ def long_documents(corpus: Corpus | str | TokenStream | TextData = "stdlib",
     return long_document_rows(stream, min_length, count, seed)
 
 
+def _local_files(corpus: Corpus) -> set[Path]:
+    """The resolved paths of the files a local corpus reads (none for a streamed one)."""
+    files = getattr(corpus, "files", ())
+    return {path.resolve() for _, path in (files() if callable(files) else files)}
+
+
 def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer = "byte",
                    split: str = "train", *, val_corpus: str | None = None, bos_aligned: bool = False,
                    cache: bool | str = "auto", cache_dir: str | os.PathLike | None = None,
@@ -342,7 +348,8 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
     ``"hf:<dataset>[:config]"`` (``text_field``, ``hf_split``, ``streaming``, ``val_fraction``; needs
     ``max_documents`` or ``max_tokens``). ``tokenizer``: see ``make_tokenizer``. ``split``:
     ``train | val | all``. ``val_corpus``: a validation corpus of its own (modded-nanogpt's
-    ``bin:fineweb_val_*.bin``; not ``hf:``): the val split is all of it, the train split all of ``corpus``. ``cache`` /
+    ``bin:fineweb_val_*.bin``; not ``hf:``): the val split is all of it, the train split all of ``corpus``; a file
+    both name is a ValueError (the run would train on its validation text). ``cache`` /
     ``cache_dir`` / ``max_documents`` / ``max_tokens``: see ``pretokenize``."""
     if val_corpus is not None:
         check_value("make_text_data.val_corpus", val_corpus, str)
@@ -353,6 +360,7 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
         if val_corpus.startswith("hf:"):
             raise ValueError(f"val_corpus {val_corpus!r}: a Hugging Face dataset has its own validation split "
                              "(hf_split); leave val_corpus unset")
+        unread = corpus if split == "val" else val_corpus     # the other side of the split, checked apart below
         corpus, split = (val_corpus, "all") if split == "val" else (corpus, "all")
     check_value("make_text_data.bos_aligned", bos_aligned, bool)     # before the corpus is read
     max_documents = check_value("make_text_data.max_documents", max_documents, int | None, ge=1)
@@ -364,6 +372,17 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
                          f"how much of it is tokenized")
     keys = tuple(name for name in inspect.signature(make_text_data).parameters if name != "options")
     c = make_corpus(corpus, split, tokenizer=tok, keys=keys, **options)
+    if val_corpus is not None:
+        try:
+            other = make_corpus(unread, "all", tokenizer=tok, keys=keys, **options)
+        except (ValueError, FileNotFoundError):
+            other = None        # an error of its own, raised where that side is read
+        shared = sorted(_local_files(c) & _local_files(other)) if other is not None else []
+        if shared:
+            training = unread if corpus == val_corpus else corpus
+            raise ValueError(f"val_corpus {val_corpus!r} shares {len(shared)} file{'s' if len(shared) > 1 else ''} "
+                             f"with corpus {training!r} (e.g. {shared[0]}): the run would train on its validation "
+                             "text; name the training files apart (a glob)")
     t0 = time.perf_counter()
     stream = pretokenize(c, tok, max_documents=max_documents, max_tokens=max_tokens, cache=cache,
                          cache_dir=cache_dir)
