@@ -144,6 +144,24 @@ def test_hf_tokenizer_round_trip_and_cached_stream(tmp_path):
     assert tok.bos_id not in inside and tok.decode(inside) == "a <|endoftext|> b"
 
 
+def test_an_hf_bos_not_marked_special_never_comes_from_text(tmp_path):
+    """A BOS that the tokenizer.json adds as a token not marked special (``<s>`` with ``special: false``) matched its
+    text inside documents: a BOS id mid-document, where doc_ids did not change (they count the stream's document
+    starts), unlike the BOS-delimited documents the model is later run on."""
+    tk = pytest.importorskip("tokenizers")
+    path = _tiny_hf_tokenizer(tmp_path / "tokenizer.json")
+    raw = tk.Tokenizer.from_file(str(path))
+    raw.add_tokens([tk.AddedToken("<s>", special=False)])
+    raw.save(str(path))
+    tok = make_tokenizer(f"hf:{path}", bos_token="<s>")
+    assert tok.bos_id == raw.token_to_id("<s>") and tok.vocab_size == tok.bos_id + 1
+    inside = tok.encode("a <s> b")
+    assert tok.bos_id not in inside and tok.decode(inside) == "a <s> b"
+    docs = write_docs(tmp_path, ["x <s> y " * 4, "z"])
+    data = make_text_data(str(docs), tok, split="all", cache=False)
+    assert np.count_nonzero(data.stream.tokens == tok.bos_id) == data.stream.num_documents == 2
+
+
 def test_hf_tokenizer_ignores_the_truncation_and_padding_saved_in_its_file(tmp_path):
     # a tokenizer.json may carry truncation / padding settings (saved after enable_truncation, as some Hub files
     # do): documents would be cut to that many tokens, silently, and short ones padded

@@ -201,13 +201,15 @@ class HFTokenizer(Tokenizer):
     holding one, e.g. from ``AutoTokenizer.save_pretrained``). Nothing is downloaded.
 
     BOS is ``bos_token`` if given, else the first of the usual names (``<|endoftext|>``, ``<s>``,
-    ...) present in the vocabulary; if none is, a new id ``vocab_size`` is appended for it. Truncation and padding
+    ...) present in the vocabulary; if none is, a new id ``vocab_size`` is appended for it. A BOS the file adds as a
+    token not marked special is marked special, so that its text in a document is text. Truncation and padding
     saved in the file are turned off: documents are encoded whole.
     """
 
     def __init__(self, path: str | os.PathLike, *, bos_token: str | None = None):
-        _HFTok = require("tokenizers", f"HFTokenizer({str(path)!r})",
-                         "tokenizers (or pip install 'lengthgen[hf]')").Tokenizer
+        tokenizers = require("tokenizers", f"HFTokenizer({str(path)!r})",
+                             "tokenizers (or pip install 'lengthgen[hf]')")
+        _HFTok = tokenizers.Tokenizer
         p = Path(path).expanduser()
         if p.is_dir():
             if not (p / "tokenizer.json").is_file():
@@ -254,6 +256,9 @@ class HFTokenizer(Tokenizer):
             found = find(_BOS_CANDIDATES)
             self.bos_id = found if found is not None else self._base
         self.vocab_size = max(self._base, self.bos_id + 1)
+        bos = self._tok.get_added_tokens_decoder().get(self.bos_id)
+        if bos is not None and not bos.special:     # else its text in a document would be a BOS mid-document
+            self._tok.add_special_tokens([tokenizers.AddedToken(bos.content, special=True)])
         self.eos_id = find(_EOS_CANDIDATES)
         self.pad_id = find(_PAD_CANDIDATES)
 
@@ -265,7 +270,7 @@ class HFTokenizer(Tokenizer):
     @property
     def cache_key(self) -> str:
         digest = hashlib.sha1(self.path.read_bytes()).hexdigest()[:16]
-        return f"hf:{digest}:bos{self.bos_id}:ordinary:whole"
+        return f"hf:{digest}:bos{self.bos_id}:ordinary:whole:bos-special"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
