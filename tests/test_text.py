@@ -392,6 +392,19 @@ def test_hash_split_is_stable_and_disjoint(tmp_path):
     assert split_of("a/b.py", 0.05) == split_of("a/b.py", 0.05)
 
 
+def test_a_file_named_twice_in_a_list_of_sources_is_one_document(tmp_path):
+    """A list naming a directory and a file inside it keyed that file twice ("sub/f1.txt" and "f1.txt"): its
+    document was read twice and each copy drawn apart, so some fell in both train and val."""
+    (tmp_path / "sub").mkdir()
+    files = [tmp_path / "sub" / f"f{i}.txt" for i in range(40)]
+    for i, f in enumerate(files):
+        f.write_text(f"document {i}")
+    source = [str(tmp_path), *map(str, files)]
+    train, val = (list(FileCorpus(source, split, val_fraction=0.3)) for split in ("train", "val"))
+    assert sorted(train + val) == sorted(f"document {i}" for i in range(40))
+    assert FileCorpus(source).files == FileCorpus(str(tmp_path)).files      # the key the directory gives
+
+
 def test_val_corpus_is_the_val_split_and_the_corpus_all_of_train(tmp_path):
     """Seed 000 trains on fineweb_train_*.bin and evaluates on fineweb_val_*.bin: with ``val_corpus`` the
     evaluation reads that corpus, not a hash split of the training files."""

@@ -37,15 +37,17 @@ def resolve_files(source: str | os.PathLike | list, extensions: tuple[str, ...],
                   ) -> list[tuple[str, Path]]:
     """Files named by ``source`` (a file, a directory searched recursively, a glob, or a list of
     these) with one of ``extensions``, as ``(key, path)`` sorted by key, where key is the path
-    relative to the directory or the glob's fixed prefix. Raises a clear error for missing paths,
+    relative to the directory or the glob's fixed prefix (a file a list names twice: once, keyed by its first
+    source). Raises a clear error for missing paths,
     globs matching nothing and directories without a usable file."""
     if isinstance(source, (list, tuple)):
         if not source:
             raise CorpusError(f"{what}: empty list of files")
-        out = []
+        out: dict[Path, tuple[str, Path]] = {}     # a file named twice keeps the key of its first source
         for s in source:
-            out.extend(resolve_files(s, extensions, what))
-        return sorted(set(out))
+            for key, path in resolve_files(s, extensions, what):
+                out.setdefault(path.resolve(), (key, path))
+        return sorted(out.values())
     src = os.path.expanduser(os.fspath(source))
     exts = "/".join(extensions)
     if any(c in src for c in _GLOB_CHARS) and not os.path.exists(src):
