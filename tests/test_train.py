@@ -472,6 +472,34 @@ def test_qk_clip_with_grad_accum_sees_the_whole_batch(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_grad_accum_with_unequal_loss_masks_trains_on_the_whole_batch_mean(tmp_path):
+    """Micro-batches that count unequal numbers of positions (a loss mask set on some rows' first positions only)
+    weigh in by their counted positions, so k = 3 takes the steps of one pass over the batch's masked mean."""
+    from dataclasses import replace
+
+    from lengthgen.train.data import split_batch
+
+    def masked(batch):
+        mask = batch.loss_mask.clone()
+        mask[:3, 4:] = False            # rows 0-2 count 4 positions, the others 16
+        return replace(batch, loss_mask=mask)
+
+    runs = {}
+    for k in (1, 3):
+        trainer = Trainer(config("train.steps=3", f"train.grad_accum={k}"), tmp_path / f"k{k}", progress=False)
+        sample = trainer.source.sample
+        trainer.source.sample = lambda *args, sample=sample: masked(sample(*args))
+        try:
+            runs[k] = trainer.fit()
+        finally:
+            trainer.close()
+    assert runs[1].history == pytest.approx(runs[3].history, rel=1e-5)
+    for (name, a), b in zip(runs[1].model.state_dict().items(), runs[3].model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    batch = masked(runs[1].trainer.source.sample(8, 16, torch.Generator().manual_seed(0)))
+    assert [w for _, w in split_batch(batch, 2)] == [(3 * 4 + 16) / (3 * 4 + 5 * 16), 4 * 16 / (3 * 4 + 5 * 16)]
+
+
 # ---------------------------------------------------------------------------------------------------
 # evaluation: the one evaluator under the training context
 

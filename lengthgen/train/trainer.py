@@ -376,9 +376,11 @@ class Trainer:
                    and all(row.batch_size == max(1, tokens // row.length) for row in run.lengths) for run in stored)
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _forward_backward(self, batch) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches (DDP / FSDP2
-        synchronize once, in the last one's backward). Returns the loss, averaged over ranks, on the device (read
+    def _forward_backward(self, batch, scale: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches, each weighted by its
+        share of the counted positions (`split_batch`), the whole by ``scale`` (a rank's share of the global batch's
+        counted positions times the world size: DDP / FSDP2 average the ranks' gradients, synchronized once, in the
+        last micro-batch's backward). Returns the loss, averaged over ranks, on the device (read
         after the optimizer step: reading it waits for the GPU), and with QK-clip each layer's max logits over
         every micro-batch (as one full-batch forward would see them)."""
         tc = self.config.train
@@ -398,8 +400,8 @@ class Trainer:
                 if tc.qk_clip is not None:
                     maxima = captured_max_logits(self.model.attentions, maxima)
                 loss, _ = self.loss_fn(output, micro)
-                (loss * weight).backward()
-            total += loss.detach() * weight
+                (loss * (weight * scale)).backward()
+            total += loss.detach() * (weight * scale)
         if distributed.is_sharded(self.model):
             distributed.sync_replicated(self.model)
         return distributed.all_reduce_mean(total), maxima
@@ -409,8 +411,10 @@ class Trainer:
         cfg, tc = self.config, self.config.train
         length, batch_size = cfg.length_at(step), cfg.batch_size_at(step)
         batch = self.source.sample(batch_size, length, step_generator(tc.seed, step))
+        scale = 1.0
         if self.world > 1:  # this rank's contiguous share of the global batch (equal shares, see check_world)
-            batch = split_batch(batch, self.world)[self.rank][0]
+            batch, share = split_batch(batch, self.world)[self.rank]
+            scale = share * self.world      # the ranks' gradients are averaged: each weighs in by its share
         batch = batch.to(self.device)
         restart = cfg.stage_start(step) if tc.restart_at_stages else 0
         if restart and step == restart:   # seed 001: every stage re-creates its optimizer
@@ -421,7 +425,7 @@ class Trainer:
         set_muon_momentum(self.optimizers, momentum_at(step, total=tc.steps, peak=tc.muon_momentum,
                                                        low=tc.muon_momentum_min, warmup=tc.muon_momentum_warmup,
                                                        cooldown=tc.muon_momentum_cooldown))
-        loss, max_logits = self._forward_backward(batch)
+        loss, max_logits = self._forward_backward(batch, scale)
         entry: dict[str, Any] = {}
         grad_norm = None
         if tc.grad_clip > 0:
