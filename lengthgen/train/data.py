@@ -22,6 +22,8 @@ def split_batch(batch: Batch, parts: int) -> list[tuple[Batch, float]]:
     even when the rows count unequal numbers of positions (its share of the sequences when none counts)."""
     total = batch.tokens.shape[0]
     parts = max(1, min(parts, total))
+    if parts == 1:
+        return [(batch, 1.0)]
     count = counted(batch)
     out = []
     for idx in torch.arange(total).tensor_split(parts):

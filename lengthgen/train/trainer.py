@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from lengthgen.config import ConfigError, ConfigWarning
 from lengthgen.data.config import step_generator
+from lengthgen.data.tasks.base import Batch
 from lengthgen.eval import Provenance, ResultsError, RunEval, eval_source, evaluate
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
@@ -376,18 +377,16 @@ class Trainer:
                    and all(row.batch_size == max(1, tokens // row.length) for row in run.lengths) for run in stored)
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _forward_backward(self, batch, scale: float = 1.0) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """Accumulate the gradient of the batch's mean loss over ``grad_accum`` micro-batches, each weighted by its
-        share of the counted positions (`split_batch`), the whole by ``scale`` (a rank's share of the global batch's
-        counted positions times the world size: DDP / FSDP2 average the ranks' gradients, synchronized once, in the
-        last micro-batch's backward). Returns the loss, averaged over ranks, on the device (read
-        after the optimizer step: reading it waits for the GPU), and with QK-clip each layer's max logits over
-        every micro-batch (as one full-batch forward would see them)."""
+    def _forward_backward(self, parts: list[tuple[Batch, float]]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Accumulate the gradient of the batch's mean loss over its micro-batches ``parts`` (on the device), each
+        with its weight in that mean (`_micro_batches`); DDP / FSDP2 synchronize once, in the last one's backward.
+        Returns the loss, averaged over ranks, on the device (read after the optimizer step: reading it waits for
+        the GPU), and with QK-clip each layer's max logits over every micro-batch (as one full-batch forward would
+        see them)."""
         tc = self.config.train
         self.model.train()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
-        parts = split_batch(batch, tc.grad_accum)
         total = torch.zeros((), device=self.device)
         maxima = None
         for i, (micro, weight) in enumerate(parts):
@@ -400,22 +399,29 @@ class Trainer:
                 if tc.qk_clip is not None:
                     maxima = captured_max_logits(self.model.attentions, maxima)
                 loss, _ = self.loss_fn(output, micro)
-                (loss * (weight * scale)).backward()
-            total += loss.detach() * (weight * scale)
+                (loss * weight).backward()
+            total += loss.detach() * weight
         if distributed.is_sharded(self.model):
             distributed.sync_replicated(self.model)
         return distributed.all_reduce_mean(total), maxima
+
+    def _micro_batches(self, batch: Batch) -> list[tuple[Batch, float]]:
+        """This rank's ``grad_accum`` micro-batches of the sampled global ``batch``, moved to the device, each with
+        its weight in the batch's mean loss: its share of the counted positions (`split_batch`, counted on the host:
+        no wait for the device), times the world size under DDP / FSDP2, which average the ranks' gradients. Each
+        rank takes a contiguous share of the rows (equal shares, see check_world)."""
+        scale = 1.0
+        if self.world > 1:
+            batch, share = split_batch(batch, self.world)[self.rank]
+            scale = share * self.world
+        parts = split_batch(batch, self.config.train.grad_accum)
+        return [(micro.to(self.device), weight * scale) for micro, weight in parts]
 
     def _train_step(self, step: int) -> dict[str, Any]:
         """One optimizer update; returns its log entry (without the step and throughput)."""
         cfg, tc = self.config, self.config.train
         length, batch_size = cfg.length_at(step), cfg.batch_size_at(step)
-        batch = self.source.sample(batch_size, length, step_generator(tc.seed, step))
-        scale = 1.0
-        if self.world > 1:  # this rank's contiguous share of the global batch (equal shares, see check_world)
-            batch, share = split_batch(batch, self.world)[self.rank]
-            scale = share * self.world      # the ranks' gradients are averaged: each weighs in by its share
-        batch = batch.to(self.device)
+        parts = self._micro_batches(self.source.sample(batch_size, length, step_generator(tc.seed, step)))
         restart = cfg.stage_start(step) if tc.restart_at_stages else 0
         if restart and step == restart:   # seed 001: every stage re-creates its optimizer
             self.optimizers = build_optimizers(self.model, tc)
@@ -425,7 +431,7 @@ class Trainer:
         set_muon_momentum(self.optimizers, momentum_at(step, total=tc.steps, peak=tc.muon_momentum,
                                                        low=tc.muon_momentum_min, warmup=tc.muon_momentum_warmup,
                                                        cooldown=tc.muon_momentum_cooldown))
-        loss, max_logits = self._forward_backward(batch, scale)
+        loss, max_logits = self._forward_backward(parts)
         entry: dict[str, Any] = {}
         grad_norm = None
         if tc.grad_clip > 0:
@@ -453,7 +459,7 @@ class Trainer:
         self.tokens += batch_size * length
         entry.update(loss=loss, lr_mult=multiplier, length=length, batch_size=batch_size)
         if self.world > 1:
-            entry["rank_batch_size"] = int(batch.tokens.shape[0])
+            entry["rank_batch_size"] = sum(int(micro.tokens.shape[0]) for micro, _ in parts)
         return entry
 
     def _open_log(self, end: int) -> RunLog:
