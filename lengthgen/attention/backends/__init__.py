@@ -32,8 +32,8 @@ BACKENDS = ("auto", *MODULES)
 TRACED = {"sdpa": ("cpu", "cuda"), "flex": ("cuda",)}
 #: backends whose kernel multiplies the dot products by a ``scale`` in float32 (SDPA's and FlexAttention's own
 #: ``scale``; the Triton kernel's): `attend` hands them ``base_scale`` there, not in the queries, which then take
-#: no pass of their own without query scaling (on CUDA, where the eager q * base_scale pass cost about 0.1 ms at
-#: 16K tokens x 16 heads x 128 each way, ~16% of SDPA flash's forward + backward at L = 1K)
+#: no pass of their own without query scaling (the eager q * base_scale pass, one each way: est. 0.09 ms at 16K
+#: tokens x 16 heads x 128 on an H100, ~15% of SDPA flash's forward + backward at L = 1K; benchmarks/README.md)
 KERNEL_SCALE = ("sdpa", "flex", "triton")
 #: imported up front (a lookup that traces) but the Triton kernel's, which imports triton when first asked for
 _LOADED: dict[str, ModuleType] = {"dense": dense, "tiled": tiled, "sdpa": sdpa, "cpu_flash": cpu_flash, "flex": flex}
