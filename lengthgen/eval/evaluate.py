@@ -173,6 +173,11 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
 
 
 @torch.no_grad()
+def sequences(tokens_per_length: int, length: int) -> int:
+    """How many sequences `evaluate` draws at ``length`` for ``tokens_per_length`` tokens (at least one)."""
+    return max(1, tokens_per_length // length)
+
+
 def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_length: int = 8192, seed: int = 0,
              autocast: torch.dtype | None = None, forward_tokens: int | None = None, diagnostics: bool = True,
              measure: Measure = measure_gpt) -> RunEval:
@@ -205,7 +210,7 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     rows = []
     try:
         for length in lengths:
-            rows.append(_evaluate_length(model, source, length, batch_size=max(1, tokens_per_length // length),
+            rows.append(_evaluate_length(model, source, length, batch_size=sequences(tokens_per_length, length),
                                          seed=seed, context=context, measure=measure, forward_tokens=forward_tokens,
                                          diagnostics=diagnostics and length == lengths[-1]))
     finally:
@@ -235,4 +240,4 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if parameter is None else parameter.device
 
 
-__all__ = ["EVAL_STREAM", "Measure", "eval_generator", "evaluate", "measure_gpt"]
+__all__ = ["EVAL_STREAM", "Measure", "eval_generator", "evaluate", "measure_gpt", "sequences"]

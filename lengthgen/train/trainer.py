@@ -42,6 +42,7 @@ from lengthgen.config import ConfigError, ConfigWarning
 from lengthgen.data.config import step_generator
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval import Provenance, ResultsError, RunEval, eval_source, evaluate
+from lengthgen.eval.evaluate import sequences
 from lengthgen.model import GPT
 from lengthgen.train import checkpoint as ckpt_io
 from lengthgen.train import distributed, run_folder
@@ -374,7 +375,7 @@ class Trainer:
         tokens = self._eval_tokens()
         return all({k: run.config.get("train", {}).get(k) for k in _EVAL_KEYS} == asked
                    and [row.length for row in run.lengths] == sorted(set(tc.eval_lengths))
-                   and all(row.batch_size == max(1, tokens // row.length) for row in run.lengths) for run in stored)
+                   and all(row.batch_size == sequences(tokens, row.length) for row in run.lengths) for run in stored)
 
     # -- the loop ------------------------------------------------------------------------------------
     def _forward_backward(self, parts: list[tuple[Batch, float]]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
