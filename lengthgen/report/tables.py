@@ -193,9 +193,9 @@ def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
         why = undefined(results, metric, longest)
         text = (f"{where} no variant is named best ({found.status}): {found.reason}"
                 + (f"; {metric} is undefined there: {why}." if why else "."))
-    chance = chance_level(results, metric, longest)
-    if found.at_chance and any(c is not None for c in chance_levels(results, metric, longest).values()):
-        level = "their own chance levels" if chance is None else f"chance ({chance:.{places}g})"
+    levels = {level for level in chance_levels(results, metric, longest).values() if level is not None}
+    if found.at_chance and levels:
+        level = f"chance ({next(iter(levels)):.{places}g})" if len(levels) == 1 else "their own chance levels"
         text += f" Not better than {level} in every seed: {', '.join(found.at_chance)}."
     return text + (f" Means: {listed}." if listed else "")
 
