@@ -30,10 +30,11 @@ BACKENDS = ("auto", *MODULES)
 #: model (`attention`): Python loops over key blocks (tiled, cpu_flash), Triton launches, data-dependent checks
 #: (dense), FlexAttention on CPU (its compiled CPU path has no LSE and no backward)
 TRACED = {"sdpa": ("cpu", "cuda"), "flex": ("cuda",)}
-#: backends whose kernel multiplies the dot products by a ``scale`` in float32 (SDPA's and FlexAttention's own
-#: ``scale``; the Triton kernel's): `attend` hands them ``base_scale`` there, not in the queries, which then take
-#: no pass of their own without query scaling (the eager q * base_scale pass, one each way: est. 0.09 ms at 16K
-#: tokens x 16 heads x 128 on an H100, ~15% of SDPA flash's forward + backward at L = 1K; benchmarks/README.md)
+#: the fused kernels: they multiply the dot products by a ``scale`` in float32 (SDPA's and FlexAttention's own
+#: ``scale``; the Triton kernel's) and on CUDA round q' to the keys' dtype (`query_dtype`). `attend` hands them
+#: ``base_scale`` there, not in the queries, which then take no pass of their own without query scaling (the eager
+#: q * base_scale pass, one each way: est. 0.09 ms at 16K tokens x 16 heads x 128 on an H100, ~15% of SDPA flash's
+#: forward + backward at L = 1K; benchmarks/README.md)
 KERNEL_SCALE = ("sdpa", "flex", "triton")
 #: imported up front (a lookup that traces) but the Triton kernel's, which imports triton when first asked for
 _LOADED: dict[str, ModuleType] = {"dense": dense, "tiled": tiled, "sdpa": sdpa, "cpu_flash": cpu_flash, "flex": flex}
@@ -94,7 +95,7 @@ def query_dtype(name: str, q: torch.Tensor, k: torch.Tensor) -> torch.dtype | No
     """The dtype backend ``name`` takes the scaled queries q' in: the keys' dtype for the fused CUDA kernels (SDPA,
     FlexAttention and Triton round q' to it: `functional.kernel_inputs`), so that q' is rounded once as it is
     made; None (the compute dtype, `functional.scale_queries`) for the others."""
-    return k.dtype if q.is_cuda and name in ("sdpa", "flex", "triton") else None
+    return k.dtype if q.is_cuda and name in KERNEL_SCALE else None
 
 
 def unsupported(name: str, spec: AttentionSpec, q: torch.Tensor, training: bool, masked: bool = False) -> str | None:

@@ -594,7 +594,7 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
               doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False,
               scale: float = 1.0):
     """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D|Dv);
-    ``scale`` multiplies the dot products in float32 (`functional.kernel_scale`).
+    ``scale`` multiplies the dot products in float32 (`attend` gives ``base_scale``: `backends.KERNEL_SCALE`).
 
     Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
