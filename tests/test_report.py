@@ -535,7 +535,6 @@ def test_a_minus_infinite_seed_is_a_cross_at_the_bottom():
     assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [64] and list(crosses[0].get_ydata()) == [0.0]
 
 
-
 def test_a_length_without_a_value_breaks_the_curve():
     """A length where every seed's value is NaN (a metric undefined there) was skipped and the curve drawn straight
     from the length before to the one after, as if measured in between."""
@@ -549,6 +548,7 @@ def test_a_length_without_a_value_breaks_the_curve():
     assert x == LENGTHS and math.isnan(y[1]) and not math.isnan(y[0]) and not math.isnan(y[2])
     bars = [c for c in line.axes.collections if isinstance(c, LineCollection)]
     assert [list(map(list, c.get_segments()[0])) for c in bars] == [[[64, 0.5], [64, 0.6]]]   # b's seeds at 64
+
 
 def test_other_metrics_are_marked_where_their_direction_is_recorded():
     results = comparison({"a": [0.8, 0.9], "b": [0.05, 0.6]})
