@@ -172,12 +172,12 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     return result
 
 
-@torch.no_grad()
 def sequences(tokens_per_length: int, length: int) -> int:
     """How many sequences `evaluate` draws at ``length`` for ``tokens_per_length`` tokens (at least one)."""
     return max(1, tokens_per_length // length)
 
 
+@torch.no_grad()
 def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_length: int = 8192, seed: int = 0,
              autocast: torch.dtype | None = None, forward_tokens: int | None = None, diagnostics: bool = True,
              measure: Measure = measure_gpt) -> RunEval:
