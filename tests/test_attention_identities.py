@@ -292,9 +292,10 @@ def test_kernel_scale_backends_take_base_scale_in_the_kernel(scaling):
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "triton"])
 @pytest.mark.parametrize("scaling", ["none", "sqrt_log_n"])
 def test_cuda_fused_kernels_take_base_scale_in_the_kernel(backend, scaling):
-    """On CUDA `attend` hands SDPA, FlexAttention and the Triton kernel q (or q * g_i rounded once to bf16) and
-    base_scale, which they apply to the float32 dot products: the output and gradients are those of the path
-    before (q' = q * g_i * base_scale rounded to bf16, scale 1) to bf16 rounding, one logit's rounding apart."""
+    """On CUDA `attend` hands SDPA and FlexAttention q (or q * g_i rounded once to bf16) and base_scale, the Triton
+    kernel q, base_scale and the gains g_i, which they apply to the float32 dot products: the output and gradients
+    are those of the path before (q' = q * g_i * base_scale rounded to bf16, scale 1) to bf16 rounding, one
+    logit's rounding apart."""
     from lengthgen.attention import backends
 
     spec = AttentionSpec(query_scaling=scaling)

@@ -31,7 +31,8 @@ def distance_for(p: float, regime: str) -> str:
 
 
 # name -> case: spec fields, shapes (b, h, hkv, lq, lk, d, dv), dtype, documents?, logits (regime, size)?, the
-# kernel's scale of the dot products (q is divided by it, so that the logits keep their size)?
+# kernel's scale of the dot products (q is divided by it, so that the logits keep their size)? query gains
+# g_i (`gain`: one per row, per head and row, or per batch and row; differentiable, checked as ``dgain``)?
 # tolerances are on max |error| / max(|reference|, 1) for out, dq, dk, dv (with large logits, the gradients'
 # errors are over the size of the terms they sum, as in test_numerics.py)
 INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
@@ -51,12 +52,24 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
                                           docs=True, scale=0.3),
         "window_p1": dict(spec=dict(window=5), shape=(1, 2, 2, 37, 37, 16, 16)),
         "alibi_6_heads_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 6, 3, 24, 24, 16, 16)),
+        "gain_rows_alibi_gqa_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 4, 2, 40, 40, 16, 16),
+                                       gain="rows", scale=0.25),
+        "gain_heads_scale_invariant_window_p1": dict(spec=dict(distance="scale_invariant", window=11),
+                                                     shape=(1, 2, 1, 36, 36, 16, 16), gain="heads"),
+        # through attend, which gives the kernel the query gains and the raw queries: learned per-head multipliers
+        "attend_sqrt_log_n_heads_docs_p2": dict(spec=dict(query_scaling="sqrt_log_n", softmax_p=2.0, doc_masking=True),
+                                                shape=(2, 4, 2, 40, 40, 16, 16), docs=True, attend="heads"),
+        "attend_ssmax_window_fewer_queries": dict(spec=dict(query_scaling="log_n", window=9),
+                                                  shape=(1, 2, 2, 20, 36, 16, 16), attend="default"),
     },
     "shapes": {
         "fewer_queries_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 1, 24, 50, 16, 16),
                                       docs=True, scale=0.5),
         "decode_one_p0.5": dict(spec=dict(softmax_p=0.5, window=17), shape=(1, 2, 2, 1, 40, 16, 16)),
         "padded_dims_8_4": dict(spec=dict(softmax_p=2.0), shape=(1, 2, 1, 20, 20, 8, 4)),
+        "gain_batch_fewer_queries_docs_fp16_p0.5": dict(spec=dict(softmax_p=0.5, doc_masking=True), docs=True,
+                                                        shape=(2, 2, 2, 20, 44, 16, 16), dtype="float16",
+                                                        gain="batch", scale=0.5),
         "fp16_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 2, 32, 32, 16, 16),
                              docs=True, dtype="float16", scale=0.25),
         "strided_layout_p1": dict(spec=dict(), shape=(1, 2, 2, 32, 32, 32, 32), strided=True),
@@ -84,8 +97,8 @@ def tolerance(case: dict, name: str) -> float:
 
 
 def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int = 0) -> dict[str, float]:
-    """Relative max errors of the triton backend's out, dq, dk, dv and returned LSE_1, LSE_p against the float64
-    dense oracle (on q times the case's ``scale``, which the kernel applies to its dot products)."""
+    """Relative max errors of the triton backend's out, dq, dk, dv (and dgain) and returned LSE_1, LSE_p against the
+    float64 dense oracle (on q times the case's ``scale`` and gains, which the kernel applies to its dot products)."""
     from lengthgen.attention import AttentionSpec
     from lengthgen.attention import functional as fn
     from lengthgen.attention.backends import triton_psoftmax as tp
@@ -112,26 +125,58 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
     q = q / scale
     grad = torch.randn(b, h, lq, dv, generator=gen)
     docs = make_docs(b, lk, seed=lk, max_len=12) if case.get("docs") else None
-    q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+    gain = torch.ones(1, 1, lq, 1)
+    if case.get("gain"):                               # positive gains around 1, as sqrt_log_n's
+        gb, gh = {"rows": (1, 1), "heads": (1, h), "batch": (b, 1)}[case["gain"]]
+        gain = 0.5 + torch.rand(gb, gh, lq, 1, generator=gen)
+    inputs = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
+    q, k, v = inputs
+    kernel_gain = gain.to(device).requires_grad_() if case.get("gain") else None
     assert tp.unsupported(spec, q, True) is None, tp.unsupported(spec, q, True)
     out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True,
-                                     scale=scale)
-    grads = torch.autograd.grad(out, (q, k, v), grad.to(device=device, dtype=dtype))
-    ref_in = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse_1, ref_lse_p = fn.dense_attention(ref_in[0] * scale, *ref_in[1:], spec, docs, return_lse=True)
-    ref_grads = torch.autograd.grad(ref, ref_in, grad.double())
+                                     scale=scale, gain=kernel_gain)
+    inputs += [kernel_gain] if case.get("gain") else []
+    grads = torch.autograd.grad(out, inputs, grad.to(device=device, dtype=dtype))
+    ref_in = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, gain)]
+    ref, ref_lse_1, ref_lse_p = fn.dense_attention(ref_in[0] * scale * ref_in[3], *ref_in[1:3], spec, docs,
+                                                   return_lse=True)
+    ref_grads = torch.autograd.grad(ref, ref_in[:len(inputs)], grad.double())
     scales = [1.0] * 4
     if "logits" in case:                              # |dO| |v| |k| a_t for dq, |dO| |v| |q| a_t for dk, |dO| for dv
         term = float(grad.abs().max() * v.detach().abs().max()) * (2.0 if spec.distance == "scale_invariant" else 1.0)
         scales[1:] = term * float(k.detach().abs().max()), term * float(q.detach().abs().max()), float(grad.abs().max())
     errors = {}
-    for name, got, want, scale in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), scales):
+    scales.append(1.0)
+    for name, got, want, scale in zip(("out", "dq", "dk", "dv", "dgain"), (out, *grads), (ref, *ref_grads), scales):
         assert got.shape == want.shape, (name, got.shape, want.shape)
         errors[name] = ((got.detach().cpu().double() - want).abs().max() / want.abs().max().clamp(min=scale)).item()
     for name, got, want in (("lse_1", lse_1, ref_lse_1), ("lse_p", lse_p, ref_lse_p)):
         assert got.shape == want.shape and got.dtype == torch.float32 and not got.requires_grad, name
         errors[name] = ((got.cpu().double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
     return errors
+
+
+def compare_attend(case: dict, seed: int = 0) -> dict[str, float]:
+    """Relative max errors of ``attend(..., backend="triton")``'s out and gradients (of q, k, v and, for ``attend =
+    "heads"``, one learned query-scaling multiplier per head: ``dmult``) against ``backend="dense"`` in float64."""
+    from lengthgen.attention import AttentionSpec, attend
+
+    spec = AttentionSpec(**case["spec"])
+    b, h, hkv, lq, lk, d, dv = case["shape"]
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(b, h, lq, d, generator=gen), torch.randn(b, hkv, lk, d, generator=gen),
+              torch.randn(b, hkv, lk, dv, generator=gen)]
+    if case["attend"] == "heads":
+        inputs.append(0.5 + torch.rand(h, generator=gen))
+    grad = torch.randn(b, h, lq, dv, generator=gen)
+    docs = make_docs(b, lk, seed=lk, max_len=12) if case.get("docs") else None
+    results = []
+    for backend, dtype in (("triton", torch.float32), ("dense", torch.float64)):
+        x = [t.to(dtype).requires_grad_() for t in inputs]
+        out = attend(*x[:3], spec, doc_ids=docs, multipliers=x[3] if len(x) > 3 else None, backend=backend)
+        results.append((out, *torch.autograd.grad(out, x, grad.to(dtype))))
+    return {name: ((got.double() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+            for name, got, want in zip(("out", "dq", "dk", "dv", "dmult"), *results)}
 
 
 def _run_group(group: str) -> dict:
@@ -218,11 +263,12 @@ def test_unsupported_reasons(monkeypatch):
 
 #: opt-in shared memory per block, bytes (CUDA C++ Programming Guide, compute capabilities table)
 SHARED_LIMIT = {80: 166912, 90: 232448}
-# (arch, dtype, head_dim, distance, window, documents, p): each distance, dtype, flag and p case at least once
-AOT_CASES = [(90, "bf16", 128, "none", False, False, 1.0), (90, "bf16", 128, "scale_invariant", True, True, 2.0),
-             (90, "fp16", 64, "alibi", True, True, 0.5), (90, "bf16", 64, "log_bias", False, True, 2.0),
-             (80, "bf16", 128, "log_bias", True, True, 1.5),       # 16-bit tiles (swept on an H100) on an A100
-             (80, "fp32", 128, "log_bias", True, True, 2.0)]       # the last: the most shared memory, A100's limit
+# (arch, dtype, head_dim, distance, window, documents, p, gains): each distance, dtype, flag and p case at least once
+AOT_CASES = [(90, "bf16", 128, "none", False, False, 1.0, False),
+             (90, "bf16", 128, "scale_invariant", True, True, 2.0, True),      # with query gains (sqrt_log_n)
+             (90, "fp16", 64, "alibi", True, True, 0.5, False), (90, "bf16", 64, "log_bias", False, True, 2.0, False),
+             (80, "bf16", 128, "log_bias", True, True, 1.5, False),   # 16-bit tiles (swept on an H100) on an A100
+             (80, "fp32", 128, "log_bias", True, True, 2.0, True)]    # the most shared memory, A100's limit
 
 
 @pytest.fixture
@@ -243,8 +289,8 @@ def test_kernels_compile_for_cuda(kernel, compiler):
     """Every kernel compiles for sm_80 and sm_90 with the launch configuration the backend uses, and fits the
     architecture's shared memory. The interpreter accepts code the compiler rejects (plain Python globals, for
     one), so this is the CPU check that the CUDA build works."""
-    for arch, dtype, head_dim, distance, window, docs, p in AOT_CASES:
-        compiled = compiler(kernel, arch, dtype, head_dim, distance, window, docs, p)
+    for arch, dtype, head_dim, distance, window, docs, p, gain in AOT_CASES:
+        compiled = compiler(kernel, arch, dtype, head_dim, distance, window, docs, p, gain)
         assert 0 < compiled.metadata.shared <= SHARED_LIMIT[arch], (arch, dtype, head_dim, compiled.metadata.shared)
 
 
@@ -294,6 +340,7 @@ CUDA_CASES = {
     "alibi": dict(spec=dict(distance="alibi")),
     "log_bias_docs": dict(spec=dict(distance="log_bias", doc_masking=True, softmax_p=1.5), docs=True),
     "fewer_queries": dict(spec=dict(softmax_p=2.0, window=300), lq=333),
+    "gains_p2_gqa": dict(spec=dict(softmax_p=2.0), hkv=2, gain="heads"),
 }
 
 
@@ -305,7 +352,7 @@ CUDA_CASES = {
 def test_cuda_matches_dense(name, head_dim, dtype):
     c = CUDA_CASES[name]
     lk = 1000
-    case = dict(spec=c["spec"], docs=c.get("docs", False),
+    case = dict(spec=c["spec"], docs=c.get("docs", False), gain=c.get("gain"),
                 shape=(2, 4, c.get("hkv", 4), c.get("lq", lk), lk, head_dim, head_dim))
     errors = compare(case, device="cuda", dtype=dtype)
     tol = 2e-3 if dtype == "float32" else 3e-2
@@ -338,7 +385,7 @@ def _interpret_main(group: str) -> None:
     results = {}
     for name, case in INTERPRETER_GROUPS[group].items():
         try:
-            results[name] = compare(case)
+            results[name] = compare_attend(case) if "attend" in case else compare(case)
         except Exception as err:  # noqa: BLE001 - reported per case by the parent test
             results[name] = {"error": f"{type(err).__name__}: {err}"}
     print(json.dumps(results))

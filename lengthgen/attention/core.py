@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lengthgen.attention import backends
-from lengthgen.attention.functional import base_scale, dense_attention, scale_queries
+from lengthgen.attention.functional import base_scale, dense_attention, row_gains, scale_queries
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
 
 
@@ -85,6 +85,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpe
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run this spec here: {reason}")
     run, dtype = backends.attention(name, q.device), backends.query_dtype(name, q, k)
+    if name in backends.ROW_GAIN:                # the kernel multiplies each row's dot products by g_i base_scale
+        return run(q, k, v, spec, doc_ids, mask=mask, scale=base_scale(spec, q.shape[-1]),
+                   gain=row_gains(q, spec, k.shape[-2], doc_ids, multipliers, mask))
     if name in backends.KERNEL_SCALE:            # the kernel multiplies its dot products by base_scale (float32)
         qs = scale_queries(q, spec, k.shape[-2], doc_ids, multipliers, mask, dtype=dtype, base=1.0)
         return run(qs, k, v, spec, doc_ids, mask=mask, scale=base_scale(spec, q.shape[-1]))

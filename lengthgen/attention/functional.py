@@ -11,6 +11,8 @@ For query position i, visible keys j, distance t = i - j and n_i = number of key
 backends then see ``logit_ij = a_t * c * (q'_i . k_j) + bias_t``, where ``c`` is 1 (``base_scale`` folded into
 q') or, for the fused kernels that scale their dot products in float32 themselves (SDPA, FlexAttention, Triton:
 `backends.KERNEL_SCALE`), ``base_scale`` (q' = q * g_i; without query scaling no pass over the queries at all).
+The Triton kernel also takes g_i as a per-row factor of its dot products (`row_gains`, `backends.ROW_GAIN`): its
+queries take no pass with query scaling either.
 The distance terms (a_t, bias_t) and the visibility rules (causal, sliding window, documents) are the score and
 mask mods of `lengthgen.attention.mods`.
 
@@ -87,27 +89,37 @@ def base_scale(spec: AttentionSpec, head_dim: int) -> float:
     return float(spec.base_scale) if spec.base_scale is not None else 1.0 / math.sqrt(head_dim)
 
 
-def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
-                  multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None,
-                  dtype: torch.dtype | None = None, base: float | None = None) -> torch.Tensor:
-    """q' = q * g_i * base: the part of the logit that depends on the query only (n_i from
-    `mods.visible_counts`, with the explicit ``mask`` if given). Computed in float32 for half-precision q:
-    rounding q' to bfloat16 would change logits of size 1e4 by about 20. ``dtype``: q''s dtype (default that
-    compute dtype); a fused kernel that rounds q' to the keys' half precision anyway takes it so (`scale_rows`).
-    ``base``: default `base_scale`; 1 for a kernel that multiplies its dot products by it (`backends.KERNEL_SCALE`),
-    which without query scaling gets q itself (in ``dtype``)."""
-    base = base_scale(spec, q.shape[-1]) if base is None else float(base)
-    compute = compute_dtype(q.dtype)
-    dtype = dtype or compute
+def row_gains(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
+              multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None, base: float = 1.0
+              ) -> torch.Tensor | None:
+    """g_i * base of each query row of ``q`` (`query_gain`, n_i from `mods.visible_counts` with the explicit
+    ``mask`` if given), (B|1, H|1, Lq, 1) in q's compute dtype, or None without query scaling. A fused kernel that
+    multiplies each row's dot products by it (`backends.ROW_GAIN`) takes it in place of `scale_queries`."""
     if spec.query_scaling == "none":
-        return q.to(dtype) if base == 1.0 else scale_rows(q, base, dtype)
-    lq = q.shape[-2]
+        return None
+    compute, lq = compute_dtype(q.dtype), q.shape[-2]
     if mask is None and not (spec.doc_masking and doc_ids is not None) and not torch.compiler.is_compiling():
         f = _position_feature(spec, lq, lk, q.device, compute)
     else:
         n = mods.visible_counts(spec, lq, lk, doc_ids, mask, device=q.device)
         f = gain_feature(n.clamp(min=1).to(compute)[:, None, :, None], spec)  # a row that sees nothing outputs 0
-    return scale_rows(q, _combine(f, spec, multiplier, base), dtype)
+    return _combine(f, spec, multiplier, base)
+
+
+def scale_queries(q: torch.Tensor, spec: AttentionSpec, lk: int, doc_ids: torch.Tensor | None = None,
+                  multiplier: torch.Tensor | float | None = None, mask: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None, base: float | None = None) -> torch.Tensor:
+    """q' = q * g_i * base: the part of the logit that depends on the query only (`row_gains`). Computed in
+    float32 for half-precision q: rounding q' to bfloat16 would change logits of size 1e4 by about 20. ``dtype``:
+    q''s dtype (default that compute dtype); a fused kernel that rounds q' to the keys' half precision anyway takes
+    it so (`scale_rows`). ``base``: default `base_scale`; 1 for a kernel that multiplies its dot products by it
+    (`backends.KERNEL_SCALE`), which without query scaling gets q itself (in ``dtype``)."""
+    base = base_scale(spec, q.shape[-1]) if base is None else float(base)
+    dtype = dtype or compute_dtype(q.dtype)
+    gains = row_gains(q, spec, lk, doc_ids, multiplier, mask, base)
+    if gains is None:
+        return q.to(dtype) if base == 1.0 else scale_rows(q, base, dtype)
+    return scale_rows(q, gains, dtype)
 
 
 def scale_rows(q: torch.Tensor, factor: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:

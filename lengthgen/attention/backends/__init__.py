@@ -36,6 +36,10 @@ TRACED = {"sdpa": ("cpu", "cuda"), "flex": ("cuda",)}
 #: q * base_scale pass, one each way: est. 0.09 ms at 16K tokens x 16 heads x 128 on an H100, ~15% of SDPA flash's
 #: forward + backward at L = 1K; benchmarks/README.md)
 KERNEL_SCALE = ("sdpa", "flex", "triton")
+#: the fused kernels that also take the query gains g_i (`functional.row_gains`) as a ``gain`` argument, a factor of
+#: each query row's dot products in float32, and then the raw queries: no scaling pass over q with query scaling
+#: (sqrt_log_n, ssmax) either (SDPA and FlexAttention take one factor for all rows)
+ROW_GAIN = ("triton",)
 #: imported up front (a lookup that traces) but the Triton kernel's, which imports triton when first asked for
 _LOADED: dict[str, ModuleType] = {"dense": dense, "tiled": tiled, "sdpa": sdpa, "cpu_flash": cpu_flash, "flex": flex}
 #: backend -> its ``attention`` under ``torch.compiler.disable`` (made here, as making one in a trace is a break too)

@@ -1,8 +1,9 @@
 """`triton`: one fused causal flash-style Triton kernel for p-softmax attention, forward and backward.
 
-For scaled queries q' (B, H, Lq, D) and keys/values (B, Hkv, Lk, D) (GQA: H a multiple of Hkv; queries are
-the last Lq of Lk positions) with ``l_ij = a_t c (q'_i . k_j) + bias_t``, t = i - j, c the ``scale`` of the dot
-products (`attend` gives ``base_scale``), and masks causal, same document, ``i - j < W``::
+For queries q (B, H, Lq, D) and keys/values (B, Hkv, Lk, D) (GQA: H a multiple of Hkv; queries are the last Lq of
+Lk positions) with ``l_ij = a_t c (q'_i . k_j) + bias_t``, q'_i = g_i q_i, t = i - j, c the ``scale`` of the dot
+products (`attend` gives ``base_scale``), g_i the optional ``gain`` of each query row (`attend` gives the query
+gains of `functional.row_gains`; else 1), and masks causal, same document, ``i - j < W``::
 
     forward  (per query block, over visible key blocks; running max m of l)
         S_p   <- S_p exp(p (m_old - m)) + sum_j exp(p (l_j - m))
@@ -15,11 +16,12 @@ products (`attend` gives ``base_scale``), and masks causal, same document, ``i -
               delta_i = dO_i . out_i)
         w_j = exp(l_j) Z_p^(-1/p)  =>  dw_j/dl_k = delta_jk w_j - w_j pi_k
         dl_ij = w_ij (dO_i . v_j) - pi_ij delta_i          dS_ij = a_t dl_ij
-        dq = c dS k    dk = c dS^T q'    dv = w^T dO
+        dq = c g dS k    dk = c dS^T q'    dv = w^T dO    dg_i = c q_i . (dS k)_i   (q' = g q)
 
-The kernels hold the logits in log2 units, z = l log2(e) (c log2(e) multiplies the dot products, the distance
-terms' coefficients carry the log2(e)), so that every exponential is one ``exp2`` of a difference, c costs
-nothing (as FlashAttention's ``softmax_scale * log2(e)``), and m and log S_p are saved in log2 units.
+The kernels hold the logits in log2 units, z = l log2(e) (c g_i log2(e) multiplies the dot products, the distance
+terms' coefficients carry the log2(e)), so that every exponential is one ``exp2`` of a difference, c and g cost
+nothing (as FlashAttention's ``softmax_scale * log2(e)``; g is a per-row column of it, so the queries take no
+scaling pass), and m and log S_p are saved in log2 units.
 p is a runtime argument; a compile-time case (`p_kind`) takes one exponential per score for p = 1 and p = 2
 (``exp(2 x) = exp(x)^2`` in the forward, ``pi = w^2`` in the backward) and two for any other p. Inputs fp16 / bf16
 (fp32 too, as IEEE fp32 dots), fp32 accumulation, head dims up to 128 (query/key and value dims are padded with
@@ -143,6 +145,15 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
+    def _gain(GAIN, offs, LIMIT, HAS_GAIN: tl.constexpr, MASKED: tl.constexpr):
+        """The query gains g_i (`functional.row_gains`) of rows ``offs`` from ``GAIN`` (this head's rows) as an
+        (M, 1) column (0 from ``LIMIT`` on where ``MASKED``), or 1 without ``HAS_GAIN``."""
+        if HAS_GAIN:
+            return _load_vec(GAIN, offs, LIMIT, MASKED)[:, None]
+        else:
+            return 1.0
+
+    @triton.jit
     def _visible(pos_q, pos_k, start_q, LK, WINDOW, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
         """(M, N) mask for absolute query positions pos_q (M,), key positions pos_k (N,), run starts (M,):
         `mods.mask_mod_for` (causal & sliding_window & document) written inline."""
@@ -214,12 +225,12 @@ if triton is not None:
         return m_new, s_p, s_1, acc
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, O, M, LSP, LSE1, STARTS, SLOPES,
-                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts,
+    def _fwd_kernel(Q, K, V, O, M, LSP, LSE1, STARTS, SLOPES, GAIN,
+                    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, s_starts, sgb, sgh,
                     H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, scale, tau_inv, lam,
                     D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
-                    PREC: tl.constexpr):
+                    HAS_GAIN: tl.constexpr, PREC: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -235,6 +246,8 @@ if triton is not None:
         k_ptr = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_ptr = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
         q = tl.load(q_ptr + offs_m[:, None] * sql + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        gain = _gain(GAIN + b.to(tl.int64) * sgb + h.to(tl.int64) * sgh, offs_m, LQ, HAS_GAIN, True)
+        qk_scale = qk_scale * gain                       # c g_i log2(e): a scalar, or a column with gains
         slope = _slope(SLOPES, h, DIST)
 
         first = pid_m * BLOCK_M + OFF
@@ -307,14 +320,15 @@ if triton is not None:
         return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
 
     @triton.jit
-    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, M, LSP, DELTA, STARTS, SLOPES,
-                       sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
+    def _bwd_dq_kernel(Q, K, V, O, DO, DQ, M, LSP, DELTA, STARTS, SLOPES, GAIN, DGAIN,
+                       sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts, sgb, sgh,
                        H, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, scale, tau_inv, lam,
                        D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
-                       PREC: tl.constexpr):
+                       HAS_GAIN: tl.constexpr, GAIN_GRAD: tl.constexpr, PREC: tl.constexpr):
         """dQ for one query block, and first its rows' delta_i = dO_i . out_i, stored to DELTA for the dK/dV kernel
-        (launched after this one). O, DQ and DELTA are contiguous: (B, H, LQ, D_V), (B, H, LQ, D), (B, H, LQ)."""
+        (launched after this one); with ``GAIN_GRAD`` also the gains' gradient dg_i = q_i . (c dS k)_i, to DGAIN.
+        O, DQ, DELTA and DGAIN are contiguous: (B, H, LQ, D_V), (B, H, LQ, D), (B, H, LQ), (B, H, LQ)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -338,6 +352,8 @@ if triton is not None:
                     other=0.0)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         tl.store(DELTA + bh.to(tl.int64) * LQ + offs_m, delta, mask=row_ok)
+        gain = _gain(GAIN + b.to(tl.int64) * sgb + h.to(tl.int64) * sgh, offs_m, LQ, HAS_GAIN, True)
+        qk_scale = qk_scale * gain                       # c g_i log2(e): a scalar, or a column with gains
         slope = _slope(SLOPES, h, DIST)
 
         first = pid_m * BLOCK_M + OFF
@@ -362,8 +378,13 @@ if triton is not None:
             dq = _dq_block(q, do, k_ptr, v_ptr, start_n, pos_q, start_q, m_i, lsp, delta, dq, skl, svl, LK, WINDOW,
                            p, inv_p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_N, DIST, HAS_WINDOW,
                            HAS_DOCS, P_KIND, PREC, True)
+        dq = dq * scale                                  # c dS k: the gradient of q' = g q
+        if GAIN_GRAD:
+            tl.store(DGAIN + bh.to(tl.int64) * LQ + offs_m, tl.sum(dq * q.to(tl.float32), 1), mask=row_ok)
+        if HAS_GAIN:
+            dq = dq * gain
         tl.store(DQ + bh.to(tl.int64) * LQ * D + offs_m[:, None] * D + offs_d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+                 dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
     @triton.jit
     def _load_vec(ptr, offs, LIMIT, MASKED: tl.constexpr):
@@ -374,12 +395,12 @@ if triton is not None:
             return tl.load(ptr + offs)
 
     @triton.jit
-    def _dkdv_block(k, v, q_ptr, do_ptr, M, LSP, DELTA, st_ptr, start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF,
-                    WINDOW, p, inv_p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M: tl.constexpr,
+    def _dkdv_block(k, v, q_ptr, do_ptr, M, LSP, DELTA, GAIN, st_ptr, start_m, offs_n, dk, dv, sql, sdl, LQ, LK,
+                    OFF, WINDOW, p, inv_p, qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M: tl.constexpr,
                     DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, P_KIND: tl.constexpr,
-                    PREC: tl.constexpr, MASKED: tl.constexpr):
-        """One query block of dK, dV (``M``, ``LSP``, ``DELTA``: this head's rows): dk + dS^T q', dv + w^T dO.
-        Masked, rows from LQ on are hidden too."""
+                    HAS_GAIN: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+        """One query block of dK, dV (``M``, ``LSP``, ``DELTA``, ``GAIN``: this head's rows): dk + dS^T q' (q' = g q),
+        dv + w^T dO. Masked, rows from LQ on are hidden too."""
         offs_m = start_m + tl.arange(0, BLOCK_M)
         pos_q = offs_m + OFF
         q = _load_rows(q_ptr, offs_m, sql, offs_d, LQ, MASKED)
@@ -387,11 +408,12 @@ if triton is not None:
         m_i = _load_vec(M, offs_m, LQ, MASKED)
         lsp = _load_vec(LSP, offs_m, LQ, MASKED)
         delta = _load_vec(DELTA, offs_m, LQ, MASKED)
+        gain = _gain(GAIN, offs_m, LQ, HAS_GAIN, MASKED)
         start_q = offs_m
         if HAS_DOCS:
             start_q = tl.load(st_ptr + pos_q, mask=offs_m < LQ, other=LK)
-        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, qk_scale, slope, tau_inv, lam, DIST, HAS_WINDOW,
-                           HAS_DOCS, PREC, MASKED)                                         # (M, N)
+        logit, a = _scores(q, k, pos_q, offs_n, start_q, LK, WINDOW, qk_scale * gain, slope, tau_inv, lam, DIST,
+                           HAS_WINDOW, HAS_DOCS, PREC, MASKED)                             # (M, N)
         if MASKED:
             logit = tl.where((offs_m < LQ)[:, None], logit, float("-inf"))
         w, pi = _weights(logit, m_i, lsp, p, inv_p, P_KIND)
@@ -400,16 +422,18 @@ if triton is not None:
         ds = w * dpv - pi * delta[:, None]
         if DIST == 1:
             ds = ds * a
+        if HAS_GAIN:
+            ds = ds * gain
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
         return dk, dv
 
     @triton.jit
-    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M, LSP, DELTA, STARTS, ENDS, SLOPES,
-                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts,
+    def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, M, LSP, DELTA, STARTS, ENDS, SLOPES, GAIN,
+                         sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, s_starts, sgb, sgh,
                          H, HKV, GROUPS, LQ, LK, OFF, WINDOW, p, inv_p, scale, tau_inv, lam,
                          D: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          DIST: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr,
-                         P_KIND: tl.constexpr, PREC: tl.constexpr):
+                         P_KIND: tl.constexpr, HAS_GAIN: tl.constexpr, PREC: tl.constexpr):
         """dK, dV for one key block of one KV head, summed over the GROUPS query heads sharing it.
         Works transposed: (N keys, M queries) tiles. DK/DV are contiguous (B, HKV, LK, D / D_V)."""
         pid_n = tl.program_id(0)
@@ -452,22 +476,23 @@ if triton is not None:
             bh = (b * H + h).to(tl.int64)
             q_ptr = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
             do_ptr = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+            gain_ptr = GAIN + b.to(tl.int64) * sgb + h.to(tl.int64) * sgh
             slope = _slope(SLOPES, h, DIST)
             for start_m in range(qi_lo, q_mid, BLOCK_M):
-                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
-                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, qk_scale, slope,
-                                     tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
-                                     PREC, True)
+                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, gain_ptr,
+                                     st_ptr, start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p,
+                                     qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW,
+                                     HAS_DOCS, P_KIND, HAS_GAIN, PREC, True)
             for start_m in range(q_mid, q_full, BLOCK_M):
-                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
-                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, qk_scale, slope,
-                                     tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
-                                     PREC, False)
+                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, gain_ptr,
+                                     st_ptr, start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p,
+                                     qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW,
+                                     HAS_DOCS, P_KIND, HAS_GAIN, PREC, False)
             for start_m in range(q_full, qi_hi, BLOCK_M):
-                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, st_ptr,
-                                     start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p, qk_scale, slope,
-                                     tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW, HAS_DOCS, P_KIND,
-                                     PREC, True)
+                dk, dv = _dkdv_block(k, v, q_ptr, do_ptr, M + bh * LQ, LSP + bh * LQ, DELTA + bh * LQ, gain_ptr,
+                                     st_ptr, start_m, offs_n, dk, dv, sql, sdl, LQ, LK, OFF, WINDOW, p, inv_p,
+                                     qk_scale, slope, tau_inv, lam, offs_d, offs_dv, BLOCK_M, DIST, HAS_WINDOW,
+                                     HAS_DOCS, P_KIND, HAS_GAIN, PREC, True)
         tl.store(DK + bhk.to(tl.int64) * LK * D + offs_n[:, None] * D + offs_d[None, :],
                  (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
         tl.store(DV + bhk.to(tl.int64) * LK * D_V + offs_n[:, None] * D_V + offs_dv[None, :],
@@ -524,59 +549,74 @@ def p_kind(p: float) -> int:
     return 1 if p == 1.0 else 2 if p == 2.0 else 0
 
 
+def _gains(gain: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(gains, batch stride, head stride) of the query gains g (B|1, H|1, Lq, 1) as float32 rows contiguous along
+    Lq (stride 0 along a broadcast axis), or a 1-element dummy without gains."""
+    if gain is None:
+        return torch.zeros(1, dtype=torch.float32, device=q.device), 0, 0
+    g = gain.detach().reshape(gain.shape[0], gain.shape[1], q.shape[2]).to(torch.float32).contiguous()
+    return g, g.stride(0) if g.shape[0] > 1 else 0, g.stride(1) if g.shape[1] > 1 else 0
+
+
 def _scalars(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, has_docs: bool,
-             scale: float) -> dict:
+             scale: float, has_gain: bool) -> dict:
     p = float(spec.softmax_p)
     return dict(H=q.shape[1], GROUPS=q.shape[1] // k.shape[1], LQ=q.shape[2], LK=k.shape[2],
                 OFF=k.shape[2] - q.shape[2], WINDOW=spec.window or 0, p=p, inv_p=1.0 / p, scale=scale,
                 tau_inv=1.0 / float(spec.tau), lam=float(spec.log_bias_lambda), D=q.shape[-1], D_V=v.shape[-1],
                 DIST=DISTANCE_CODES[spec.distance], HAS_WINDOW=spec.window is not None, HAS_DOCS=has_docs,
-                P_KIND=p_kind(p), PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                P_KIND=p_kind(p), HAS_GAIN=has_gain, PREC="ieee" if q.dtype == torch.float32 else "tf32")
 
 
 def forward(q, k, v, spec: AttentionSpec, starts: torch.Tensor, slopes: torch.Tensor, has_docs: bool,
-            scale: float = 1.0):
-    """Run the forward kernel on padded inputs (``scale``: the dot products' factor c). Returns (out (B, H, Lq, Dv)
-    contiguous, LSE_1, row max m, log S_p), the last three (B, H, Lq) float32, m and log S_p in log2 units."""
+            scale: float = 1.0, gain: torch.Tensor | None = None):
+    """Run the forward kernel on padded inputs (``scale``: the dot products' factor c; ``gain``: the query rows'
+    factors g_i, (B|1, H|1, Lq, 1)). Returns (out (B, H, Lq, Dv) contiguous, LSE_1, row max m, log S_p), the last
+    three (B, H, Lq) float32, m and log S_p in log2 units."""
     b, h, lq, _ = q.shape
+    gains, sgb, sgh = _gains(gain, q)
     out = torch.empty((b, h, lq, v.shape[-1]), dtype=q.dtype, device=q.device)
     row_max = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     log_sp, lse_1 = torch.empty_like(row_max), torch.empty_like(row_max)
     cfg = _configs("fwd", max(q.shape[-1], v.shape[-1]), q.element_size())
     grid = (triton.cdiv(lq, cfg["BLOCK_M"]), b * h)
-    _fwd_kernel[grid](q, k, v, out, row_max, log_sp, lse_1, starts, slopes, *q.stride()[:3], *k.stride()[:3],
-                      *v.stride()[:3], *out.stride()[:3], starts.stride(0) if has_docs else 0,
-                      **_scalars(spec, q, k, v, has_docs, scale), **cfg)
+    _fwd_kernel[grid](q, k, v, out, row_max, log_sp, lse_1, starts, slopes, gains, *q.stride()[:3], *k.stride()[:3],
+                      *v.stride()[:3], *out.stride()[:3], starts.stride(0) if has_docs else 0, sgb, sgh,
+                      **_scalars(spec, q, k, v, has_docs, scale, gain is not None), **cfg)
     return out, lse_1, row_max, log_sp
 
 
 def backward(q, k, v, out, d_out, row_max, log_sp, spec: AttentionSpec, starts, ends, slopes, has_docs: bool,
-             scale: float = 1.0):
-    """dq, dk, dv (contiguous) from the saved forward tensors (row max m and log S_p)."""
+             scale: float = 1.0, gain: torch.Tensor | None = None, gain_grad: bool = False):
+    """dq, dk, dv (contiguous) from the saved forward tensors (row max m and log S_p), and with ``gain_grad`` the
+    gains' gradient (B, H, Lq) float32 (else None)."""
     b, h, lq, d = q.shape
+    gains, sgb, sgh = _gains(gain, q)
+    d_gain = torch.empty_like(row_max) if gain_grad else gains
     hkv, lk = k.shape[1], k.shape[2]
     d_out = d_out if d_out.stride(-1) == 1 else d_out.contiguous()
     delta = torch.empty_like(row_max)             # dO_i . out_i (B, H, Lq), written by the dQ kernel
     dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, hkv, lk, d), dtype=k.dtype, device=k.device)
     dv = torch.empty((b, hkv, lk, v.shape[-1]), dtype=v.dtype, device=v.device)
-    sc = _scalars(spec, q, k, v, has_docs, scale)
+    sc = _scalars(spec, q, k, v, has_docs, scale, gain is not None)
     s_starts = starts.stride(0) if has_docs else 0
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *d_out.stride()[:3], s_starts, sgb, sgh)
     cfg = _configs("dq", max(d, v.shape[-1]), q.element_size())
     _bwd_dq_kernel[(triton.cdiv(lq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, out, d_out, dq, row_max, log_sp, delta, starts, slopes, *strides, **sc, **cfg)
+        q, k, v, out, d_out, dq, row_max, log_sp, delta, starts, slopes, gains, d_gain, *strides,
+        GAIN_GRAD=gain_grad, **sc, **cfg)
     cfg = _configs("dkdv", max(d, v.shape[-1]), q.element_size())
     _bwd_dkdv_kernel[(triton.cdiv(lk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, d_out, dk, dv, row_max, log_sp, delta, starts, ends, slopes, *strides, HKV=hkv, **sc, **cfg)
-    return dq, dk, dv
+        q, k, v, d_out, dk, dv, row_max, log_sp, delta, starts, ends, slopes, gains, *strides, HKV=hkv, **sc, **cfg)
+    return dq, dk, dv, (d_gain if gain_grad else None)
 
 
 class _TritonPSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, spec, starts, ends, slopes, has_docs, scale):
-        out, lse_1, row_max, log_sp = forward(q, k, v, spec, starts, slopes, has_docs, scale)
-        ctx.save_for_backward(q, k, v, out, row_max, log_sp, starts, ends, slopes)
+    def forward(ctx, q, k, v, gain, spec, starts, ends, slopes, has_docs, scale):
+        out, lse_1, row_max, log_sp = forward(q, k, v, spec, starts, slopes, has_docs, scale, gain)
+        ctx.save_for_backward(q, k, v, gain, out, row_max, log_sp, starts, ends, slopes)
         ctx.spec, ctx.has_docs, ctx.scale = spec, has_docs, scale
         lse_p = (spec.softmax_p * row_max + log_sp) * math.log(2)       # m, log S_p: log2 units
         ctx.mark_non_differentiable(lse_1, lse_p)
@@ -584,23 +624,33 @@ class _TritonPSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, _d_lse1, _d_lsep):
-        q, k, v, out, row_max, log_sp, starts, ends, slopes = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, d_out, row_max, log_sp, ctx.spec, starts, ends, slopes, ctx.has_docs,
-                              ctx.scale)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, gain, out, row_max, log_sp, starts, ends, slopes = ctx.saved_tensors
+        gain_grad = ctx.needs_input_grad[3]
+        dq, dk, dv, d_gain = backward(q, k, v, out, d_out, row_max, log_sp, ctx.spec, starts, ends, slopes,
+                                      ctx.has_docs, ctx.scale, gain, gain_grad)
+        if gain_grad:                               # summed over the axes the gains broadcast along
+            d_gain = d_gain.sum_to_size(*gain.shape[:2], d_gain.shape[2]).reshape(gain.shape).to(gain.dtype)
+        return dq, dk, dv, d_gain, None, None, None, None, None, None
 
 
 def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec,
               doc_ids: torch.Tensor | None = None, *, mask: torch.Tensor | None = None, return_lse: bool = False,
-              scale: float = 1.0):
+              scale: float = 1.0, gain: torch.Tensor | None = None):
     """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D|Dv);
-    ``scale`` multiplies the dot products in float32 (`attend` gives ``base_scale``: `backends.KERNEL_SCALE`).
+    ``scale`` multiplies the dot products in float32 (`attend` gives ``base_scale``: `backends.KERNEL_SCALE`), and
+    ``gain`` (B|1, H|1, Lq, 1), differentiable, those of each query row (`attend` gives the query gains g_i of
+    `functional.row_gains` and the raw queries: `backends.ROW_GAIN`).
 
     Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
     reason = unsupported(spec, k, False, mask is not None)          # k: the kernel runs in the keys' dtype
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this: {reason}")
+    b, h, lq = qs.shape[:3]
+    if gain is not None and (gain.dim() != 4 or gain.shape[0] not in (1, b) or gain.shape[1] not in (1, h)
+                             or tuple(gain.shape[2:]) != (lq, 1)):
+        raise ValueError(f"backend 'triton': gain must be (batch|1, heads|1, queries, 1) = ({b}|1, {h}|1, {lq}, 1), "
+                         f"got {tuple(gain.shape)}")
     if v.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"backend 'triton' takes value head_dim <= {MAX_HEAD_DIM}, got {v.shape[-1]}")
     dtype, dv = k.dtype, v.shape[-1]
@@ -610,7 +660,7 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     starts, ends = _documents(docs, qs.device)
     slopes = _slopes(spec, qs.shape[1], qs.device)
     has_docs = docs is not None
-    out, lse_1, lse_p = _TritonPSoftmax.apply(qs, k, v, spec, starts, ends, slopes, has_docs, float(scale))
+    out, lse_1, lse_p = _TritonPSoftmax.apply(qs, k, v, gain, spec, starts, ends, slopes, has_docs, float(scale))
     out = out if dv == dv_pad else out[..., :dv]
     return (out, lse_1, lse_p) if return_lse else out
 
