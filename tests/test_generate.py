@@ -327,3 +327,22 @@ def test_generation_under_bf16_autocast_picks_from_full_precision_logits(monkeyp
     assert [t.dtype for t in seen] == [torch.float32] * 2
     torch.testing.assert_close(seen[-1], net.logits(features.float()), rtol=0, atol=0)
     assert not torch.equal(seen[-1], seen[-1].bfloat16().float())   # the rounding the head no longer does
+
+
+def test_generation_ends_when_every_row_has_written_a_stop_id():
+    """``stop_ids``: the tokens are those generated without them, up to the step at which the last row wrote one
+    (`lengthgen sample` stops at the document's end, not after ``max_new_tokens``)."""
+    net = model()
+    prompt = tokens(length=4)
+    full = net.generate(prompt, 9)
+    new = full[:, 4:]
+    first, second = int(new[0, 2]), int(new[1, 5])
+    step = lambda row, ids: next(i for i, t in enumerate(new[row].tolist()) if t in ids)      # noqa: E731
+    ends = max(step(0, (first, second)), step(1, (first, second)))
+    got = net.generate(prompt, 9, stop_ids=[first, second])
+    assert ends < 8 and torch.equal(got, full[:, :4 + ends + 1])
+    assert torch.equal(net.generate(prompt, 9, stop_ids=[first, second], cache=False), got)
+    assert torch.equal(net.generate(prompt, 9, stop_ids=[]), full)
+    for bad in ([VOCAB], [-1], 3, ["a"]):
+        with pytest.raises(ConfigError, match="stop_ids"):
+            net.generate(prompt, 9, stop_ids=bad)

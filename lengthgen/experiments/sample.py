@@ -19,8 +19,8 @@ def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temp
 
     The prompt is encoded with the run's tokenizer after a BOS (every training document starts with one), then
     continued by `GPT.generate` (``temperature`` 0: greedy; ``top_k``; a generator seeded with ``seed``) on the
-    run's device, autocast (`for_inference`) and CPU threads (`run_threads`), and decoded up to the first BOS or EOS
-    the model writes (its document ends there) or id the tokenizer lacks (a padded vocabulary's rows).
+    run's device, autocast (`for_inference`) and CPU threads (`run_threads`), until the model writes a BOS or EOS
+    (its document ends there) or an id the tokenizer lacks (a padded vocabulary's rows), decoded up to that id.
     A task run is a `ConfigError`: its ids are the task's symbols, not text.
     """
     seed = check_value("seed", seed, int, ge=0, le=2**63 - 1)
@@ -34,12 +34,14 @@ def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temp
     ids = tokenizer.encode(prompt)
     dtype = autocast_dtype(cfg.train, kind)
     with run_threads(cfg.train), torch.autocast(kind, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+        vocab = model.config.vocab_size
+        stops = [i for i in (tokenizer.bos_id, tokenizer.eos_id, *range(tokenizer.vocab_size, vocab))
+                 if i is not None and i < vocab]
         out = model.generate(torch.tensor([[tokenizer.bos_id, *ids]], device=kind), max_new_tokens,
                              temperature=temperature, top_k=top_k, generator=torch.Generator(kind).manual_seed(seed),
-                             bos_id=tokenizer.bos_id)
+                             bos_id=tokenizer.bos_id, stop_ids=stops)
     new = out[0, len(ids) + 1:].tolist()
-    stops = {tokenizer.bos_id, tokenizer.eos_id}
-    end = next((i for i, t in enumerate(new) if t in stops or t >= tokenizer.vocab_size), len(new))
+    end = next((i for i, t in enumerate(new) if t in stops), len(new))
     return tokenizer.decode(ids + new[:end])
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -232,15 +232,17 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, generator: torch.Generator | None = None, cache: bool = True,
-                 bos_id: int | None = None) -> torch.Tensor:
+                 bos_id: int | None = None, stop_ids: Sequence[int] = ()) -> torch.Tensor:
         """``prompt`` (B, L) followed by ``max_new_tokens`` tokens (B, L + max_new_tokens), each picked by
         `next_token` from the logits of the sequence so far. With ``cache`` each step runs only the newest token
         against a `KVCache`; without, the whole sequence again (the same tokens, slower). ``bos_id``: for a model
         that masks documents, the token that starts each document (as in training), prompt and continuation
-        alike; without it the whole sequence is one document. Runs in eval mode (the mode is restored after);
-        the logits are `head_logits`, in the head's dtype even under autocast.
-        lm heads only; a bad ``max_new_tokens``, ``temperature``, ``top_k`` or ``bos_id`` is a `ConfigError`
-        naming it."""
+        alike; without it the whole sequence is one document. ``stop_ids``: generation ends early, after the step
+        at which every row has written one of these ids (as Hugging Face's ``eos_token_id``; the tokens are those
+        it would have generated up to there). Runs in eval mode (the mode is restored after); the logits are
+        `head_logits`, in the head's dtype even under autocast.
+        lm heads only; a bad ``max_new_tokens``, ``temperature``, ``top_k``, ``bos_id`` or ``stop_ids`` is a
+        `ConfigError` naming it."""
         if self.head_kind != "lm":
             raise ValueError(f"GPT.generate needs an lm head; this model's head is {self.head_kind!r}")
         if prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
@@ -254,6 +256,9 @@ class GPT(nn.Module):
         temperature = check_value("temperature", temperature, float, ge=0)
         top_k = check_value("top_k", top_k, int | None, ge=1)
         bos_id = check_value("bos_id", bos_id, int | None, ge=0, lt=self.config.vocab_size)
+        stop_ids = check_value("stop_ids", stop_ids, list[int], ge=0, lt=self.config.vocab_size)
+        stops = torch.tensor(stop_ids, dtype=torch.long, device=prompt.device)
+        stopped = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         was_training = self.training
         self.eval()
         try:
@@ -268,6 +273,10 @@ class GPT(nn.Module):
                 tokens = torch.cat([tokens, new], dim=1)
                 if docs is not None:
                     docs = torch.cat([docs, docs[:, -1:] + (new == bos_id).long()], dim=1)
+                if stop_ids:
+                    stopped |= torch.isin(new[:, 0], stops)
+                    if stopped.all():
+                        break
         finally:
             self.train(was_training)
         return tokens
