@@ -1766,9 +1766,20 @@ def test_report_of_an_interrupted_compare_says_how_to_finish_it(tmp_path, capsys
     code, err = cli(capsys, "report", tmp_path / "cmp")
     assert code == 2 and f"{tmp_path / 'cmp'} holds a comparison that did not finish" in err
     assert f"--resume --out {tmp_path / 'cmp'}" in err
+    code, err = cli(capsys, "report", tmp_path / "cmp" / "results.json")
+    assert code == 2 and f"{tmp_path / 'cmp'} holds a comparison that did not finish" in err
     (tmp_path / "rf" / "finetune").mkdir(parents=True)
     code, err = cli(capsys, "report", tmp_path / "rf")
     assert code == 2 and "holds a retrofit that did not finish" in err and "--overwrite" in err
+
+
+def test_report_of_a_missing_file_does_not_blame_its_folder(tmp_path, capsys):
+    """report of a missing results file (a typo, or a name without runs/ in a clone whose runs/ folder made '.' look
+    like a comparison) said that its folder held a comparison that did not finish."""
+    (tmp_path / "runs" / "cmp" / "runs" / "baseline-seed0").mkdir(parents=True)    # tmp_path: a clone's root
+    for missing in (tmp_path / "runs" / "cmp" / "results.jsn", tmp_path / "demo"):
+        code, err = cli(capsys, "report", missing)
+        assert code == 2 and f"no results file at {missing}" in err and "did not finish" not in err
 
 
 @pytest.mark.parametrize("env, message", [

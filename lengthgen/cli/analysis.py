@@ -29,7 +29,8 @@ def report_command(args: argparse.Namespace) -> int:
 
     paths = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
     for path in paths:
-        held = kinds_held(path.parent) if not path.exists() else {}
+        # a folder without its results.json: say what it holds (not for another missing file: a typo)
+        held = kinds_held(path.parent) if path.name == "results.json" and not path.exists() else {}
         if "training run" in held:
             raise CommandError(f"{path.parent} is a training run, which has no results.json: report reads compare "
                                f"and retrofit folders; evaluate a run with lengthgen eval {path.parent}")
