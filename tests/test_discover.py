@@ -156,3 +156,17 @@ def test_config_show_and_train_refuse_what_the_run_would_refuse(capsys, command,
 
     assert main([*command, "--set", key]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_help_states_the_defaults_the_code_uses():
+    """eval --help gave only a run's default lengths, not the 256,1024 of --hf; retrofit --help left out control/."""
+    import inspect
+
+    from lengthgen.hf.eval import evaluate_hf, needle_hf
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    text = {name: " ".join(commands[name].format_help().split()) for name in ("eval", "needle", "retrofit")}
+    for name, function in (("eval", evaluate_hf), ("needle", needle_hf)):
+        default = ",".join(map(str, inspect.signature(function).parameters["lengths"].default))
+        assert f"with --hf {default})" in text[name], name
+    assert "finetune/ and control/" in text["retrofit"]

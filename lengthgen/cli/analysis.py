@@ -89,8 +89,8 @@ def _current_keys(results):
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", nargs="?", help="run folder or checkpoint (omit with --hf)")
-    p.add_argument("--lengths", type=int_list,
-                   help="comma-separated lengths (default 1,2,4,8,16 x training, up to the data's maximum length)")
+    p.add_argument("--lengths", type=int_list, help="comma-separated lengths (default 1,2,4,8,16 x training, up to "
+                   "the data's maximum length; with --hf 256,1024)")
     p.add_argument("--tokens", type=positive_int, default=8192,
                    help="tokens per evaluated length (default %(default)s)")
     p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")

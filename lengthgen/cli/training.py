@@ -150,8 +150,8 @@ def _retrofit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-lengths", type=int_list, help="comma-separated lengths (default 1,2,4,8,16 x training)")
     p.add_argument("--eval-tokens", type=positive_int, default=8192, help="tokens per evaluated length (default "
                    "%(default)s)")
-    p.add_argument("--out", "-o", required=True, help="report folder (results.json, report.md, plots, finetune/); "
-                                                      "it must be empty unless --overwrite")
+    p.add_argument("--out", "-o", required=True, help="report folder (results.json, report.md, plots, the runs "
+                                                      "finetune/ and control/); it must be empty unless --overwrite")
     p.add_argument("--overwrite", action="store_true", help="delete the retrofit in --out and start over")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
