@@ -1173,6 +1173,7 @@ def test_out_where_nothing_can_be_written_is_refused_before_the_work(capsys, mon
 
 @pytest.mark.parametrize("args", [["--heads", "0"], ["--reps", "0"], ["--time-budget", "-1"], ["--lengths", "0"],
                                   ["--device", "tpu"], ["--variants", "foo"], ["--backends", "foo"],
+                                  ["--backends", "auto"],     # auto picks per case: not a benchmarked backend
                                   ["--dtype", "int8"], ["--batch", "-1"]])
 def test_bench_arguments_are_checked(capsys, args):
     code, err = cli(capsys, "bench", "attention", *args)
