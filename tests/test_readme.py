@@ -68,6 +68,11 @@ def subcommand(argv: list[str]) -> str:
     return argv[argv.index("lengthgen") + 1]
 
 
+def shape(line: str) -> str:
+    """A log line with each number (``100/200``, ``1.8e-03``, ``34.3k``, ``0:06``) replaced by ``N``."""
+    return re.sub(r"(?<![\w.])\d[\w.+:/-]*", "N", line.strip())
+
+
 def test_commands_are_found_and_skips_are_marked():
     lines = commands()
     assert len(lines) >= 10 and lines[0].startswith("lengthgen compare")
@@ -94,6 +99,7 @@ def _environment(tmp_path: Path) -> dict[str, str]:
 def test_every_readme_command_runs(tmp_path):
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
     env = _environment(tmp_path)
+    printed: set[str] = set()       # every stdout line, numbers aside
     for line in commands():
         if any(marker in line for marker in SKIP):
             continue
@@ -101,11 +107,14 @@ def test_every_readme_command_runs(tmp_path):
         argv += TINY[subcommand(argv)] + [arg for key, args in EXTRA.items() if key in line for arg in args]
         proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         output = proc.stdout + proc.stderr
+        printed |= {shape(out_line) for out_line in proc.stdout.splitlines()}
         assert proc.returncode == 0 and "Traceback" not in output, f"README command failed: {line}\n{output[-4000:]}"
         assert "\r" not in proc.stdout, f"{line}: a redirected log must have no progress-bar frames"
         if subcommand(argv) in ("train", "compare") and "--resume" not in argv:
             assert re.search(r"^\[\S+\] step 1/\d+  loss ", proc.stdout, flags=re.M), f"{line}: no step lines\n" \
                 f"{proc.stdout[-2000:]}"
+    for example in "\n".join(blocks("text")).splitlines():    # the README's log lines, as a README command prints
+        assert shape(example) in printed, f"README log line {example!r} is not what lengthgen prints"
 
 
 @pytest.mark.parametrize("index", range(len(blocks("python"))))
