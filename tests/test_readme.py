@@ -1,7 +1,7 @@
 """The README works as written: every command of its ```bash blocks runs in README order in a scratch folder
-(later commands use the earlier ones' runs), made tiny by flags and ``--set`` overrides appended to it, and
-every ```python block runs. A command that needs a GPU or a download is listed in `SKIP` with the reason, and
-the README's line says so."""
+(later commands use the earlier ones' runs), made tiny by flags and ``--set`` overrides appended to it (and
+prints the log lines of its ```text block, numbers aside), and every ```python block runs. A command that needs
+a GPU or a download is listed in `SKIP` with the reason, and the README's line says so."""
 
 from __future__ import annotations
 
