@@ -138,6 +138,37 @@ def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
     assert gates == {("gate", 0.008, (0.9, 0.99)), ("value_gate", 0.008, (0.9, 0.99))}
 
 
+@pytest.mark.parametrize("name", ["seed003_dyck", "seed003_max_retrieval", "seed003_set_complement",
+                                  "seed003_tomita"])
+def test_seed003_header_states_every_training_constant_it_chooses(name):
+    """Seed 003 is known through a summary that gives no training constants: the header names the value of each
+    one the preset trains with (lengthgen's choices), AdamW's betas, eps, decayed parameters and init included,
+    and BEMA's update interval (the authors' code defaults to 400 steps, the preset to 1)."""
+    path = ROOT / f"{name}.toml"
+    header = re.sub(r"\s*\n#\s*", " ", path.read_text().split("\nname")[0])
+    cfg = load_config(path)
+    tc, bema = cfg.train, cfg.train.bema
+
+    def value(pattern: str) -> tuple[float, ...]:
+        found = re.search(pattern, header)
+        assert found, f"{path.name}'s header does not state {pattern!r}"
+        return tuple(float(g) for g in found.groups())
+
+    number = r"([\d.e-]+)"
+    assert value(rf"learning rate \({number}\)") == (tc.lr,)
+    assert value(rf"AdamW's betas \({number}, {number}\) and eps \({number}\)") == (*tc.betas, tc.eps)
+    assert value(rf"weight decay \({number}, on 2-D weights only\)") == (tc.weight_decay,)
+    assert tc.weight_decay_on == "matrices"
+    assert value(rf"batch \({number} sequences\)") == (tc.batch_size,)
+    assert value(rf"warmup \({number} steps\)") == (tc.warmup_steps,)
+    assert value(rf"gradient clipping \(at {number}\)") == (tc.grad_clip,)
+    assert cfg.model.init == "normal" and value(rf"init \(normal, std {number}\)") == (cfg.model.init_std,)
+    assert tc.dtype == "auto" and "bf16 autocast on a GPU" in header
+    assert value(rf"kappa {number}, eta {number}, rho {number}, gamma {number}, tau {number}") == (
+        bema.kappa, bema.eta, bema.rho, bema.gamma, bema.tau)
+    assert bema.update_every == 1 and "updated every step" in header
+
+
 def test_every_seed_has_a_cpu_analog():
     assert {p.stem for p in ANALOGS} == SEEDS
 
