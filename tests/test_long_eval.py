@@ -4,6 +4,7 @@ the vocabulary's width beyond one chunk, whatever the length."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lengthgen.config import ConfigError
 from lengthgen.data.tasks import make_task
 from lengthgen.data.tasks.base import Batch
 from lengthgen.data.text import make_text_data
@@ -120,3 +122,97 @@ def test_lengthgen_eval_runs_forward_passes_no_larger_than_the_trainers(tmp_path
     assert [r.batch_size for r in result.lengths] == [64, 16]
     assert max(n * length for n, length in rows) <= 4 * 8           # the diagnostics pass: one row
     assert sum(n for n, length in rows if length == 8) == 64 and sum(n for n, length in rows if length == 32) == 17
+
+
+def test_an_evaluation_that_cannot_fit_in_memory_fails_before_it_runs(monkeypatch):
+    """On the CPU, a length whose one forward pass needs more memory than the host has left was run anyway and Linux
+    killed the process ("Killed", nothing else); now it is a MemoryError naming the length, the need and what is
+    available, raised before any length is evaluated."""
+    evaluate_module = importlib.import_module("lengthgen.eval.evaluate")   # the package's `evaluate` is the function
+    source, model = RandomText(), GPT(GPTConfig(vocab_size=97, dim=16, layers=1, heads=2))
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: 2**30)
+    run = []
+    monkeypatch.setattr(GPT, "features", lambda self, *a, **k: run.append(1))
+    need = gpt_module.forward_memory(model.config, 2**22) + 8 * 2**22
+    with pytest.raises(MemoryError, match=rf"^evaluating length 4194304 \(1 sequence\) needs at least "
+                                          rf"{need / 2**30:.1f} GiB of memory, 1.0 GiB available$"):
+        evaluate(model, source, [64, 2**22], tokens_per_length=64, diagnostics=False)
+    assert run == []
+
+
+def test_an_evaluation_short_of_memory_runs_fewer_rows_at_once_with_the_same_values(monkeypatch):
+    """Where the whole batch does not fit the CPU's available memory but one row does, the rows run a few at a time
+    (a batch's values are the same row by row)."""
+    evaluate_module = importlib.import_module("lengthgen.eval.evaluate")
+    source, model = RandomText(), GPT(GPTConfig(vocab_size=97, dim=16, layers=1, heads=2))
+    whole = evaluate(model, source, [64], tokens_per_length=1024, diagnostics=False)
+    row = gpt_module.forward_memory(model.config, 64)
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: 2 * (3 * row + 1024 * 8))   # 3 rows in half
+    rows: list[int] = []
+    features = GPT.features
+    monkeypatch.setattr(GPT, "features", lambda self, tokens, *a, **k: (
+        rows.append(tokens.shape[0]), features(self, tokens, *a, **k))[1])
+    split = evaluate(model, source, [64], tokens_per_length=1024, diagnostics=False)
+    assert rows == [3] * 5 + [1]
+    assert split.lengths[0].at_length == whole.lengths[0].at_length
+    assert split.lengths[0].buckets == whole.lengths[0].buckets
+
+
+_PEAK = """
+import resource, sys, torch
+from lengthgen.data.tasks import make_task
+from lengthgen.eval import evaluate
+from lengthgen.model import GPT, GPTConfig
+from lengthgen.model.gpt import forward_memory
+torch.set_num_threads(1)
+source = make_task("counting")
+model = GPT(GPTConfig(vocab_size=source.vocab_size, head="regress", dim=64, layers=2, heads=2,
+                      attention={"window": 32}))
+evaluate(model, source, [64], tokens_per_length=64, diagnostics=False)
+with open("/proc/self/statm") as statm:                 # resident now, not the peak of the imports
+    before = int(statm.read().split()[1]) * resource.getpagesize()
+evaluate(model, source, [2**18], tokens_per_length=1, diagnostics=False)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, forward_memory(model.config, 2**18))
+"""
+
+
+def test_the_memory_estimate_is_a_lower_bound_of_the_measured_peak():
+    """`forward_memory` (what the CPU check compares with the available memory) against the peak resident memory
+    an evaluation of one sequence of 2^18 positions adds in a fresh process: below it (1.2x to 1.4x on a quiet
+    host), loosely: a busy host may page out some of the process's library code while it runs."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PEAK], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    peak, estimate = map(int, out.stdout.split())
+    assert 0.8 * estimate <= peak <= 2 * estimate, (peak, estimate)
+
+
+def test_lengths_that_cannot_fit_in_memory_are_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """`lengthgen eval`, `train` and `compare` check each evaluation length against the CPU's available memory
+    when they check its config, before the data samples a sequence of it or anything trains; compare checks every
+    run's model (a variant may be wider than the config's)."""
+    from lengthgen.cli import main
+    from lengthgen.experiments.compare import base_config, run_compare
+
+    evaluate_module = importlib.import_module("lengthgen.eval.evaluate")
+    tiny = ["--set", "model.dim=16", "--set", "model.layers=1", "--set", "model.heads=2", "--set", "train.steps=1",
+            "--set", "data.length=8", "--set", "model.attention.window=8", "--set", "train.device=cpu"]
+    assert main(["train", *tiny, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: 2**26)
+    need = gpt_module.forward_memory(GPTConfig(vocab_size=2, dim=16, layers=1, heads=2), 2**17) + 8 * 2**17
+    said = f"evaluating length 131072 (1 sequence) needs at least {need / 2**30:.1f} GiB of memory, 0.1 GiB available"
+    assert main(["eval", str(tmp_path / "run"), "--lengths", f"8,{2**17}"]) == 2
+    assert capsys.readouterr().err == f"lengthgen eval: error: lengths: {said}\n"
+    assert main(["train", *tiny, "--set", f"train.eval_lengths=[{2**17}]", "--out", str(tmp_path / "r2")]) == 2
+    assert capsys.readouterr().err == f"lengthgen train: error: train.eval_lengths: {said}\n"
+    assert not (tmp_path / "r2").exists()
+    wide = "compare.variants={baseline = {}, wide = {model.dim = 256}}"
+    cfg = base_config(None, [a for a in tiny if a != "--set"] + ["compare.eval_lengths=[8, 8192]", "compare.seeds=[0]",
+                                                               wide])
+    with pytest.raises(ConfigError, match=r"^compare.eval_lengths \(run wide\): evaluating length 8192 .*0.1 GiB"):
+        run_compare(cfg, tmp_path / "c", progress=False, log=lambda _: None)
+    assert not (tmp_path / "c").exists()

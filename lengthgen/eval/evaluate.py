@@ -44,6 +44,9 @@ from lengthgen.data.tasks.base import Batch, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
 from lengthgen.eval.results import Bucket, LengthEval, Provenance, RunEval
+from lengthgen.memory import available_memory, gib
+from lengthgen.model.config import GPTConfig
+from lengthgen.model.gpt import forward_memory
 
 #: the stream of evaluation batches in `step_seed` (training batches are stream 0)
 EVAL_STREAM = 1
@@ -100,11 +103,27 @@ def _chance(source: Any, values: dict[str, torch.Tensor], length: int
     return at_length, buckets
 
 
-def _measure(model, source, batch: Batch, device, context, measure: Measure, forward_tokens: int | None
-             ) -> dict[str, torch.Tensor]:
-    """``measure`` on the batch in forward passes of at most ``forward_tokens`` tokens (at least one row)."""
-    rows, length = batch.tokens.shape
+def rows_at_once(config: Any, device: str, rows: int, length: int, forward_tokens: int | None,
+                 autocast: torch.dtype | None) -> int:
+    """Rows per forward pass of a batch of ``rows`` sequences of ``length``: ``forward_tokens // length`` (None:
+    all; at least one), and for a lengthgen model (its `GPTConfig` ``config``) on the ``"cpu"`` no more than half
+    the host's available memory holds (`forward_memory`; the values are the same row by row). A MemoryError naming
+    the length, the memory it needs and the memory available when not even one row fits beside the batch: Linux
+    would kill the process instead, with no message."""
     step = rows if forward_tokens is None else max(1, forward_tokens // length)
+    free = available_memory() if device == "cpu" and isinstance(config, GPTConfig) else None
+    if free is None:
+        return step
+    batch, row = rows * length * 8, forward_memory(config, length, 4 if autocast is None else 2)   # token ids
+    if batch + row > free:
+        raise MemoryError(f"evaluating length {length} ({rows} sequence{'s' if rows > 1 else ''}) needs at least "
+                          f"{gib(batch + row)} of memory, {gib(free)} available")
+    return min(step, max(1, (free // 2 - batch) // row))
+
+
+def _measure(model, source, batch: Batch, device, context, measure: Measure, step: int) -> dict[str, torch.Tensor]:
+    """``measure`` on the batch in forward passes of ``step`` rows."""
+    rows = batch.tokens.shape[0]
     parts: list[dict[str, torch.Tensor]] = []
     for lo in range(0, rows, step):
         with context():
@@ -130,13 +149,12 @@ def _worst(source: Any) -> dict[str, float]:
 
 
 def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: int, seed: int,
-                     context: Callable[[], Any], measure: Measure, forward_tokens: int | None,
-                     diagnostics: bool) -> LengthEval:
-    """One length (see the module docstring): ``context()`` wraps every forward pass; diagnostics are taken
-    on the first sequence. The model must already be in eval mode."""
+                     context: Callable[[], Any], measure: Measure, step: int, diagnostics: bool) -> LengthEval:
+    """One length (see the module docstring): ``context()`` wraps every forward pass, of ``step`` rows each;
+    diagnostics are taken on the first sequence. The model must already be in eval mode."""
     device = _device(model)
     batch = source.sample(batch_size, length, eval_generator(seed, length))
-    values = _measure(model, source, batch, device, context, measure, forward_tokens)
+    values = _measure(model, source, batch, device, context, measure, step)
     failed = _failed(values, batch)
     if hasattr(source, "batch_metrics"):
         values.update({name: torch.tensor([value]) for name, value in source.batch_metrics(values, batch).items()})
@@ -184,9 +202,10 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     """Evaluate ``model`` on ``source`` at every length (ascending), diagnostics at the longest.
 
     ``autocast``: the training autocast dtype (None: none). ``forward_tokens``: at most this many tokens per
-    forward pass (None: each length's batch at once). Returns a `RunEval` with the seed, timing, parameter count
-    and provenance; callers fill in the run's config and seeds. A length below 1, or a bad ``tokens_per_length``,
-    ``seed``, ``autocast`` or ``forward_tokens``, is a `ConfigError` naming it.
+    forward pass (None: each length's batch at once; on the CPU no more than fit, `rows_at_once`). Returns a
+    `RunEval` with the seed, timing, parameter count and provenance; callers fill in the run's config and seeds. A
+    length below 1, or a bad ``tokens_per_length``, ``seed``, ``autocast`` or ``forward_tokens``, is a
+    `ConfigError` naming it; a length whose one sequence cannot fit the CPU's available memory a MemoryError.
     """
     lengths = sorted(set(check_value("lengths", list(lengths), list[int], ge=1, le=MAX_SIZE)))
     check_value("tokens_per_length", tokens_per_length, int, ge=1)
@@ -200,6 +219,7 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
         if limit is not None and length > limit:
             raise ValueError(f"{getattr(source, 'name', 'the source')!r} cannot generate length {length} "
                              f"(max_length {limit})")
+        _rows(model, sequences(tokens_per_length, length), length, forward_tokens, autocast)     # all fit?
     device = _device(model)
 
     def context():
@@ -210,9 +230,10 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     rows = []
     try:
         for length in lengths:
-            rows.append(_evaluate_length(model, source, length, batch_size=sequences(tokens_per_length, length),
-                                         seed=seed, context=context, measure=measure, forward_tokens=forward_tokens,
-                                         diagnostics=diagnostics and length == lengths[-1]))
+            batch_size = sequences(tokens_per_length, length)
+            step = _rows(model, batch_size, length, forward_tokens, autocast)
+            rows.append(_evaluate_length(model, source, length, batch_size=batch_size, seed=seed, context=context,
+                                         measure=measure, step=step, diagnostics=diagnostics and length == lengths[-1]))
     finally:
         model.train(was_training)
     return RunEval(rows, eval_seed=seed, provenance=Provenance.capture(device),
@@ -235,9 +256,13 @@ def _check_fits(model: nn.Module, source: Any) -> None:
         raise ValueError(f"evaluate: the model embeds {vocab} token ids but task {name!r} uses {used}")
 
 
+def _rows(model: nn.Module, rows: int, length: int, forward_tokens: int | None, autocast: torch.dtype | None) -> int:
+    return rows_at_once(getattr(model, "config", None), _device(model).type, rows, length, forward_tokens, autocast)
+
+
 def _device(model: nn.Module) -> torch.device:
     parameter = next(iter(model.parameters()), None)
     return torch.device("cpu") if parameter is None else parameter.device
 
 
-__all__ = ["EVAL_STREAM", "Measure", "eval_generator", "evaluate", "measure_gpt", "sequences"]
+__all__ = ["EVAL_STREAM", "Measure", "eval_generator", "evaluate", "measure_gpt", "rows_at_once", "sequences"]

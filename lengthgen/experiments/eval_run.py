@@ -16,8 +16,9 @@ from lengthgen.train.setup import autocast_dtype, check_length, for_inference, r
 
 def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None, key: str = "lengths") -> list[int]:
     """The evaluation lengths, sorted: ``lengths``, or by default the training length x `MULTIPLES` up to the
-    data's ``max_length`` (mqar's vocabulary bounds it), each one ``source`` can generate (`check_length`; the
-    error names ``key``, and the default when it is one). Used by eval, needle, compare and retrofit."""
+    data's ``max_length`` (mqar's vocabulary bounds it), each one ``source`` can generate and the memory hold
+    (`check_length`; the error names ``key``, and the default when it is one). Used by eval, needle, compare and
+    retrofit."""
     train_length = max(cfg.lengths())
     if not lengths:
         key += f" (default {train_length} x {', '.join(map(str, MULTIPLES))})"
@@ -25,7 +26,7 @@ def checked_lengths(cfg: RunConfig, source: Any, lengths: list[int] | None, key:
         lengths = [train_length * m for m in MULTIPLES if limit is None or train_length * m <= limit]
     lengths = sorted(set(lengths))
     for length in lengths:
-        check_length(source, key, length)
+        check_length(source, key, length, cfg)
     return lengths
 
 

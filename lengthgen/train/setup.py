@@ -14,6 +14,7 @@ import torch
 
 from lengthgen.config import ConfigError, differences
 from lengthgen.data.config import make_source
+from lengthgen.eval.evaluate import rows_at_once
 from lengthgen.train.config import RunConfig, load_config
 
 
@@ -62,19 +63,26 @@ def resolve(config: RunConfig | dict | str | Path) -> tuple[RunConfig, Any]:
 
 
 def check_lengths(cfg: RunConfig, source: Any) -> None:
-    """Every training and eval length must be one the data can generate (`check_length`)."""
+    """Every training and eval length must be one the data can generate and the memory hold (`check_length`)."""
     for key, lengths in (("data.length", [cfg.data.length]), ("train.stages", [s[1] for s in cfg.train.stages]),
                          ("train.eval_lengths", cfg.train.eval_lengths)):
         for length in lengths:
-            check_length(source, key, length)
+            check_length(source, key, length, cfg)
 
 
-def check_length(source: Any, key: str, length: int) -> None:
+def check_length(source: Any, key: str, length: int, cfg: RunConfig | None = None) -> None:
     """``length`` must be within the source's ``max_length`` and sample (one sequence is drawn); else a
-    `ConfigError` naming ``key``."""
+    `ConfigError` naming ``key``. With ``cfg``, first: on the CPU one forward pass of ``cfg.model`` over one
+    sequence of ``length`` must fit the available memory (`lengthgen.eval.evaluate.rows_at_once`)."""
     max_length = getattr(source, "max_length", None)
     if max_length is not None and length > max_length:
         raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}", key)
+    if cfg is not None:
+        device = "cpu" if cfg.train.device == "cpu" or not torch.cuda.is_available() else "cuda"
+        try:
+            rows_at_once(cfg.model, device, 1, length, None, autocast_dtype(cfg.train, device))
+        except MemoryError as err:
+            raise ConfigError(f"{key}: {err}", key) from None
     try:
         source.sample(1, length, torch.Generator().manual_seed(0))
     except ValueError as err:
