@@ -258,7 +258,7 @@ class FakeText:
     vocab_size, name = 8, "fake"
 
     def __init__(self, lengths):
-        self.stream = type("Stream", (), {"doc_lengths": np.array(lengths)})()
+        self.stream = type("Stream", (), {"doc_lengths": np.array(lengths), "num_tokens": sum(lengths)})()
 
     def long_batch(self, length, count, seed):
         tokens = torch.full((count, length), 1)
@@ -281,3 +281,29 @@ def test_long_documents_prefer_the_first_split_with_a_long_document():
     assert source.describe(4, 128) == ("4 packed rows of the train split, which the run trained on (no document of "
                                        "128 tokens)")
     assert batch.tokens.shape == (4, 128) and int(batch.tokens[0, 0]) == 2
+    assert source.describe(4, 270) == ("4 packed rows of the train split, which the run trained on (no document of "
+                                       "270 tokens; its 270 tokens repeat within each row)")
+
+
+def test_an_eval_length_beyond_the_whole_text_is_one_warning_line_about_the_text_it_evaluates(tmp_path, capsys):
+    """Packed rows longer than the whole text repeat it: that was a two-line Python warning, a second one about
+    the training split (check_length's probe, not what is evaluated), and the results said nothing about it."""
+    import json
+
+    from lengthgen.cli import main
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"line {i} " * 40}) + "\n" for i in range(40)), encoding="utf-8")
+    args = ["model.dim=16", "model.layers=1", "model.heads=2", "train.steps=1", "data.length=16", "data.kind=text",
+            f"data.text.corpus={json.dumps(str(docs))}", "train.device=cpu"]
+    assert main(["train", *[x for a in args for x in ("--set", a)], "--out", str(tmp_path / "run"),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--lengths", "16,20000", "--tokens", "1", "--out",
+                 str(tmp_path / "eval.json")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("lengthgen eval: warning: text:") and "/val:byte: rows of 20000 " \
+        "tokens hold more than all" in err[0]
+    rows = json.loads((tmp_path / "eval.json").read_text())["lengths"]
+    assert rows[1]["batch"].endswith("(no document of 20000 tokens; its " + err[0].split("all ")[1].split(" ")[0]
+                                     + " tokens repeat within each row)")

@@ -57,11 +57,15 @@ class LongDocuments:
 
     def describe(self, count: int, length: int) -> str:
         """What ``sample(count, length, ...)`` returns, e.g. ``"2 long documents (val split)"``; when it takes
-        every document that long, it says that every seed then evaluates the same ones."""
+        every document that long, it says that every seed then evaluates the same ones; packed rows longer than
+        the whole text, that the text repeats within them."""
         picked = self._pick(count, length)
         if picked is None:
             label = next(label for label, data in self.candidates if data is self.fallback)
-            return f"{count} packed rows of the {label}{self._trained(self.fallback)} (no document of {length} tokens)"
+            n = self.fallback.stream.num_tokens
+            repeats = f"; its {n} tokens repeat within each row" if length + 1 > n else ""
+            return (f"{count} packed rows of the {label}{self._trained(self.fallback)} (no document of {length} "
+                    f"tokens{repeats})")
         label, data, rows, available = picked
         every = "; all there are, the same for every seed" if rows == available else ""
         return f"{rows} long document{'s' if rows != 1 else ''} ({label}{self._trained(data)}{every})"

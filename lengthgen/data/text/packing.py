@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lengthgen.atomic import atomic_write
-from lengthgen.config import check_value
+from lengthgen.config import ConfigWarning, check_value
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.text.corpora import Corpus, CorpusError, make_corpus
 from lengthgen.data.text.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
@@ -260,7 +260,7 @@ class TextData(Task):
         n = self.stream.num_tokens
         if length + 1 > n:
             warnings.warn(f"{self.name}: rows of {length} tokens hold more than all {n} tokens of the text: it repeats "
-                          "within each row, where a model can copy it", stacklevel=2)
+                          "within each row, where a model can copy it", ConfigWarning, stacklevel=2)
         pos = torch.randint(n, (batch_size,), generator=generator, device=generator.device)
         pos = pos.cpu().numpy().astype(np.int64)
         if self.bos_aligned:
