@@ -1302,6 +1302,38 @@ def test_data_arguments_of_the_other_kind_are_a_config_error(tmp_path, capsys, o
     assert not (tmp_path / "run").exists()
 
 
+def test_a_full_disk_while_training_is_one_line_and_the_run_resumes(tmp_path, capsys, monkeypatch):
+    """A checkpoint write that found the disk full (ENOSPC) ended in a traceback; now one line (exit 1) saying so
+    and how the run goes on. Nothing partial is left: the last complete checkpoint is the run's latest, and
+    --resume finishes the run."""
+    import errno
+
+    import lengthgen.train.checkpoint as checkpoint
+
+    writes, save = [], checkpoint.save_model
+
+    def fills_up(*args, **kwargs):
+        writes.append(1)
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_model", fills_up)
+    args = ["train", *sets("train.steps=4", "train.checkpoint_every=2"), "--out", tmp_path / "run", "--no-progress"]
+    code, err = cli(capsys, *args)
+    assert code == 1 and err == ("lengthgen train: error: no space left on device; free some space (the run "
+                                 "continues from its last checkpoint with --resume)")
+    assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 2
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002"]
+    monkeypatch.setattr(checkpoint, "save_model", save)
+    assert cli(capsys, *args, "--resume")[0] == 0
+    assert json.loads((tmp_path / "run" / "latest.json").read_text())["step"] == 4
+    monkeypatch.setattr(checkpoint, "save_model", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "I/O")))
+    with pytest.raises(OSError, match="I/O"):                 # other OS errors still raise
+        main([str(a) for a in ["train", *sets("train.steps=2", "train.checkpoint_every=1"), "--out",
+                               tmp_path / "other", "--no-progress"]])
+
+
 CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
            "allocate 512000000 bytes. Error code 12 (Cannot allocate memory)")   # torch 2.13's own words
 

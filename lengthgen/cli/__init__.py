@@ -14,6 +14,7 @@ its options::
 from __future__ import annotations
 
 import argparse
+import errno
 import inspect
 import os
 import sys
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
     checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
     status 2 and a one-line message, a diverged run (non-finite loss) with status 1 and one line, Ctrl-C with 130
-    and one line, running out of memory with status 1 and one line; run folder and config warnings are one line
-    too. Under torchrun a line that every rank would print alike is printed by rank 0 alone
+    and one line, running out of memory or disk space with status 1 and one line; run folder and config warnings
+    are one line too. Under torchrun a line that every rank would print alike is printed by rank 0 alone
     (`distributed.reported_by_rank0`); the process group is left at the end."""
     from lengthgen.config import ConfigError, ConfigWarning
     from lengthgen.eval import ResultsError
@@ -134,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:                 # `lengthgen config show | head`: the reader left
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 141
+        except OSError as err:                  # a full disk: files are written atomically, the last ones stand
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = f" writing {err.filename}" if err.filename else ""
+            report(err, f"error: {os.strerror(err.errno).lower()}{where}; free some space{_again(args)}")
+            return 1
         finally:
             distributed.cleanup()
 
