@@ -1,7 +1,35 @@
-"""``python -m lengthgen <command> ...`` (e.g. under torchrun)."""
+"""``python -m lengthgen <command> ...`` (e.g. under torchrun) and the ``lengthgen`` script."""
 
+import os
+import signal
 import sys
 
-from lengthgen.cli import main
+#: what Ctrl-C before the command starts prints (exit status 130)
+STARTING = "lengthgen: interrupted while starting; nothing was written"
 
-sys.exit(main())
+
+def _stop(signum, frame) -> None:
+    print(STARTING, file=sys.stderr, flush=True)
+    os._exit(130)
+
+
+def main() -> int:
+    """`lengthgen.cli.main`, which reports Ctrl-C in one line. While the command line is imported (torch, for
+    seconds) Ctrl-C ends the process at once: a KeyboardInterrupt there is swallowed by torch's start (the command
+    ran on) or aborts Triton's (a C++ terminate, core dumped); nothing is written yet. Once the command is over,
+    Ctrl-C is ignored: it would interrupt the interpreter's exit (a traceback from an atexit callback)."""
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        from lengthgen.cli import main as run
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return run()
+    except KeyboardInterrupt:       # after the command's one line, or once its work is done and reported
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1207,6 +1207,54 @@ def test_ctrl_c_is_one_line_saying_how_the_command_goes_on(tmp_path, capsys, mon
     assert code == 130 and err == [f"lengthgen {command}: interrupted ({after})"]
 
 
+def _python_m_lengthgen(prelude: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m lengthgen ARGS`` (runpy, as the shell runs it) after the Python code ``prelude``."""
+    code = f"{prelude}\nimport runpy, sys\nsys.argv = ['lengthgen', *{list(args)!r}]\n" \
+           "runpy.run_module('lengthgen', run_name='__main__', alter_sys=True)\n"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("module", ["torch", "numpy"])
+def test_ctrl_c_while_the_command_line_imports_is_one_line(module):
+    """Ctrl-C in the first seconds (the imports, before main's handler) printed a KeyboardInterrupt traceback;
+    while torch imported numpy the command ignored it and ran on (torch's start swallows it). Ctrl-C is sent here
+    as Python looks for ``module``."""
+    hook = ("import os, signal, sys\n"
+            "class Interrupt:\n"
+            "    def find_spec(self, name, *rest):\n"
+            f"        if name == {module!r}:\n"
+            "            sys.meta_path.remove(self)\n"
+            "            os.kill(os.getpid(), signal.SIGINT)\n"
+            "sys.meta_path.insert(0, Interrupt())")
+    done = _python_m_lengthgen(hook, "config", "show")
+    assert (done.returncode, done.stderr, done.stdout) == (
+        130, "lengthgen: interrupted while starting; nothing was written\n", "")
+
+
+def test_ctrl_c_before_the_command_starts_is_one_line(capsys, monkeypatch):
+    """The parser (it imports each command's options' choices) ran outside main's Ctrl-C handler."""
+    import lengthgen.cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lengthgen.cli, "build_parser", interrupted)
+    try:
+        code = main(["config", "show"])
+    except KeyboardInterrupt:
+        code = "a KeyboardInterrupt"
+    assert code == 130
+    assert capsys.readouterr().err == "lengthgen: interrupted while starting; nothing was written\n"
+
+
+def test_ctrl_c_once_the_command_is_over_changes_nothing():
+    """Ctrl-C as the interpreter exited after a finished command printed a traceback from an atexit callback
+    (or the process died of SIGINT): the command's work is done, its exit status stands."""
+    late = "import atexit, os, signal\natexit.register(lambda: [os.kill(os.getpid(), signal.SIGINT), sum(range(9))])"
+    done = _python_m_lengthgen(late, "config", "show", "counting")
+    assert (done.returncode, done.stderr) == (0, "") and "task = \"counting\"" in done.stdout
+
+
 def test_a_backend_that_cannot_train_here_is_refused_before_the_folder_exists(tmp_path, capsys):
     out = tmp_path / "run"
     code, err = cli(capsys, "train", *sets("model.attention_backend=flex"), "--out", out)

@@ -25,6 +25,7 @@ from lengthgen.cli import training  # noqa: F401, I001 - registers train, compar
 from lengthgen.cli import analysis  # noqa: F401 - registers report, eval, needle, export, sample, theory, config
 from lengthgen.cli import bench  # noqa: F401 - registers bench
 from lengthgen.cli.common import COMMANDS, CONFIG_HELP, SEEDS_HELP, CommandError, Parser, check_writable
+from lengthgen.__main__ import STARTING
 from lengthgen.memory import out_of_memory
 
 
@@ -76,14 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     and one line, running out of memory or disk space with status 1 and one line; run folder and config warnings
     are one line too. Under torchrun a line that every rank would print alike is printed by rank 0 alone
     (`distributed.reported_by_rank0`); the process group is left at the end."""
-    from lengthgen.config import ConfigError, ConfigWarning
-    from lengthgen.eval import ResultsError
-    from lengthgen.optional import MissingPackageError
-    from lengthgen.train import NonFiniteLossError, distributed
-    from lengthgen.train.checkpoint import CheckpointError
-    from lengthgen.train.run_folder import RunFolderError, RunFolderWarning
+    try:
+        from lengthgen.config import ConfigError, ConfigWarning
+        from lengthgen.eval import ResultsError
+        from lengthgen.optional import MissingPackageError
+        from lengthgen.train import NonFiniteLossError, distributed
+        from lengthgen.train.checkpoint import CheckpointError
+        from lengthgen.train.run_folder import RunFolderError, RunFolderWarning
 
-    args, unknown = build_parser().parse_known_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+    except KeyboardInterrupt:       # before the command (the parser imports each command's options' choices)
+        print(STARTING, file=sys.stderr)
+        return 130
     if unknown:        # named by the command's own parser, which says `lengthgen train: error: ...`
         usage = args.parser.format_usage()
         hint = "; config keys are set with --set KEY=VALUE, e.g. --set train.steps=100" \
