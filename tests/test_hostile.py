@@ -32,7 +32,7 @@ from lengthgen.experiments.eval_run import eval_run
 from lengthgen.model import GPT, GPTConfig
 from lengthgen.optional import MissingPackageError
 from lengthgen.train import load_run, train
-from lengthgen.train.config import RunConfig
+from lengthgen.train.config import RunConfig, save_config
 from lengthgen.train.run_folder import LOCK, RunFolderError, RunFolderWarning, check_fresh, load_newest, lock
 from lengthgen.train.setup import resolve
 
@@ -1140,6 +1140,39 @@ def test_a_results_file_given_as_a_config_is_named(tmp_path, capsys):
     code, err = cli(capsys, "train", "--config", tmp_path / "results.json", "--out", tmp_path / "o")
     assert code == 2 and err.endswith(f"{tmp_path / 'results.json'} is a lengthgen results file (comparison), not a "
                                       "config; a run's config is the config.json in its folder")
+
+
+def test_config_show_of_a_folder_of_another_kind_names_it(tmp_path, capsys, stopped):
+    """config show of a comparison, a retrofit, a checkpoint or an empty folder said 'config file not found:
+    FOLDER/config.json', and of an exported Hugging Face model 'architectures is not a valid key'."""
+    run = stopped[0]
+    for folder in ("cmp/runs/baseline-seed0", "retro/finetune", "empty"):
+        (tmp_path / folder).mkdir(parents=True)
+    for folder in ("cmp/runs/baseline-seed0", "retro/finetune"):
+        save_config(config(), tmp_path / folder)
+        (tmp_path / folder / LOCK).touch()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"architectures": ["LengthgenForCausalLM"], "model_type": '
+                                                 '"lengthgen", "gpt": {}}')
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    for what, says in [
+            (tmp_path / "cmp", f"{tmp_path / 'cmp'} holds a comparison, not a run: each of its runs (in "
+                               f"{tmp_path / 'cmp/runs'}) has its own config, e.g. lengthgen config show "
+                               f"{tmp_path / 'cmp/runs/baseline-seed0'}"),
+            (tmp_path / "retro", f"{tmp_path / 'retro'} holds a retrofit, not a run: each of its runs (in "
+                                 f"{tmp_path / 'retro/finetune'}) has its own config, e.g. lengthgen config show "
+                                 f"{tmp_path / 'retro/finetune'}"),
+            (checkpoint, f"{checkpoint} is a checkpoint of the run {run}: lengthgen config show {run} shows its "
+                         "config"),
+            (run / "checkpoints", f"{run / 'checkpoints'} is the checkpoints folder of the run {run}: lengthgen "
+                                  f"config show {run} shows its config"),
+            (tmp_path / "empty", f"{tmp_path / 'empty'} holds no config.json, so it is not a run folder; give a run "
+                                 "folder, a config file or a name in configs/"),
+            (tmp_path / "hf", f"{tmp_path / 'hf/config.json'} is a Hugging Face model's config (model_type "
+                              "lengthgen), not a run config; a run's config is the config.json in its run folder")]:
+        assert cli(capsys, "config", "show", what) == (2, f"lengthgen config: error: {says}")
+    code, err = cli(capsys, "train", "--config", tmp_path / "hf" / "config.json", "--out", tmp_path / "o")
+    assert code == 2 and "is a Hugging Face model's config (model_type lengthgen)" in err
 
 
 def test_out_that_is_a_file_or_under_one(tmp_path, capsys):

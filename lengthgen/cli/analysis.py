@@ -350,9 +350,33 @@ def _run_config_to_show(what: str | None, overrides: list[str]):
         return base_config(None, overrides) if what else load_config(None, overrides)
     path = Path(config_file(what))
     if path.is_dir():
-        path = path / "config.json"
+        path = _run_config_file(path)
     elif not path.exists():
         names = ", ".join(sorted(p.stem for p in Path("configs").glob("*.toml"))) or "none here"
         raise CommandError(f"{what!r} is not a config file, a run folder, a name in configs/ ({names}), compare, "
                            "attention or an attention preset (lengthgen config show attention lists them)")
     return load_config(path, overrides)
+
+
+def _run_config_file(folder: Path) -> Path:
+    """The ``config.json`` of the run folder ``folder``; a `CommandError` naming what the folder is otherwise (a
+    comparison, a retrofit, a checkpoint or a run's checkpoints, a folder without one)."""
+    from lengthgen.train.run_folder import LOCK, kinds_held
+
+    if (folder / "config.json").is_file():
+        return folder / "config.json"
+    held = kinds_held(folder)
+    runs = {"comparison": folder / "runs", "retrofit": folder / "finetune"}
+    kind = next((kind for kind in held if kind in runs), None)
+    if kind is not None:
+        examples = sorted(p for p in runs[kind].rglob("config.json") if (p.parent / LOCK).exists())
+        example = f", e.g. lengthgen config show {examples[0].parent}" if examples else ""
+        raise CommandError(f"{folder} holds a {kind}, not a run: each of its runs (in {runs[kind]}) has its own "
+                           f"config{example}")
+    checkpoint = (folder / "state.json").is_file()
+    run = folder.parent if checkpoint else folder
+    if run.name == "checkpoints" and (run.parent / "config.json").is_file():
+        raise CommandError(f"{folder} is {'a checkpoint' if checkpoint else 'the checkpoints folder'} of the run "
+                           f"{run.parent}: lengthgen config show {run.parent} shows its config")
+    raise CommandError(f"{folder} holds no config.json, so it is not a run folder; give a run folder, a config file "
+                       "or a name in configs/")

@@ -270,6 +270,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if isinstance(data, dict) and {"schema", "kind"} <= data.keys():       # eval.results' files
             raise ConfigError(f"{path} is a lengthgen results file ({data['kind']}), not a config; a run's config is "
                               "the config.json in its folder")
+        if isinstance(data, dict) and "model_type" in data:            # transformers' config.json
+            raise ConfigError(f"{path} is a Hugging Face model's config (model_type {data['model_type']}), not a run "
+                              "config; a run's config is the config.json in its run folder")
         cfg = RunConfig.from_dict(data)
     else:
         cfg = RunConfig.from_dict(load_toml(path))
