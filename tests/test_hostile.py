@@ -907,6 +907,21 @@ def test_report_out_refuses_another_experiments_folder(tmp_path, capsys, two_com
     assert code == 2 and "holds another experiment (runs)" in err and files(target) == before
 
 
+def test_report_needle_and_theory_out_stay_out_of_folders_lengthgen_wrote(tmp_path, capsys, two_compares):
+    """report --out a comparison's runs/ (or a run's tb/, or a new folder in a run) wrote its results.json, report
+    and lock file there, which the owner's --overwrite then refused as 'files lengthgen did not write'."""
+    comparison = tmp_path / "cmp"
+    shutil.copytree(two_compares[0], comparison)
+    run = next((comparison / "runs").iterdir())
+    before = files(comparison)
+    for command in (["report", two_compares[1]], ["needle", run, "--lengths", "8", "--samples", "1"], ["theory"]):
+        for out in (comparison / "runs", run / "tb", run / "new"):
+            code, err = cli(capsys, *command, "--out", out)
+            assert (code, err) == (2, f"lengthgen {command[0]}: error: {out} is inside the folder {out.parent} that "
+                                      "lengthgen wrote (its runs, checkpoints, logs); choose a folder outside it")
+    assert files(comparison) == before and not (run / "new").exists()
+
+
 def test_report_needle_and_theory_out_never_replace_a_users_files(tmp_path, capsys, two_compares):
     """Found by a probe: report --out DIR and needle --out DIR replaced a report.md or needle.md that the user kept
     in DIR, a folder lengthgen never wrote (no lock file, no results file). A shared results folder, whose lock

@@ -161,7 +161,7 @@ def writing(path: Path, source: str | None = None) -> contextlib.AbstractContext
     """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses a
     folder, a path inside a lengthgen folder's subfolders (checkpoints, logs), a run's own files other than its
     evaluations, and those of any folder but ``source`` (the evaluated run folder or checkpoint)."""
-    from lengthgen.train.run_folder import LOCK, WRITTEN, lock
+    from lengthgen.train.run_folder import LOCK, WRITTEN, enclosing_folder, lock
 
     if path.is_dir():
         raise CommandError(f"--out {path} is a folder; give a file path")
@@ -169,7 +169,7 @@ def writing(path: Path, source: str | None = None) -> contextlib.AbstractContext
     if under_file is not None:           # found now, not when the work is done
         raise CommandError(f"--out {path}: {under_file} is a file, not a folder")
     if not (path.parent / LOCK).exists():
-        inside = next((f for f in path.resolve().parents if (f / LOCK).exists()), None)
+        inside = enclosing_folder(path)
         if inside is not None:          # e.g. a checkpoint's model.safetensors: resuming would find it damaged
             raise CommandError(f"--out {path} is inside the folder {inside} that lengthgen wrote (checkpoints, "
                                "logs); choose a file outside it, or directly in it")

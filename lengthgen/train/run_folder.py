@@ -171,10 +171,21 @@ def results_file(path: str | Path) -> str | None:
     return kind if kind in ("run", "comparison", "needle") else None
 
 
+def enclosing_folder(path: str | Path) -> Path | None:
+    """The nearest folder above ``path`` that lengthgen wrote (it holds the lock file); None when there is none."""
+    return next((f for f in Path(path).resolve().parents if (f / LOCK).exists()), None)
+
+
 def check_outputs(folder: str | Path, names: list[str]) -> None:
     """`RunFolderError` when ``folder`` holds any of ``names`` (the files a command writes there) and is no folder
-    lengthgen wrote: it has no lock file and none of them is a results file (`results_file`); they are the user's."""
-    folder = Path(folder)
+    lengthgen wrote: it has no lock file and none of them is a results file (`results_file`); they are the user's.
+    Also when ``folder`` is inside a folder lengthgen wrote (its runs/, logs, ...: the owner's ``--overwrite``
+    would refuse them) and is not a run folder itself (e.g. a comparison's run, whose own files needle writes)."""
+    folder = outside_checkpoints(folder)
+    inside = enclosing_folder(folder)
+    if inside is not None and not ((folder / LOCK).exists() and (folder / "config.json").is_file()):
+        raise RunFolderError(f"{folder} is inside the folder {inside} that lengthgen wrote (its runs, checkpoints, "
+                             "logs); choose a folder outside it")
     held = [name for name in names if (folder / name).exists()]
     if held and not (folder / LOCK).exists() and not any(results_file(folder / name) for name in held):
         raise RunFolderError(f"{folder} holds {_names(held)}, which lengthgen did not write (the folder has no {LOCK} "
@@ -376,5 +387,5 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
 
 
 __all__ = ["FolderLock", "LOCK", "RunFolderError", "RunFolderWarning", "WRITTEN", "check_fresh", "check_outputs",
-           "checkpoints_at", "clear", "cut_metrics", "last_evaluation", "load_newest", "lock", "outside_checkpoints",
-           "remove_temporaries", "results_file", "saved_run_config"]
+           "checkpoints_at", "clear", "cut_metrics", "enclosing_folder", "last_evaluation", "load_newest", "lock",
+           "outside_checkpoints", "remove_temporaries", "results_file", "saved_run_config"]
