@@ -1255,6 +1255,21 @@ def test_ctrl_c_is_one_line_saying_how_the_command_goes_on(tmp_path, capsys, mon
     assert code == 130 and err == [f"lengthgen {command}: interrupted ({after})"]
 
 
+def test_ctrl_c_of_report_says_to_run_it_again(tmp_path, capsys, monkeypatch, two_compares):
+    """An interrupted report (its results.json and a plot written, report.md not yet) said only 'interrupted'."""
+    import lengthgen.report
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lengthgen.report, "markdown_report", interrupted)       # after the plots
+    assert main(["report", str(two_compares[0]), "--out", str(tmp_path / "r")]) == 130
+    assert capsys.readouterr().err == ("lengthgen report: interrupted (the results it reads are intact: run it again "
+                                       "to write the whole report)\n")
+    monkeypatch.undo()
+    assert main(["report", str(two_compares[0]), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "report.md").is_file()
+
+
 def _python_m_lengthgen(prelude: str, *args: str) -> subprocess.CompletedProcess:
     """``python -m lengthgen ARGS`` (runpy, as the shell runs it) after the Python code ``prelude``."""
     code = f"{prelude}\nimport runpy, sys\nsys.argv = ['lengthgen', *{list(args)!r}]\n" \

@@ -46,11 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: how a command that trains goes on after an interruption
+#: how a command that trains (or writes a report) goes on after an interruption
 _AGAIN = {"train": " (the run continues from its last checkpoint with --resume)",
           "train-fresh": " (no checkpoint was written yet: --resume starts it again from step 0)",
           "compare": " (the comparison continues with --resume: finished runs are reused)",
-          "retrofit": " (retrofit has no --resume: run it again with --overwrite)"}
+          "retrofit": " (retrofit has no --resume: run it again with --overwrite)",
+          "report": " (the results it reads are intact: run it again to write the whole report)"}
 
 
 #: options whose empty value ('' from an empty shell variable) would silently mean their default; what to give
