@@ -72,7 +72,8 @@ def _again(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``lengthgen`` script. User errors (arguments, configs, results files, run folders,
+    """The command line (the ``lengthgen`` script and ``python -m lengthgen`` run it through `lengthgen.__main__`,
+    which first guards its imports against Ctrl-C). User errors (arguments, configs, results files, run folders,
     checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
     status 2 and a one-line message, a diverged run (non-finite loss) with status 1 and one line, Ctrl-C with 130
     and one line, running out of memory or disk space with status 1 and one line; run folder and config warnings
