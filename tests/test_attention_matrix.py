@@ -1,13 +1,15 @@
 """The coverage matrix of the attention math: every `AttentionSpec` option on every CPU backend, through a float64
 `torch.autograd.gradcheck` and against the float64 dense oracle in bfloat16 (values and gradients); every option of
-the `Attention` layer likewise.
+the `Attention` layer likewise (on dense, and on every CPU backend with a backward for those that change what the
+layer hands `attend`).
 
 The other cells are elsewhere: float64 / float32 values and gradients of every option on tiled, sdpa and cpu_flash
 against dense in test_attention_backends.py (flex: values in test_flex.py; the Triton kernel under the interpreter in
 test_triton.py), the layer's options on tiled against dense in test_attention_module.py, extreme logits and p values
 in test_numerics.py. Here the shapes are tiny: GQA (2 query heads on 1 key/value head), fewer queries than keys,
-several documents. The gradchecks run in fast mode (the numerical and analytical Jacobians along random directions:
-a gradient 1% off fails), full-mode ones of chosen combinations are in test_attention_backends.py.
+several documents; the query-scaling multiplier per head, a scalar or the fixed scaling_init (`multiplier`). The
+gradchecks run in fast mode (the numerical and analytical Jacobians along random directions: a gradient 1% off
+fails), full-mode ones of chosen combinations are in test_attention_backends.py.
 """
 
 from __future__ import annotations
@@ -55,13 +57,26 @@ def inputs(dtype=torch.float64, lq=6, lk=8, seed=0):
     return q, k, v, torch.tensor([0.7, 1.3], dtype=torch.float64)
 
 
+#: the query-scaling multiplier each option's cells pass to `attend`: one per head (learnable_scaling head) by
+#: default, a scalar tensor (global, layer) or none (the fixed scaling_init, a Python float) for these
+SCALAR_MULTIPLIER, FIXED_MULTIPLIER = ("log_bn", "sqrt_log_n_abc"), ("log_n_s",)
+
+
+def multiplier(option: str, per_head: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor | None:
+    """``per_head`` (from `inputs`), a scalar, or None, as `SCALAR_MULTIPLIER` and `FIXED_MULTIPLIER` say, in
+    ``dtype``; None without query scaling."""
+    if AttentionSpec(**OPTIONS[option]).query_scaling == "none" or option in FIXED_MULTIPLIER:
+        return None
+    return (per_head.new_tensor(0.8) if option in SCALAR_MULTIPLIER else per_head).to(dtype)
+
+
 @pytest.mark.parametrize("option, backend", cells(TRAINING, training=True))
 def test_gradcheck_every_option_on_every_backend(option, backend):
-    """q, k, v and, with query scaling, a per-head multiplier (the learnable s / r)."""
+    """q, k, v and, with query scaling, the learnable multiplier s / r (per head or a scalar: `multiplier`)."""
     spec = AttentionSpec(**OPTIONS[option])
     q, k, v, mult = inputs()
-    args = [q, k, v] + ([mult] if spec.query_scaling != "none" else [])
-    args = [t.requires_grad_() for t in args]
+    mult = multiplier(option, mult)
+    args = [t.requires_grad_() for t in [q, k, v] + ([] if mult is None else [mult])]
     assert torch.autograd.gradcheck(lambda q, k, v, m=None: run(backend, q, k, v, spec, DOCS, m), args, fast_mode=True)
 
 
@@ -71,7 +86,7 @@ def test_flex_every_option_float64_values(option):
     and base_scale included (test_flex.py's cases call the backend with queries already scaled)."""
     spec = AttentionSpec(**OPTIONS[option])
     q, k, v, mult = inputs()
-    mult = mult if spec.query_scaling != "none" else None
+    mult = multiplier(option, mult)
     with torch.no_grad():
         torch.testing.assert_close(run("flex", q, k, v, spec, DOCS, mult), run("dense", q, k, v, spec, DOCS, mult),
                                    rtol=1e-10, atol=1e-10)
@@ -89,7 +104,7 @@ def test_bfloat16_every_option_on_every_backend_against_float64(option, backend)
     gradients (flex: the output) within bfloat16's rounding of their size (the math runs in float32)."""
     spec = AttentionSpec(**OPTIONS[option])
     q, k, v, mult = inputs(torch.bfloat16)
-    mult = mult.to(torch.bfloat16) if spec.query_scaling != "none" else None
+    mult = multiplier(option, mult, torch.bfloat16)
     train = backend != "flex"
     ins = [t.requires_grad_(train) for t in (q, k, v)]
     ref = [t.detach().double().requires_grad_() for t in ins]
@@ -155,21 +170,31 @@ LAYER_OPTIONS = {
 DIM, HEADS = 8, 2
 
 
-def layer_and_input(changes: dict, seed: int = 0) -> tuple[Attention, torch.Tensor]:
+def layer_cells() -> list:
+    """(option, backend): every layer option on dense; those that change what the layer hands `attend` (a learnable
+    multiplier, a scalar for global and layer scaling; GQA's fewer key/value heads) on every CPU backend with a
+    backward that runs them (the other options' math around `attend` is the same on every backend)."""
+    probe = torch.empty(1, HEADS, 4, 4)
+    return [pytest.param(option, backend, id=f"{option}-{backend}") for backend in TRAINING for option in LAYER_OPTIONS
+            if backend == "dense" or {"learnable_scaling", "kv_heads"} & set(LAYER_OPTIONS[option])
+            and backends.unsupported(backend, AttentionSpec(**LAYER_OPTIONS[option]), probe, True) is None]
+
+
+def layer_and_input(changes: dict, seed: int = 0, backend: str = "dense") -> tuple[Attention, torch.Tensor]:
     """A float64 layer with every parameter moved off its init (so that unit norm weights and zero gates are
     generic), and x (2, 8, DIM)."""
     torch.manual_seed(seed)
-    layer = Attention(DIM, HEADS, AttentionSpec(**changes), backend="dense").double()
+    layer = Attention(DIM, HEADS, AttentionSpec(**changes), backend=backend).double()
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     return layer, torch.randn(2, 8, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
 
 
-@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
-def test_layer_gradcheck_every_option(option):
+@pytest.mark.parametrize("option, backend", layer_cells())
+def test_layer_gradcheck_every_option(option, backend):
     """x and every parameter of the layer (projections, QK-norm and out-norm weights, gate, multiplier)."""
-    layer, x = layer_and_input(LAYER_OPTIONS[option])
+    layer, x = layer_and_input(LAYER_OPTIONS[option], backend=backend)
     names = [n for n, _ in layer.named_parameters()]
     params = [p.detach().clone().requires_grad_() for p in layer.parameters()]
 
@@ -179,14 +204,15 @@ def test_layer_gradcheck_every_option(option):
     assert torch.autograd.gradcheck(forward, (x.requires_grad_(), *params), fast_mode=True)
 
 
-@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
-def test_layer_bfloat16_every_option_against_float64(option):
+@pytest.mark.parametrize("option, backend", layer_cells())
+def test_layer_bfloat16_every_option_against_float64(option, backend):
     """A bfloat16 layer (weights, x and every intermediate rounded to bfloat16, attend in float32) against the same
     rounded weights and x in float64: output and gradients of x and of every parameter within a few bfloat16
     roundings of their size (the layer chains a few rounded products). A scalar multiplier's gradient sums one term
     per head and position, whose signs may cancel (log_bn_global: 0.003 against about 0.5 for the other options'
-    multipliers): its error is measured against the layer's largest parameter gradient entry."""
-    layer, x = layer_and_input(LAYER_OPTIONS[option])
+    multipliers): its error is measured against the layer's largest parameter gradient entry. The reference runs
+    on the dense oracle."""
+    layer, x = layer_and_input(LAYER_OPTIONS[option], backend=backend)
     low = layer.to(torch.bfloat16)
     ref = Attention(DIM, HEADS, low.spec, backend="dense").double()
     ref.load_state_dict(low.state_dict())

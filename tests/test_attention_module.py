@@ -40,16 +40,20 @@ MODULE_OPTIONS = {
     "kv1": (dict(kv_heads=1), False),
     "qk_rms": (dict(qk_norm="rms"), True),
     "qk_layer": (dict(qk_norm="layer", qk_norm_affine=False), True),
+    "qk_layer_affine": (dict(qk_norm="layer"), True),
     "qk_rms_eps": (dict(qk_norm="rms", qk_norm_eps=10.0), True),
     "nope": (dict(position="nope"), True),
     "rope_theta": (dict(rope_theta=100.0), True),
     "prope": (dict(position="prope", prope_fraction=0.5), True),
+    "rope_min_freq": (dict(rope_min_freq=1 / 16), True),
     "head_layer": (dict(out_norm="head_layer"), True),
     "head_rms": (dict(out_norm="head_rms", out_norm_eps=0.1), True),
+    "head_rms_affine": (dict(out_norm="head_rms", out_norm_affine=True), True),
     "global_layer": (dict(out_norm="global_layer", out_norm_affine=True), True),
     "global_rms": (dict(out_norm="global_rms", out_norm_affine=True), True),
     "gate_head": (dict(gate="head"), True),
     "gate_elementwise_2sigmoid": (dict(gate="elementwise", gate_act="2sigmoid"), False),
+    "gate_elementwise_width": (dict(gate="elementwise", gate_width=3), True),
 }
 
 
