@@ -61,6 +61,18 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
                                                 shape=(2, 4, 2, 40, 40, 16, 16), docs=True, attend="heads"),
         "attend_ssmax_window_fewer_queries": dict(spec=dict(query_scaling="log_n", window=9),
                                                   shape=(1, 2, 2, 20, 36, 16, 16), attend="default"),
+        # the other query-scaling options (a != 0, log_bn), a global multiplier, a base_scale, p = 3
+        "attend_log_bn_global_base_scale_p3": dict(spec=dict(query_scaling="log_bn", scaling_a=0.3, scaling_b=0.4,
+                                                             scaling_c=0.8, base_scale=0.2, softmax_p=3.0),
+                                                   shape=(1, 2, 1, 24, 24, 16, 16), attend="global"),
+        "attend_sqrt_log_n_abc_window3_alibi": dict(spec=dict(query_scaling="sqrt_log_n", scaling_a=0.4, scaling_b=0.5,
+                                                              scaling_c=1.2, scaling_init=1.5, window=3,
+                                                              distance="alibi"),
+                                                    shape=(1, 2, 2, 20, 20, 16, 16), attend="default"),
+        "window1_p2": dict(spec=dict(window=1, softmax_p=2.0), shape=(1, 2, 1, 17, 17, 16, 16)),   # out = v
+        "attend_log_n_s_scale_invariant_tau_docs": dict(spec=dict(query_scaling="log_n", scaling_init=0.6, tau=2.0,
+                                                                  distance="scale_invariant", doc_masking=True),
+                                                        shape=(2, 2, 1, 24, 24, 16, 16), docs=True, attend="heads"),
     },
     "shapes": {
         "fewer_queries_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 1, 24, 50, 16, 16),
@@ -158,7 +170,8 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
 
 def compare_attend(case: dict, seed: int = 0) -> dict[str, float]:
     """Relative max errors of ``attend(..., backend="triton")``'s out and gradients (of q, k, v and, for ``attend =
-    "heads"``, one learned query-scaling multiplier per head: ``dmult``) against ``backend="dense"`` in float64."""
+    "heads"`` or ``"global"``, the learned query-scaling multiplier, one per head or one: ``dmult``) against
+    ``backend="dense"`` in float64."""
     from lengthgen.attention import AttentionSpec, attend
 
     spec = AttentionSpec(**case["spec"])
@@ -166,8 +179,8 @@ def compare_attend(case: dict, seed: int = 0) -> dict[str, float]:
     gen = torch.Generator().manual_seed(seed)
     inputs = [torch.randn(b, h, lq, d, generator=gen), torch.randn(b, hkv, lk, d, generator=gen),
               torch.randn(b, hkv, lk, dv, generator=gen)]
-    if case["attend"] == "heads":
-        inputs.append(0.5 + torch.rand(h, generator=gen))
+    if case["attend"] in ("heads", "global"):
+        inputs.append(0.5 + torch.rand(h if case["attend"] == "heads" else (), generator=gen))
     grad = torch.randn(b, h, lq, dv, generator=gen)
     docs = make_docs(b, lk, seed=lk, max_len=12) if case.get("docs") else None
     results = []
