@@ -54,20 +54,16 @@ def main(argv: list[str] | None = None) -> int:
             starts, ends = tp._documents(None, q.device)
             slopes = tp._slopes(spec, h, q.device)
             ref_out, _, m, lsp = tp.forward(q, k, v, spec, starts, slopes, False)
-            ref_grads = tp.backward(q, k, v, ref_out, do, m, lsp, spec, starts, ends, slopes, False)
             for kind in ("fwd", "dq", "dkdv"):
+                def run(kind=kind):
+                    if kind == "fwd":
+                        return tp.forward(q, k, v, spec, starts, slopes, False)[0]
+                    dq, dk, dv, _ = tp.backward(q, k, v, ref_out, do, m, lsp, spec, starts, ends, slopes, False)
+                    return dq if kind == "dq" else torch.cat((dk, dv), -1)
+                ref = run()                         # at the current configuration
                 for bm, bn, warps, stages in CANDIDATES:
                     cand = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                     tp._configs = lambda k_, *a, kind=kind, cand=cand: cand if k_ == kind else default(k_, *a)
-                    if kind == "fwd":
-                        def run():
-                            return tp.forward(q, k, v, spec, starts, slopes, False)[0]
-                        ref = ref_out
-                    else:
-                        def run():
-                            grads = tp.backward(q, k, v, ref_out, do, m, lsp, spec, starts, ends, slopes, False)
-                            return grads[0] if kind == "dq" else torch.cat(grads[1:], -1)
-                        ref = ref_grads[0] if kind == "dq" else torch.cat(ref_grads[1:], -1)
                     row = dict(kind=kind, head_dim=head_dim, p=p, length=args.length, BLOCK_M=bm, BLOCK_N=bn,
                                num_warps=warps, num_stages=stages)
                     try:

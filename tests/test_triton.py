@@ -339,6 +339,37 @@ def test_triton_code_counts_the_compiled_kernels(tmp_path, capsys, compiler):
         assert cell(row, "HGMMA") > 0 and cell(row, "MUFU") > 0 and cell(row, "SASS") > cell(row, "PTX lines") / 4
     assert cell(rows[1], "PTX lines") > cell(rows[0], "PTX lines")
 
+
+_SWEEP_ON_CPU = """
+import sys
+import torch, triton.testing
+torch.Tensor.cuda = lambda self, *a, **k: self               # CPU tensors, for the interpreter
+torch.Tensor.bfloat16 = lambda self: self.half()              # the interpreter's tl.dot mishandles bfloat16
+torch.cuda.get_device_name = lambda *a: "cpu"
+triton.testing.do_bench = lambda fn, **kw: (fn(), 1.0)[1]     # one call, no CUDA events
+import triton_configs
+triton_configs.CANDIDATES = ((16, 16, 4, 2),)
+sys.exit(triton_configs.main(["--length", "32", "--batch-heads", "1", "2", "--head-dims", "16", "--ps", "2",
+                              "--out", sys.argv[1]]))
+"""
+
+
+def test_triton_configs_sweeps_every_kernel(tmp_path):
+    """`benchmarks/triton_configs.py` end to end under the interpreter, its CUDA calls stood in for: one candidate
+    of each kernel runs and matches the current configuration. The dK/dV rows crashed the sweep: `backward` returns
+    the gains' gradient too (None without gains), which the sweep concatenated with dK and dV."""
+    pytest.importorskip("triton")
+    if reason := interpreter_defect():
+        pytest.skip(reason)
+    out = tmp_path / "sweep.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join((str(ROOT), str(ROOT / "benchmarks")))}
+    proc = subprocess.run([sys.executable, "-c", _SWEEP_ON_CPU, str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r.get("error"), r["matches"]) for r in rows] == [(kind, None, True)
+                                                                       for kind in ("fwd", "dq", "dkdv")]
+
 # ---------------------------------------------------------------------------------------------------
 # CUDA
 
