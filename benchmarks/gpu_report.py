@@ -144,11 +144,12 @@ def markdown(result: dict) -> str:
                         [[t["target"], f"{t['limit']:g} {t['unit']}", t["measured"],
                           {True: "yes", False: "**no**", None: "-"}[t["met"]], t["detail"]]
                          for t in result["targets"]])
-    for name, render in (("tests", _tests_md), ("attention", _attention_md), ("seed001", _seed_md),
-                         ("layer", _layer_md), ("train", _train_md), ("eval_long", _eval_md),
-                         ("compare", _compare_md)):
-        part = result["parts"].get(name)
-        if part is not None and part.get("result"):
+    # the training section holds both training parts: either one's figures make it
+    for names, render in ((("tests",), _tests_md), (("attention",), _attention_md), (("seed001",), _seed_md),
+                          (("layer",), _layer_md), (("train", "train_compiled"), _train_md),
+                          (("eval_long",), _eval_md), (("compare",), _compare_md)):
+        part = next((p for p in map(result["parts"].get, names) if p is not None and p.get("result")), None)
+        if part is not None:
             lines += render(part["result"], result)
     return "\n".join(lines)
 

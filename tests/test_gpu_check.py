@@ -184,6 +184,21 @@ def test_targets_take_the_worst_shape():
     assert layer[elementwise]["met"] is None and "invalid" in layer[elementwise]["detail"] and seed000 not in layer
 
 
+def test_compiled_training_alone_is_in_the_summary():
+    """The training section shows the compiled run's figures also when the eager ``train`` part did not run
+    (``--parts train_compiled``, or its budget spent): it was rendered only from ``train``'s."""
+    train = dict(compile=True, params=124, batch=16, length=2048, first_step_s=30.0, step_s=0.14, optimizer_s=0.02,
+                 tokens_per_s=234000.0, tflops=200.0, mfu=0.2, peak_mem_gib=24.0,
+                 muon_step_ms=dict(matrices=72, lengthgen=5.0, torch=25.0, ratio=0.2))
+    result = dict(mode="cuda", started="2026-11-24T10:00:00+00:00", elapsed_s=100.0, budget_s=540.0, targets=[],
+                  parts={"env": {"status": "ok", "result": {"device_name": "NVIDIA H100"}},
+                         "train_compiled": {"status": "ok", "result": train},
+                         "train": {"status": "skipped: no time left (3 s of the budget)"}})
+    md = gpu_report.markdown(result)
+    assert "## 124M GPT training" in md and "| True | 124 | 16 x 2048 | 30 | 0.14 | 0.02 | 2.34e+05 |" in md
+    assert "Muon step over the 72 hidden matrices (compiled run)" in md
+
+
 def test_groups_pick_the_attention_shapes(monkeypatch, tmp_path):
     """``--groups`` runs the attention part on the given (length, head_dim) groups in order: a later GPU call can
     measure the groups an earlier one had no time for."""
