@@ -9,6 +9,7 @@ forward and backward in float32 and bfloat16 at head dims 64 and 128.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -79,6 +80,9 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
                                       docs=True, scale=0.5),
         "decode_one_p0.5": dict(spec=dict(softmax_p=0.5, window=17), shape=(1, 2, 2, 1, 40, 16, 16)),
         "padded_dims_8_4": dict(spec=dict(softmax_p=2.0), shape=(1, 2, 1, 20, 20, 8, 4)),
+        # float32 inputs under float16 autocast (QK-norm's q and k are float32 there): the kernel runs in float16
+        "autocast_fp16_p2_gains": dict(spec=dict(softmax_p=2.0), shape=(1, 2, 2, 24, 24, 16, 16), autocast="float16",
+                                       gain="heads"),
         "gain_batch_fewer_queries_docs_fp16_p0.5": dict(spec=dict(softmax_p=0.5, doc_masking=True), docs=True,
                                                         shape=(2, 2, 2, 20, 44, 16, 16), dtype="float16",
                                                         gain="batch", scale=0.5),
@@ -101,7 +105,7 @@ def tolerance(case: dict, name: str) -> float:
     dq and dk times p too: they go through pi = softmax(p l), whose relative error is p times the logits' error.
     Under the interpreter tl.dot is NumPy's float32 matmul (OpenBLAS), whose logits of 1e4 are off by up to
     3.4e-3 with its AVX-512 kernels and 2.5e-3 with its AVX2 ones: at p = 100, dk was off by 2.5e-2 and 2.7e-3."""
-    dtype = case.get("dtype", "float32")
+    dtype = case.get("autocast") or case.get("dtype", "float32")
     if "logits" not in case:
         return TOL[dtype]
     p = case["spec"].get("softmax_p", 1.0) if name in ("dq", "dk") else 1.0
@@ -145,8 +149,11 @@ def compare(case: dict, device: str = "cpu", dtype: str | None = None, seed: int
     q, k, v = inputs
     kernel_gain = gain.to(device).requires_grad_() if case.get("gain") else None
     assert tp.unsupported(spec, q, True) is None, tp.unsupported(spec, q, True)
-    out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True,
-                                     scale=scale, gain=kernel_gain)
+    autocast = case.get("autocast")
+    with torch.autocast(device, dtype=getattr(torch, autocast)) if autocast else contextlib.nullcontext():
+        out, lse_1, lse_p = tp.attention(q, k, v, spec, None if docs is None else docs.to(device), return_lse=True,
+                                         scale=scale, gain=kernel_gain)
+    assert out.dtype == (getattr(torch, autocast) if autocast else dtype), out.dtype
     inputs += [kernel_gain] if case.get("gain") else []
     grads = torch.autograd.grad(out, inputs, grad.to(device=device, dtype=dtype))
     ref_in = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, gain)]

@@ -639,10 +639,14 @@ def attention(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attentio
     """Fused p-softmax attention for scaled queries ``qs`` (B, H, Lq, D), keys/values (B, Hkv, Lk, D|Dv);
     ``scale`` multiplies the dot products in float32 (`attend` gives ``base_scale``: `backends.KERNEL_SCALE`), and
     ``gain`` (B|1, H|1, Lq, 1), differentiable, those of each query row (`attend` gives the query gains g_i of
-    `functional.row_gains` and the raw queries: `backends.ROW_GAIN`).
+    `functional.row_gains` and the raw queries: `backends.ROW_GAIN`). The kernel runs in the keys' dtype, or under
+    autocast in its dtype (as autocast runs SDPA).
 
     Returns ``out`` or, with ``return_lse``, ``(out, LSE_1, LSE_p)`` (see `backends`).
     """
+    if torch.amp.is_autocast_available(k.device.type) and torch.is_autocast_enabled(k.device.type):
+        k = k.to(torch.get_autocast_dtype(k.device.type))   # as autocast runs SDPA: in its half precision (QK-norm
+        #                                                     under autocast gives float32 q and k, bf16 v)
     reason = unsupported(spec, k, False, mask is not None)          # k: the kernel runs in the keys' dtype
     if reason is not None:
         raise ValueError(f"backend 'triton' cannot run this: {reason}")
