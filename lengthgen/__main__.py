@@ -24,7 +24,10 @@ def main() -> int:
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return run()
+        code = run()
+        from lengthgen.train.distributed import linger
+        linger()        # under torchrun, while the rank that reports this one's failure prints it
+        return code
     except KeyboardInterrupt:       # after the command's one line, or once its work is done and reported
         return 130
     finally:

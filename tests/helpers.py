@@ -19,15 +19,15 @@ DISTRIBUTED_RUN = [
     "data.length=16", "train.eval_lengths=[16, 32]", "train.log_every=1"]
 
 
-def torchrun_two(script: str | Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+def torchrun_two(script: str | Path, out: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run ``script OUT ARGS...`` under ``torchrun --standalone --nproc_per_node=2`` (one thread per rank, no
-    distributed variables inherited from this process); asserts that it succeeded."""
+    distributed variables inherited from this process); asserts that it succeeded (``check``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script), str(out), *args], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 

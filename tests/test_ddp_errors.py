@@ -4,7 +4,8 @@ one rank's own is printed by that rank.
 The test launches this file twice with ``torchrun --standalone --nproc_per_node=2``; run as a script, each rank
 calls ``lengthgen train`` with a bad ``--set`` key (found before the ranks join the process group), then into a
 folder holding something else (rank 0's check, handed to the other rank), or (``own``) with each rank failing
-its own way after joining; it writes the exit codes.
+its own way after joining; it writes the exit codes. A third launch (``late``) runs the command line as the
+``lengthgen`` script does, rank 0 starting after the other rank has left its error to it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,34 @@ def test_an_error_of_every_rank_is_printed_once(tmp_path):
     assert stderr.count("lengthgen train: error: ") == 4, stderr
     codes = [json.loads((tmp_path / f"{name}-{rank}.json").read_text()) for name in ("shared", "own") for rank in "01"]
     assert codes == [[2, 2], [2, 2], [2], [2]]
+
+
+def test_the_reporting_rank_is_not_stopped_before_its_line(tmp_path):
+    """Torchrun stops every rank once one has exited: the rank that leaves its error to rank 0 waits to be
+    stopped, so rank 0, later than it, still prints the line (before, the run failed without a word of why)."""
+    proc = torchrun_two(__file__, tmp_path, "late", check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("lengthgen train: error: train.bogus is not a valid key") == 1, proc.stderr
+
+
+def _late(out: Path, rank: str) -> None:
+    """``lengthgen train`` with a bad key through `lengthgen.__main__.main`; rank 0 starts 3 s after rank 1 has
+    returned from the command (without lingering, rank 1 exits and torchrun stops rank 0 in that time)."""
+    import time
+
+    import lengthgen.cli
+    from lengthgen.__main__ import main
+
+    marker = out / "rank1-returned"
+    if rank == "0":
+        while not marker.exists():
+            time.sleep(0.05)
+        time.sleep(3)
+    else:
+        run = lengthgen.cli.main
+        lengthgen.cli.main = lambda: [run(), marker.touch()][0]
+    sys.argv = ["lengthgen", "train", "--set", "train.bogus=1", "--out", str(out / "late")]
+    sys.exit(main())
 
 
 def _worker(out: Path, scenario: str) -> None:
@@ -51,4 +80,6 @@ def _worker(out: Path, scenario: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[2] == "late":
+        _late(Path(sys.argv[1]), os.environ["RANK"])
     _worker(Path(sys.argv[1]), sys.argv[2])

@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         def report(err: BaseException, message: str) -> None:
             if not distributed.reported_by_rank0(err):
                 print(f"lengthgen {args.command}: {message}", file=sys.stderr)
+            elif not isinstance(err, KeyboardInterrupt):    # (torchrun stops every rank on Ctrl-C)
+                distributed.leave_report()
 
         try:
             if getattr(args, "out", None):      # found now, not when the work is done

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -32,7 +33,10 @@ from lengthgen.config import ConfigError
 
 #: long enough for rank 0's periodic evaluation or checkpoint while the others wait in a collective
 TIMEOUT = datetime.timedelta(hours=2)
+#: how long a rank that leaves its failure to another rank to report waits for torchrun to stop it (`linger`)
+LINGER_SECONDS = 10.0
 T = TypeVar("T")
+_linger = False
 
 
 def env_world() -> tuple[int, int, int]:
@@ -243,6 +247,20 @@ def reported_by_rank0(err: BaseException) -> bool:
     return local_rank != 0 if not dist.is_initialized() else rank != 0 and getattr(err, "every_rank", False)
 
 
+def leave_report() -> None:
+    """Mark this process, whose failure another rank reports (`reported_by_rank0`), to `linger` before it exits."""
+    global _linger
+    _linger = True
+
+
+def linger() -> None:
+    """At the exit of a process marked by `leave_report`: wait (at most `LINGER_SECONDS`) for torchrun to stop it.
+    Torchrun stops every rank once one has exited: a rank that exits at once could have the reporting rank stopped
+    before it prints its line (a failed run without a word of why), and would be named the run's first failure."""
+    if _linger:
+        time.sleep(LINGER_SECONDS)
+
+
 def cleanup() -> None:
     """Leave the process group (call once at the end of a torchrun launch)."""
     if dist.is_available() and dist.is_initialized():
@@ -250,4 +268,5 @@ def cleanup() -> None:
 
 
 __all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "cleanup", "env_world", "gather_full",
-           "gradient_sync", "is_sharded", "load_full", "on_main", "parallelize", "reported_by_rank0", "setup"]
+           "gradient_sync", "is_sharded", "leave_report", "linger", "load_full", "on_main", "parallelize",
+           "reported_by_rank0", "setup"]
