@@ -1940,3 +1940,18 @@ def test_a_torchrun_environment_set_by_hand_is_one_line(tmp_path, capsys, monkey
         monkeypatch.setenv(name, value)
     code, err = cli(capsys, "train", *sets(), "--out", tmp_path / "run")
     assert code == 2 and message in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", [["compare", "--steps", "2"], ["retrofit", "RUN", "--steps", "2"], ["eval", "RUN"],
+                                     ["config", "list"]])
+def test_commands_but_train_are_refused_under_torchrun(tmp_path, capsys, monkeypatch, command):
+    """Under torchrun every rank ran the whole command: eval printed its results once per rank, compare and
+    retrofit had the ranks race for the --out folder's lock (one rank refused, the run failed half-written)."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    out = [] if command[0] in ("eval", "config") else ["--out", tmp_path / "out"]
+    code, err = cli(capsys, *[tmp_path / "run" if a == "RUN" else a for a in command], *out)
+    assert code == 2 and err.strip() == (f"lengthgen {command[0]}: error: {command[0]} runs in one process, not under "
+                                         "torchrun (WORLD_SIZE=2): only train trains across processes; run it "
+                                         "without torchrun (WORLD_SIZE unset)")
+    assert not (tmp_path / "out").exists()

@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 distributed.leave_report()
 
         try:
+            world = distributed.env_world()[1]
+            if world > 1 and args.command != "train":   # each rank would run the whole command
+                raise CommandError(f"{args.command} runs in one process, not under torchrun (WORLD_SIZE={world}): "
+                                   "only train trains across processes; run it without torchrun (WORLD_SIZE unset)")
             if getattr(args, "out", None):      # found now, not when the work is done
                 check_writable(Path(args.out))
             return args.handler(args)
