@@ -1955,3 +1955,25 @@ def test_commands_but_train_are_refused_under_torchrun(tmp_path, capsys, monkeyp
                                          "torchrun (WORLD_SIZE=2): only train trains across processes; run it "
                                          "without torchrun (WORLD_SIZE unset)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_that_lost_another_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """Under torchrun, when one rank crashed or was killed, the others failed in their next collective with gloo's
+    error and a 30-line traceback, and torchrun often named one of them, not the rank that failed, as the first
+    failure. They now print one line and wait for torchrun to stop them (`distributed.linger`)."""
+    import lengthgen.train
+    from lengthgen.train import distributed
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                           "by peer [127.0.0.1]:3979. This is typically caused by a remote worker crashing. Check the "
+                           "logs of the remote worker before reporting an error.")
+
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(lengthgen.train, "train", lost)
+    monkeypatch.setattr(distributed, "_linger", False)
+    code, err = cli(capsys, "train", *sets(), "--out", tmp_path / "run")
+    assert code == 1 and err.strip() == ("lengthgen train: error: another rank stopped (Connection closed by peer "
+                                         "[127.0.0.1]:3979); it prints its own error, and torchrun names it")
+    assert distributed._linger

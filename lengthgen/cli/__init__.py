@@ -140,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         except (MemoryError, RuntimeError) as err:
             what = out_of_memory(err)
+            lost = distributed.lost_peer(err) if what is None else None
+            if lost is not None:        # torchrun stops the others and names the rank that stopped first
+                distributed.leave_report()
+                report(err, f"error: another rank stopped ({lost}); it prints its own error, and torchrun names "
+                            f"it{_again(args)}")
+                return 1
             if what is None:
                 raise
             report(err, f"error: out of memory ({what}); use shorter lengths, fewer tokens or a smaller "

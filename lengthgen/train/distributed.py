@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -247,6 +248,19 @@ def reported_by_rank0(err: BaseException) -> bool:
     return local_rank != 0 if not dist.is_initialized() else rank != 0 and getattr(err, "every_rank", False)
 
 
+def lost_peer(err: BaseException) -> str | None:
+    """In a torchrun launch, the gist of ``err`` when it is a collective's failure because another rank is gone (it
+    crashed, was killed, or stopped on an error of its own: gloo's "Connection closed by peer ... a remote worker",
+    a `torch.distributed.DistError`); else None."""
+    text = str(err).strip()
+    if not isinstance(err, RuntimeError) or not (isinstance(err, dist.DistError) or "remote worker" in text):
+        return None
+    with contextlib.suppress(ConfigError):
+        if env_world()[1] > 1:
+            return re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(err).__name__).split(". ")[0]
+    return None
+
+
 def leave_report() -> None:
     """Mark this process, whose failure another rank reports (`reported_by_rank0`), to `linger` before it exits."""
     global _linger
@@ -268,5 +282,5 @@ def cleanup() -> None:
 
 
 __all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "cleanup", "env_world", "gather_full",
-           "gradient_sync", "is_sharded", "leave_report", "linger", "load_full", "on_main", "parallelize",
+           "gradient_sync", "is_sharded", "leave_report", "linger", "load_full", "lost_peer", "on_main", "parallelize",
            "reported_by_rank0", "setup"]
