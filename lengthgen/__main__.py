@@ -24,10 +24,12 @@ def main() -> int:
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        code = run()
-        from lengthgen.train.distributed import linger
-        linger()        # under torchrun, while the rank that reports this one's failure prints it
-        return code
+        try:
+            return run()
+        finally:        # (also after argparse's error, a SystemExit) under torchrun, while the rank that reports
+            distributed = sys.modules.get("lengthgen.train.distributed")     # this one's failure prints it
+            if distributed is not None:
+                distributed.linger()
     except KeyboardInterrupt:       # after the command's one line, or once its work is done and reported
         return 130
     finally:

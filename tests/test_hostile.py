@@ -1977,3 +1977,19 @@ def test_a_rank_that_lost_another_says_so_in_one_line(tmp_path, capsys, monkeypa
     assert code == 1 and err.strip() == ("lengthgen train: error: another rank stopped (Connection closed by peer "
                                          "[127.0.0.1]:3979); it prints its own error, and torchrun names it")
     assert distributed._linger
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_bad_argument_under_torchrun_is_printed_by_local_rank_0(tmp_path, capsys, monkeypatch, local_rank):
+    """argparse's errors were printed by every rank under torchrun (one line per process, where a bad --set key
+    was one line); local rank 0 prints them, the others wait for torchrun to stop them (`distributed.linger`)."""
+    from lengthgen.train import distributed
+
+    for name, value in {"WORLD_SIZE": "2", "RANK": local_rank, "LOCAL_RANK": local_rank}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed, "_linger", False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--bogus", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("lengthgen train: error: unrecognized arguments: --bogus") == \
+        (local_rank == "0") and distributed._linger == (local_rank == "1")

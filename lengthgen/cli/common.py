@@ -21,6 +21,11 @@ class Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (``lengthgen train: error: ...``), exit status 2."""
 
     def error(self, message: str):
+        from lengthgen.train import distributed
+
+        if distributed.reported_by_rank0(CommandError(message)):     # under torchrun: local rank 0 prints it
+            distributed.leave_report()
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
