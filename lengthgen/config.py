@@ -379,7 +379,9 @@ def read_config_text(path: str | Path) -> str:
     path = Path(path)
     if not path.exists():
         near = Path("configs") / f"{path.name}.toml"       # `--config counting` for the shipped configs/counting.toml
-        hint = f" (did you mean {near}?)" if not path.suffix and near.is_file() else ""
+        hint = f" (did you mean {near}?)" if not path.suffix and near.is_file() else \
+            " (a name of configs/, listed by lengthgen config list, or a path)" if not path.suffix and \
+            near.parent.is_dir() else ""
         raise FileNotFoundError(f"config file not found: {path}{hint}")
     if not path.is_file():
         what = "a folder" if path.is_dir() else "not a regular file"

@@ -107,6 +107,7 @@ def test_config_show_names_the_choices_of_a_bad_argument(capsys, monkeypatch):
     assert main(["config", "show", "no_such_config"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'no_such_config' is not a config file" in err and "counting" in err
+    assert "cpu/seed003_dyck" in err                     # the subfolders' configs too, by the name --config takes
     assert main(["config", "show", "counting", "--set", "train.lr=nan"]) == 2
     assert "train.lr=nan is not valid" in capsys.readouterr().err
 

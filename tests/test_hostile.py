@@ -1595,7 +1595,8 @@ def test_a_shipped_config_named_without_its_path(tmp_path, capsys, monkeypatch):
                                                 r"configs/counting.toml\?\)"):
         load_config("counting")
     code, err = cli(capsys, "train", "--config", "no_such_config", "--out", tmp_path / "run")
-    assert (code, err) == (2, "lengthgen train: error: config file not found: no_such_config")
+    assert (code, err) == (2, "lengthgen train: error: config file not found: no_such_config (a name of configs/, "
+                              "listed by lengthgen config list, or a path)")
     assert not (tmp_path / "run").exists()
 
 

@@ -323,9 +323,19 @@ def config_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shipped_configs() -> list[Path]:
+    """The configs in configs/ and its subfolders, top level first."""
+    return sorted(Path("configs").rglob("*.toml"), key=lambda p: (len(p.parts), p))
+
+
+def _config_name(path: Path) -> str:
+    """The name --config takes for a config in configs/ (``cpu/seed003_dyck``)."""
+    return path.relative_to("configs").with_suffix("").as_posix()
+
+
 def _list_configs() -> int:
     """Each config in configs/ (and its subfolders) by the name --config takes, with its header's first sentence."""
-    paths = sorted(Path("configs").rglob("*.toml"), key=lambda p: (len(p.parts), p))
+    paths = _shipped_configs()
     if not paths:
         raise CommandError("no configs/ folder with .toml files here: run from a lengthgen checkout, whose configs/ "
                            "holds the seeds' presets")
@@ -336,7 +346,7 @@ def _list_configs() -> int:
                 break
             header.append(line.lstrip("# ").strip())
         sentence = re.split(r"\.\s+(?=[A-Z])", " ".join(header))[0].rstrip(".")   # not at "et al. 2023"
-        name = path.relative_to("configs").with_suffix("").as_posix()
+        name = _config_name(path)
         print(f"{name:<28} {sentence[:90] + '...' if len(sentence) > 93 else sentence}")
     return 0
 
@@ -352,7 +362,7 @@ def _run_config_to_show(what: str | None, overrides: list[str]):
     if path.is_dir():
         path = _run_config_file(path)
     elif not path.exists():
-        names = ", ".join(sorted(p.stem for p in Path("configs").glob("*.toml"))) or "none here"
+        names = ", ".join(map(_config_name, _shipped_configs())) or "none here"
         raise CommandError(f"{what!r} is not a config file, a run folder, a name in configs/ ({names}), compare, "
                            "attention or an attention preset (lengthgen config show attention lists them)")
     return load_config(path, overrides)
