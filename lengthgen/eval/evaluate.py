@@ -219,7 +219,8 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
         if limit is not None and length > limit:
             raise ValueError(f"{getattr(source, 'name', 'the source')!r} cannot generate length {length} "
                              f"(max_length {limit})")
-        _rows(model, sequences(tokens_per_length, length), length, forward_tokens, autocast)     # all fit?
+    # rows per forward pass at each length, found before any runs: a length that cannot fit fails here
+    steps = {n: _rows(model, sequences(tokens_per_length, n), n, forward_tokens, autocast) for n in lengths}
     device = _device(model)
 
     def context():
@@ -230,10 +231,9 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     rows = []
     try:
         for length in lengths:
-            batch_size = sequences(tokens_per_length, length)
-            step = _rows(model, batch_size, length, forward_tokens, autocast)
-            rows.append(_evaluate_length(model, source, length, batch_size=batch_size, seed=seed, context=context,
-                                         measure=measure, step=step, diagnostics=diagnostics and length == lengths[-1]))
+            rows.append(_evaluate_length(model, source, length, batch_size=sequences(tokens_per_length, length),
+                                         seed=seed, context=context, measure=measure, step=steps[length],
+                                         diagnostics=diagnostics and length == lengths[-1]))
     finally:
         model.train(was_training)
     return RunEval(rows, eval_seed=seed, provenance=Provenance.capture(device),

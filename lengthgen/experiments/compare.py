@@ -44,7 +44,7 @@ from lengthgen.report import write_report
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.optim import build_optimizers
 from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, checkpoints_at, lock, saved_run_config
-from lengthgen.train.setup import check_backend, check_length, device_type, resolve
+from lengthgen.train.setup import check_backend, check_memory, device_type, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 
@@ -243,7 +243,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     train_length = max(cfg.lengths())
     eval_lengths = checked_lengths(cfg, source, cc.eval_lengths, "compare.eval_lengths")
     for run in runs.runs:       # a variant's model may need more memory than the config's at the longest length
-        check_length(source, f"compare.eval_lengths (run {run})", eval_lengths[-1], runs.config(run, cc.seeds[0]))
+        check_memory(runs.config(run, cc.seeds[0]), f"compare.eval_lengths (run {run})", eval_lengths[-1])
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric, higher_is_better = check_metric(source, cc.metric)

@@ -72,17 +72,12 @@ def check_lengths(cfg: RunConfig, source: Any) -> None:
 
 def check_length(source: Any, key: str, length: int, cfg: RunConfig | None = None) -> None:
     """``length`` must be within the source's ``max_length`` and sample (one sequence is drawn); else a
-    `ConfigError` naming ``key``. With ``cfg``, first: on the CPU one forward pass of ``cfg.model`` over one
-    sequence of ``length`` must fit the available memory (`lengthgen.eval.evaluate.rows_at_once`)."""
+    `ConfigError` naming ``key``. With ``cfg``, first `check_memory`."""
     max_length = getattr(source, "max_length", None)
     if max_length is not None and length > max_length:
         raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}", key)
     if cfg is not None:
-        device = "cpu" if cfg.train.device == "cpu" or not torch.cuda.is_available() else "cuda"
-        try:
-            rows_at_once(cfg.model, device, 1, length, None, autocast_dtype(cfg.train, device))
-        except MemoryError as err:
-            raise ConfigError(f"{key}: {err}", key) from None
+        check_memory(cfg, key, length)
     try:
         with warnings.catch_warnings():     # a probe: what the length's own batches say, they say when drawn
             warnings.simplefilter("ignore")
@@ -180,6 +175,16 @@ def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, exte
     return {"step": step, "extended": {"train.steps": [old.train.steps, now.train.steps]}}
 
 
+def check_memory(cfg: RunConfig, key: str, length: int) -> None:
+    """On the CPU (`inference_device`), one evaluation forward pass of ``cfg.model`` over one sequence of ``length``
+    must fit the available memory (`lengthgen.eval.evaluate.rows_at_once`); else a `ConfigError` naming ``key``."""
+    device = inference_device(cfg.train)
+    try:
+        rows_at_once(cfg.model, device, 1, length, None, autocast_dtype(cfg.train, device))
+    except MemoryError as err:
+        raise ConfigError(f"{key}: {err}", key) from None
+
+
 def device_type(train: Any) -> str:
     """``"cuda"`` or ``"cpu"`` from ``train.device`` (``auto``: CUDA when available)."""
     if train.device == "auto":
@@ -189,18 +194,22 @@ def device_type(train: Any) -> str:
     return train.device
 
 
+def inference_device(train: Any) -> str:
+    """The device a run is evaluated or sampled on: `device_type`, or the CPU where it asks for CUDA and there is
+    none here."""
+    return "cpu" if train.device == "cuda" and not torch.cuda.is_available() else device_type(train)
+
+
 def for_inference(model: torch.nn.Module, train: Any) -> tuple[torch.nn.Module, str]:
     """A loaded run's model on the device it is evaluated or sampled on, and that device: ``train.device``, or the
     CPU when it asks for CUDA and there is none here; a layer whose recorded ``model.attention_backend`` cannot
     run there (e.g. triton without CUDA) falls back to ``auto``, which matches the same dense oracle. Both warn."""
     from lengthgen.attention import backends
 
-    if train.device == "cuda" and not torch.cuda.is_available():
+    kind = inference_device(train)
+    if train.device == "cuda" and kind == "cpu":
         warnings.warn("the run trained with train.device='cuda'; CUDA is not available here, so it runs on the CPU",
                       stacklevel=2)
-        kind = "cpu"
-    else:
-        kind = device_type(train)
     dtype = autocast_dtype(train, kind) or torch.float32
     failing: dict[str, list[int]] = {}
     for attn in model.attentions:
@@ -238,5 +247,5 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
 
 
 __all__ = ["DATA_LOCATION", "MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths",
-           "check_resume", "check_world", "device_type", "fill_model_from_source", "for_inference", "resolve",
-           "run_threads"]
+           "check_memory", "check_resume", "check_world", "device_type", "fill_model_from_source", "for_inference",
+           "inference_device", "resolve", "run_threads"]
