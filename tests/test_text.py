@@ -265,6 +265,23 @@ def test_bin_documents_run_across_shard_boundaries(tmp_path, cuts, prefix):
     assert BYTE.decode(row[1:].tolist()) == LONG_DOC[:-1]
 
 
+def test_bin_shards_join_in_the_order_of_the_numbers_in_their_names(tmp_path):
+    """Unpadded shard numbers joined by name (train_1, train_10, train_2) cut a document across shards into pieces
+    of others; a run whose checkpoint recorded the digest of that order is refused on resume (its digest differs),
+    and a cache of it is not reused (its fingerprint differs)."""
+    flat = [t for d in ["first", "second document", "third"] for t in [BOS] + BYTE.encode(d)]
+    for n, (a, b) in zip([1, 2, 10], [(0, 10), (10, 18), (18, len(flat))]):
+        write_bin_shard(tmp_path / f"train_{n}.bin", flat[a:b])
+    corpus = BinCorpus(tmp_path, bos_id=BOS)
+    assert [key for key, _ in corpus.files] == ["train_1.bin", "train_2.bin", "train_10.bin"]
+    assert [BYTE.decode(d) for d in corpus] == ["first", "second document", "third"]
+    by_name = BinCorpus(tmp_path, bos_id=BOS)
+    by_name.files = sorted(by_name.files)                    # the order before: by name
+    assert by_name.fingerprint() != corpus.fingerprint()
+    assert TextData(pretokenize(by_name, BYTE, cache=False)).digest() != \
+        TextData(pretokenize(corpus, BYTE, cache=False)).digest()
+
+
 def test_bin_cache_written_before_documents_crossed_shards_is_not_reused(tmp_path):
     """Caches of streams split shard by shard (the older, wrong split) must miss: the fingerprint changed."""
     write_bin_shard(tmp_path / "s.bin", [BOS, 1, 2])

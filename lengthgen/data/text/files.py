@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob as globlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -84,6 +85,12 @@ def resolve_files(source: str | os.PathLike | list, extensions: tuple[str, ...],
         raise CorpusError(f"{what}: {path} has unsupported extension {path.suffix or '(none)'!r}; "
                           f"expected {exts}")
     return [(path.name, path)]
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key ordering the numbers in ``name`` by value (``train_2.bin`` before ``train_10.bin``); ties
+    (``x_01``, ``x_1``) fall back to the name itself."""
+    return [int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", name))], name
 
 
 def _read_text(path: Path) -> str:
@@ -198,9 +205,10 @@ class BinCorpus(Corpus):
     """Documents from modded-nanogpt ``.bin`` shards (a file, directory or glob), split at ``bos_id``.
 
     modded-nanogpt's ``fineweb.py`` writes one token stream, a BOS before every document, cut into
-    fixed-size shards, so a document may run on from one shard into the next. The shards (in sorted
-    order) are read as that one stream, one shard at a time: each document is the tokens after one BOS
-    up to the next, across shard boundaries, keyed for the split by the shard and index of its BOS
+    fixed-size shards, so a document may run on from one shard into the next. The shards (numbers in their
+    names ordered by value, `natural_key`: ``train_2.bin`` before ``train_10.bin``) are read as that one
+    stream, one shard at a time: each document is the tokens after one BOS up to the next, across shard
+    boundaries, keyed for the split by the shard and index of its BOS
     (``<shard>#<i>``). Tokens before the first shard's first BOS form a document too (keyed
     ``<shard>#0``): the tail of a document begun in a shard not given, e.g. by a glob from
     ``fineweb_train_000005.bin`` on. ``bos_id=None``: each shard is one document. ``vocab_size``: if
@@ -212,7 +220,8 @@ class BinCorpus(Corpus):
         self.source = source
         self.split, self.val_fraction = check_split_options("BinCorpus", split, val_fraction)
         self.bos_id, self.vocab_size, self.tokenizer_name = bos_id, vocab_size, tokenizer_name
-        self.files = resolve_files(source, (".bin",), f"bin corpus {source!r}")
+        self.files = sorted(resolve_files(source, (".bin",), f"bin corpus {source!r}"),
+                            key=lambda kp: natural_key(kp[0]))
         self.name = f"bin:{os.fspath(source) if not isinstance(source, (list, tuple)) else 'files'}/{split}"
         self._tokens = self._seen = self._kept = 0
 
