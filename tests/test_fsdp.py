@@ -12,6 +12,7 @@ runs M and N are compared more loosely.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -40,7 +41,8 @@ def test_two_sharded_processes_match_one(tmp_path):
     from lengthgen.train.config import RunConfig
     from lengthgen.train.weights import load_run
 
-    torchrun_two(__file__, tmp_path)
+    proc = torchrun_two(__file__, tmp_path)
+    assert "returned a view tensor" not in proc.stderr          # FSDP2's warning, once per rank, before
     for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("n", RUN_N, 3e-3), ("t", RUN_T, 1e-5),
                                  ("s", RUN_S, 1e-5)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
@@ -91,6 +93,34 @@ def test_fsdp_in_one_process_says_it_shards_nothing():
     assert split_batch_notes(cfg, 1) == ["train.parallel='fsdp' has no effect in one process (WORLD_SIZE=1): nothing "
                                          "is sharded; launch with torchrun --nproc_per_node=N to shard across N ranks"]
     assert split_batch_notes(cfg, 2) == [] and split_batch_notes(RunConfig().override(*BASE), 1) == []
+
+
+def test_a_sharded_regression_head_returns_no_view_and_the_same_gradients():
+    """FSDP2 warned once per rank that the model 'returned a view tensor' (a regression head's squeeze(-1)); in one
+    gloo process: the sharded model's forward warns of nothing and its gradients are the plain model's."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from lengthgen.model import GPT, GPTConfig
+    from lengthgen.train import distributed
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = GPT(GPTConfig(vocab_size=4, dim=16, layers=2, heads=2, head="regress"))
+        sharded = copy.deepcopy(plain)
+        distributed.parallelize(sharded, "fsdp", torch.device("cpu"))
+        tokens = torch.randint(0, 4, (2, 8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = sharded(tokens)
+        out.square().sum().backward()
+        plain(tokens).square().sum().backward()
+        for (key, got), want in zip(sharded.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(got.grad.full_tensor(), want.grad), key
+    finally:
+        dist.destroy_process_group()
 
 
 def _worker(out: Path) -> None:

@@ -167,7 +167,9 @@ class GPT(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             x = (x[:, -1] if self.head_kind == "classify" else x).to(dtype)
             out = F.linear(x, self.head.weight.to(dtype), self.head.bias.to(dtype))
-        return out.squeeze(-1) if self.head_kind == "regress" else out
+        # a regression's (B, L) is a copy, not a view of the (B, L, 1) product: FSDP2 warns of a view output (an
+        # in-place op on it would skip its backward hook)
+        return out.squeeze(-1).clone() if self.head_kind == "regress" else out
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The lm head's (capped) logits (B, L, V) of final hidden states x (B, L, dim)."""
