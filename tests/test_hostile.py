@@ -1981,6 +1981,29 @@ def test_a_rank_that_lost_another_says_so_in_one_line(tmp_path, capsys, monkeypa
 
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_ctrl_c_under_torchrun_is_printed_by_local_rank_0(tmp_path, capsys, monkeypatch, local_rank):
+    """Ctrl-C under torchrun (which hands its SIGINT to every rank) printed 'interrupted' once per rank once the
+    process group was joined; local rank 0 prints it, the others exit with the same status at once."""
+    import torch.distributed as dist
+
+    import lengthgen.train
+    from lengthgen.train import distributed
+
+    def interrupted(*args, **kwargs):       # in training: the process group joined (here a gloo group of one)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        raise KeyboardInterrupt
+
+    for name, value in {"WORLD_SIZE": "2", "RANK": local_rank, "LOCAL_RANK": local_rank}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(lengthgen.train, "train", interrupted)
+    monkeypatch.setattr(distributed, "_linger", False)
+    code = main(["train", *sets(), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 130 and not dist.is_initialized() and not distributed._linger
+    assert err == (["lengthgen train: interrupted"] if local_rank == "0" else [])
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
 def test_a_bad_argument_under_torchrun_is_printed_by_local_rank_0(tmp_path, capsys, monkeypatch, local_rank):
     """argparse's errors were printed by every rank under torchrun (one line per process, where a bad --set key
     was one line); local rank 0 prints them, the others wait for torchrun to stop them (`distributed.linger`)."""

@@ -238,14 +238,17 @@ def reported_by_rank0(err: BaseException) -> bool:
     ``err`` alike: before joining the process group (reading the arguments and config, as every rank of a node
     does: local rank 0 of each node reports it, so a file missing on one node is still named) or marked
     ``every_rank`` (`on_main` hands rank 0's error on; `NonFiniteLossError`: the loss is averaged over ranks; rank
-    0 reports it). An error of this rank's own (out of memory, a crash) is its own to report."""
+    0 reports it), or Ctrl-C (a `KeyboardInterrupt`: torchrun hands its SIGINT to every rank of its node; local
+    rank 0 reports it). An error of this rank's own (out of memory, a crash) is its own to report."""
     try:
         rank, world, local_rank = env_world()
     except ConfigError:         # the environment is the error: every process names it
         return False
     if world == 1:
         return False
-    return local_rank != 0 if not dist.is_initialized() else rank != 0 and getattr(err, "every_rank", False)
+    if isinstance(err, KeyboardInterrupt) or not dist.is_initialized():
+        return local_rank != 0
+    return rank != 0 and getattr(err, "every_rank", False)
 
 
 def lost_peer(err: BaseException) -> str | None:
