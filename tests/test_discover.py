@@ -49,6 +49,23 @@ def test_help_points_to_config_show(command):
         assert all(f"{n:03d} " in parser.format_help() for n in range(5))
 
 
+def test_help_shows_defaults_as_they_are_typed():
+    """``bench --help`` showed a tuple, "(default (1024, 4096, 16384, 65536) on cuda ...)", for an option typed as
+    1024,4096: no command's help shows a default as a Python tuple or list."""
+    def helps(parser):
+        yield parser.prog, " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if isinstance(action.choices, dict):                # the subcommands
+                for sub in action.choices.values():
+                    yield from helps(sub)
+
+    texts = dict(helps(build_parser()))
+    assert "lengthgen bench" in texts
+    for prog, text in texts.items():
+        assert not re.search(r"default:? [(\[]['\d]", text), (prog, text)
+    assert "(default 1024,4096,16384,65536 on cuda, 256,512 on cpu)" in texts["lengthgen bench"]
+
+
 def test_config_show_prints_every_key_with_value_meaning_and_choices(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     keys = shown(capsys, "counting", "--set", "model.attention=l2", "--set", "train.steps=7")

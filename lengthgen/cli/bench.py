@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of ``bench attention`` (defaults depend on the device: GPU sizes on CUDA, tiny ones on CPU)."""
     parser.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
     parser.add_argument("--lengths", type=_ints, default=None,
-                        help=f"comma list, 1k suffixes allowed (default {bench.GPU_LENGTHS} on cuda, "
-                             f"{bench.CPU_LENGTHS} on cpu)")
+                        help=f"comma list, 1k suffixes allowed (default {','.join(map(str, bench.GPU_LENGTHS))} on "
+                             f"cuda, {','.join(map(str, bench.CPU_LENGTHS))} on cpu)")
     parser.add_argument("--head-dims", type=_ints, default=(64, 128), help="comma list (default 64,128)")
     parser.add_argument("--variants", type=_choices(bench.VARIANTS), default=None,
                         help=f"comma list of {', '.join(bench.VARIANTS)}")
