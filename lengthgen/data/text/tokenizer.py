@@ -290,7 +290,8 @@ TOKENIZER_NAMES = ("byte", "gpt2", "tiktoken:<encoding>", "hf:<path to tokenizer
 
 
 def make_tokenizer(name: str | Tokenizer = "byte", **options) -> Tokenizer:
-    """``"byte"``, ``"gpt2"`` (= ``"tiktoken:gpt2"``), ``"tiktoken:<encoding>"`` or ``"hf:<path>"``.
+    """``"byte"``, ``"gpt2"`` (= ``"tiktoken:gpt2"``; a bare ``"tiktoken"`` too, kept for configs that use it),
+    ``"tiktoken:<encoding>"`` (e.g. ``"tiktoken:cl100k_base"``) or ``"hf:<path>"``.
     A ``Tokenizer`` instance is returned as is. ``options`` go to the tokenizer's constructor."""
     if isinstance(name, Tokenizer):
         return name
