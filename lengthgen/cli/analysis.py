@@ -11,6 +11,8 @@ from pathlib import Path
 from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, non_negative_float,
                                   positive_int, seed_int, writing)
 
+HF_TOKENIZER_HELP = "with --hf: byte, gpt2, tiktoken:ENCODING or hf:PATH (default: the folder's tokenizer.json)"
+
 
 def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", help="compare or retrofit folders (or results.json files) to report on")
@@ -96,7 +98,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bema", action="store_true", help="evaluate the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", help="with --hf: text corpus (stdlib, a path, bin:GLOB; default stdlib)")
-    p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
+    p.add_argument("--tokenizer", help=HF_TOKENIZER_HELP)
     p.add_argument("--out", "-o", help="write the results JSON here, a NAME.json (in a lengthgen folder: under its "
                                        "lock); it replaces only an earlier evaluation")
 
@@ -165,7 +167,7 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bema", action="store_true", help="map the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", help="with --hf: the filler's text corpus (stdlib, a path, bin:GLOB; default stdlib)")
-    p.add_argument("--tokenizer", help="with --hf: byte, gpt2 or hf:PATH (default: the folder's tokenizer.json)")
+    p.add_argument("--tokenizer", help=HF_TOKENIZER_HELP)
     p.add_argument("--train-length", type=positive_int, help="with --hf: the model's training length, marked on "
                    "the map")
     p.add_argument("--out", "-o", help="folder for needle.json, needle.md and needle.png (default: the run folder; "
