@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lengthgen import memory
 from lengthgen.config import ConfigError
 from lengthgen.data.tasks import make_task
 from lengthgen.data.tasks.base import Batch
@@ -130,7 +131,7 @@ def test_an_evaluation_that_cannot_fit_in_memory_fails_before_it_runs(monkeypatc
     available, raised before any length is evaluated."""
     evaluate_module = importlib.import_module("lengthgen.eval.evaluate")   # the package's `evaluate` is the function
     source, model = RandomText(), GPT(GPTConfig(vocab_size=97, dim=16, layers=1, heads=2))
-    monkeypatch.setattr(evaluate_module, "available_memory", lambda: 2**30)
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: (2**30, "host"))
     run = []
     monkeypatch.setattr(GPT, "features", lambda self, *a, **k: run.append(1))
     need = gpt_module.forward_memory(model.config, 2**22) + 8 * 2**22
@@ -147,7 +148,7 @@ def test_an_evaluation_short_of_memory_runs_fewer_rows_at_once_with_the_same_val
     source, model = RandomText(), GPT(GPTConfig(vocab_size=97, dim=16, layers=1, heads=2))
     whole = evaluate(model, source, [64], tokens_per_length=1024, diagnostics=False)
     row = gpt_module.forward_memory(model.config, 64)
-    monkeypatch.setattr(evaluate_module, "available_memory", lambda: 2 * (3 * row + 1024 * 8))   # 3 rows in half
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: (2 * (3 * row + 8192), "host"))   # 3 rows in half
     rows: list[int] = []
     features = GPT.features
     monkeypatch.setattr(GPT, "features", lambda self, tokens, *a, **k: (
@@ -156,6 +157,64 @@ def test_an_evaluation_short_of_memory_runs_fewer_rows_at_once_with_the_same_val
     assert rows == [3] * 5 + [1]
     assert split.lengths[0].at_length == whole.lengths[0].at_length
     assert split.lengths[0].buckets == whole.lengths[0].buckets
+
+
+GIB, MIB, NO_LIMIT = 2**30, 2**20, "9223372036854771712"      # cgroup v1's "no limit"
+
+
+def fake_host(root, cgroup: str, files: dict[str, object]):
+    """A /proc and /sys/fs/cgroup under ``root``: MemAvailable 8 GiB, ``/proc/self/cgroup`` ``cgroup`` and the
+    cgroup ``files`` (paths under /sys/fs/cgroup)."""
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/meminfo").write_text(f"MemTotal:       16777216 kB\nMemAvailable:    {8 * 2**20} kB\n")
+    (root / "proc/self/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        (root / "sys/fs/cgroup" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "sys/fs/cgroup" / name).write_text(f"{text}\n")
+    return root
+
+
+V1 = "4:memory:/docker/0123abcd\n2:cpu,cpuacct:/docker/0123abcd\n0::/\n"     # hybrid: memory on v1
+
+
+@pytest.mark.parametrize("cgroup, files, available", [
+    ("0::/job\n", {"job/memory.max": GIB, "job/memory.current": 256 * MIB, "job/memory.stat": "inactive_file 0"},
+     (768 * MIB, "cgroup")),                                                   # v2: the limit is below MemAvailable
+    ("0::/job\n", {"job/memory.max": "max", "job/memory.current": GIB}, (8 * GIB, "host")),
+    ("0::/job\n", {"job/memory.max": 16 * GIB, "job/memory.current": GIB}, (8 * GIB, "host")),   # above the host's
+    ("0::/slice/job\n", {"slice/memory.max": 2 * GIB, "slice/memory.current": 1536 * MIB,        # a parent's limit
+                         "slice/job/memory.max": "max", "slice/job/memory.current": GIB}, (512 * MIB, "cgroup")),
+    ("0::/job\n", {"job/memory.max": GIB, "job/memory.current": GIB,            # page cache is reclaimed first
+                   "job/memory.stat": "file 536870912\ninactive_file 402653184"}, (384 * MIB, "cgroup")),
+    (V1, {"memory/memory.limit_in_bytes": GIB, "memory/memory.usage_in_bytes": 768 * MIB,      # the container's own
+          "memory/memory.stat": "inactive_file 0\ntotal_inactive_file 268435456"}, (512 * MIB, "cgroup")),  # at root
+    (V1, {"memory/docker/0123abcd/memory.limit_in_bytes": GIB, "memory/docker/0123abcd/memory.usage_in_bytes": 0,
+          "memory/memory.limit_in_bytes": NO_LIMIT, "memory/memory.usage_in_bytes": 4 * GIB}, (GIB, "cgroup")),
+    (V1, {"memory/memory.limit_in_bytes": NO_LIMIT, "memory/memory.usage_in_bytes": GIB}, (8 * GIB, "host")),
+    (V1, {}, (8 * GIB, "host")),                                                # no cgroup files: MemAvailable
+    ("0::/../..\n", {"memory.max": GIB, "memory.current": 0}, (GIB, "cgroup")),  # outside the mount: its root
+])
+def test_the_available_memory_is_the_cgroup_limit_where_that_is_lower(tmp_path, cgroup, files, available):
+    """In a container (docker, k8s, CI, slurm) the memory cgroup's limit, often far below the host's MemAvailable,
+    is where the kernel kills the process with no message; the check read MemAvailable alone and let such an
+    evaluation run. Now the smaller of the two: limit minus usage (less the inactive file cache) of the cgroup and
+    each ancestor, cgroup v2 or v1, read at the mount's root where the container's path is not under it."""
+    assert memory.available_memory(fake_host(tmp_path, cgroup, files)) == available
+
+
+def test_the_available_memory_is_unknown_without_proc(tmp_path):
+    assert memory.available_memory(tmp_path) is None
+
+
+def test_an_evaluation_over_the_cgroup_limit_says_the_limit_bounds_it(tmp_path, monkeypatch):
+    """Where the cgroup's limit is what leaves too little, the error says so: the user raises the container's limit
+    (the host may have plenty free)."""
+    evaluate_module = importlib.import_module("lengthgen.eval.evaluate")
+    root = fake_host(tmp_path, "0::/job\n", {"job/memory.max": GIB, "job/memory.current": 0})
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: memory.available_memory(root))
+    model = GPT(GPTConfig(vocab_size=97, dim=16, layers=1, heads=2))
+    with pytest.raises(MemoryError, match=r", 1.0 GiB available under the cgroup \(container\) memory limit$"):
+        evaluate(model, RandomText(), [2**22], tokens_per_length=64, diagnostics=False)
 
 
 _PEAK = """
@@ -202,7 +261,7 @@ def test_lengths_that_cannot_fit_in_memory_are_refused_before_anything_runs(tmp_
             "--set", "data.length=8", "--set", "model.attention.window=8", "--set", "train.device=cpu"]
     assert main(["train", *tiny, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
     capsys.readouterr()
-    monkeypatch.setattr(evaluate_module, "available_memory", lambda: 2**26)
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: (2**26, "host"))
     need = gpt_module.forward_memory(GPTConfig(vocab_size=2, dim=16, layers=1, heads=2), 2**17) + 8 * 2**17
     said = f"evaluating length 131072 (1 sequence) needs at least {need / 2**30:.1f} GiB of memory, 0.1 GiB available"
     assert main(["eval", str(tmp_path / "run"), "--lengths", f"8,{2**17}"]) == 2

@@ -107,17 +107,20 @@ def rows_at_once(config: Any, device: str, rows: int, length: int, forward_token
                  autocast: torch.dtype | None) -> int:
     """Rows per forward pass of a batch of ``rows`` sequences of ``length``: ``forward_tokens // length`` (None:
     all; at least one), and for a lengthgen model (its `GPTConfig` ``config``) on the ``"cpu"`` no more than half
-    the host's available memory holds (`forward_memory`; the values are the same row by row). A MemoryError naming
-    the length, the memory it needs and the memory available when not even one row fits beside the batch: Linux
-    would kill the process instead, with no message."""
+    the available memory holds (`available_memory`: the host's, or the cgroup's where less; `forward_memory`; the
+    values are the same row by row). A MemoryError naming the length, the memory it needs and the memory available
+    (and the cgroup, where its limit is what bounds it) when not even one row fits beside the batch: Linux would kill
+    the process instead, with no message."""
     step = rows if forward_tokens is None else max(1, forward_tokens // length)
-    free = available_memory() if device == "cpu" and isinstance(config, GPTConfig) else None
-    if free is None:
+    available = available_memory() if device == "cpu" and isinstance(config, GPTConfig) else None
+    if available is None:
         return step
+    free, bound = available
     batch, row = rows * length * 8, forward_memory(config, length, 4 if autocast is None else 2)   # token ids
     if batch + row > free:
         raise MemoryError(f"evaluating length {length} ({rows} sequence{'s' if rows > 1 else ''}) needs at least "
-                          f"{gib(batch + row)} of memory, {gib(free)} available")
+                          f"{gib(batch + row)} of memory, {gib(free)} available"
+                          + (" under the cgroup (container) memory limit" if bound == "cgroup" else ""))
     return min(step, max(1, (free // 2 - batch) // row))
 
 
