@@ -98,3 +98,64 @@ def test_eval_hf_starts_rows_with_the_bos_token_the_folder_declares(tmp_path):
     (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.warns(UserWarning, match="names no BOS token: every row starts with id 3, past its vocabulary"):
         assert _tokenizer(bare, None).bos_id == 3
+
+
+def test_eval_hf_refuses_a_length_whose_one_row_cannot_fit_in_memory(tiny_llama_dir, monkeypatch, capsys):
+    """On the CPU, `lengthgen eval --hf` ran any length (the memory check knew lengthgen's models only), and one
+    whose logits alone outgrow the memory was killed by Linux with no message; now one line naming the length, what
+    it needs at least (`measure_hf_memory`) and what is left beside the loaded model, exit 2, before anything runs."""
+    import importlib
+
+    from lengthgen.hf import eval as hf_eval
+    from lengthgen.memory import gib
+
+    evaluate_module = importlib.import_module("lengthgen.eval.evaluate")
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: (2**27, "host"))
+    monkeypatch.setattr(hf_eval, "measure_hf", lambda *a: pytest.fail("a length ran"))
+    need = 8 * 2**20 + hf_eval.measure_hf_memory(hf_eval.load_local_model(tiny_llama_dir), 2**20)
+    assert main(["eval", "--hf", str(tiny_llama_dir), "--lengths", f"64,{2**20}"]) == 2
+    err = capsys.readouterr().err           # after transformers' own progress bar of the weights it loaded
+    assert err.endswith(f"\nlengthgen eval: error: lengths: evaluating length 1048576 (1 sequence) needs at least "
+                        f"{gib(need)} of memory, 0.1 GiB available\n")
+
+
+_HF_PEAK = """
+import resource, sys, torch, transformers
+from lengthgen.data.tasks.base import Batch
+from lengthgen.hf.eval import measure_hf, measure_hf_memory
+torch.set_num_threads(1)
+torch.manual_seed(0)
+length, vocab = 4096, 8192
+if sys.argv[1] == "gpt2":
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=vocab,
+                                                                 n_positions=length + 1))
+else:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=vocab, max_position_embeddings=length + 1))
+model.eval()
+def batch(n):
+    tokens = torch.randint(0, vocab, (1, n + 1))
+    return Batch(tokens=tokens[:, :-1], targets=tokens[:, 1:], loss_mask=torch.ones(1, n, dtype=torch.bool))
+with torch.no_grad():
+    measure_hf(model, None, batch(16))
+    with open("/proc/self/statm") as statm:             # resident now, not the peak of the imports
+        before = int(statm.read().split()[1]) * resource.getpagesize()
+    measure_hf(model, None, batch(length))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, measure_hf_memory(model, length))
+"""
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])       # a plain decoder LM (chunked logits) and another
+def test_the_hf_memory_estimate_is_a_lower_bound_of_the_measured_peak(model):
+    """`measure_hf_memory` (what the CPU check compares with the available memory for an HF model) against the peak
+    resident memory `measure_hf` adds over one row of 4096 tokens in a fresh process: below it (1.5x on a quiet
+    host), loosely: a busy host may page out some of the process's library code while it runs."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _HF_PEAK, model], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    peak, estimate = map(int, out.stdout.split())
+    assert 0.8 * estimate <= peak <= 3 * estimate, (peak, estimate)

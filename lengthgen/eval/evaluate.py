@@ -104,19 +104,22 @@ def _chance(source: Any, values: dict[str, torch.Tensor], length: int
 
 
 def rows_at_once(config: Any, device: str, rows: int, length: int, forward_tokens: int | None,
-                 autocast: torch.dtype | None) -> int:
+                 autocast: torch.dtype | None, row: int | None = None) -> int:
     """Rows per forward pass of a batch of ``rows`` sequences of ``length``: ``forward_tokens // length`` (None:
-    all; at least one), and for a lengthgen model (its `GPTConfig` ``config``) on the ``"cpu"`` no more than half
-    the available memory holds (`available_memory`: the host's, or the cgroup's where less; `forward_memory`; the
-    values are the same row by row). A MemoryError naming the length, the memory it needs and the memory available
-    (and the cgroup, where its limit is what bounds it) when not even one row fits beside the batch: Linux would kill
-    the process instead, with no message."""
+    all; at least one), and on the ``"cpu"`` no more than half the available memory holds (`available_memory`: the
+    host's, or the cgroup's where less) at ``row`` bytes a row at least (default: `forward_memory` of a lengthgen
+    model's `GPTConfig` ``config``; another model's unknown: unchecked). The values are the same row by row. A
+    MemoryError naming the length, the memory it needs and the memory available (and the cgroup, where its limit is
+    what bounds it) when not even one row fits beside the batch: Linux would kill the process instead, with no
+    message."""
     step = rows if forward_tokens is None else max(1, forward_tokens // length)
-    available = available_memory() if device == "cpu" and isinstance(config, GPTConfig) else None
-    if available is None:
+    if row is None and isinstance(config, GPTConfig):
+        row = forward_memory(config, length, 4 if autocast is None else 2)
+    available = available_memory() if device == "cpu" and row is not None else None
+    if row is None or available is None:
         return step
     free, bound = available
-    batch, row = rows * length * 8, forward_memory(config, length, 4 if autocast is None else 2)   # token ids
+    batch = rows * length * 8           # token ids
     if batch + row > free:
         raise MemoryError(f"evaluating length {length} ({rows} sequence{'s' if rows > 1 else ''}) needs at least "
                           f"{gib(batch + row)} of memory, {gib(free)} available"
@@ -201,14 +204,16 @@ def sequences(tokens_per_length: int, length: int) -> int:
 @torch.no_grad()
 def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_length: int = 8192, seed: int = 0,
              autocast: torch.dtype | None = None, forward_tokens: int | None = None, diagnostics: bool = True,
-             measure: Measure = measure_gpt) -> RunEval:
+             measure: Measure = measure_gpt, memory: Callable[[nn.Module, int], int] | None = None) -> RunEval:
     """Evaluate ``model`` on ``source`` at every length (ascending), diagnostics at the longest.
 
     ``autocast``: the training autocast dtype (None: none). ``forward_tokens``: at most this many tokens per
-    forward pass (None: each length's batch at once; on the CPU no more than fit, `rows_at_once`). Returns a
-    `RunEval` with the seed, timing, parameter count and provenance; callers fill in the run's config and seeds. A
-    length below 1, or a bad ``tokens_per_length``, ``seed``, ``autocast`` or ``forward_tokens``, is a
-    `ConfigError` naming it; a length whose one sequence cannot fit the CPU's available memory a MemoryError.
+    forward pass (None: each length's batch at once; on the CPU no more than fit, `rows_at_once`). ``memory(model,
+    length)``: the bytes ``measure`` holds at least over one row of ``length``, for a model that is not lengthgen's
+    (a lengthgen model's is `forward_memory`; None: unchecked). Returns a `RunEval` with the seed, timing, parameter
+    count and provenance; callers fill in the run's config and seeds. A length below 1, or a bad
+    ``tokens_per_length``, ``seed``, ``autocast`` or ``forward_tokens``, is a `ConfigError` naming it; a length
+    whose one sequence cannot fit the CPU's available memory a MemoryError.
     """
     lengths = sorted(set(check_value("lengths", list(lengths), list[int], ge=1, le=MAX_SIZE)))
     check_value("tokens_per_length", tokens_per_length, int, ge=1)
@@ -223,7 +228,7 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
             raise ValueError(f"{getattr(source, 'name', 'the source')!r} cannot generate length {length} "
                              f"(max_length {limit})")
     # rows per forward pass at each length, found before any runs: a length that cannot fit fails here
-    steps = {n: _rows(model, sequences(tokens_per_length, n), n, forward_tokens, autocast) for n in lengths}
+    steps = {n: _rows(model, sequences(tokens_per_length, n), n, forward_tokens, autocast, memory) for n in lengths}
     device = _device(model)
 
     def context():
@@ -259,8 +264,10 @@ def _check_fits(model: nn.Module, source: Any) -> None:
         raise ValueError(f"evaluate: the model embeds {vocab} token ids but task {name!r} uses {used}")
 
 
-def _rows(model: nn.Module, rows: int, length: int, forward_tokens: int | None, autocast: torch.dtype | None) -> int:
-    return rows_at_once(getattr(model, "config", None), _device(model).type, rows, length, forward_tokens, autocast)
+def _rows(model: nn.Module, rows: int, length: int, forward_tokens: int | None, autocast: torch.dtype | None,
+          memory: Callable[[nn.Module, int], int] | None) -> int:
+    return rows_at_once(getattr(model, "config", None), _device(model).type, rows, length, forward_tokens, autocast,
+                        None if memory is None else memory(model, length))
 
 
 def _device(model: nn.Module) -> torch.device:

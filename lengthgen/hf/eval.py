@@ -16,11 +16,14 @@ import torch.nn as nn
 
 from lengthgen.config import ConfigError
 from lengthgen.eval import DEPTHS, LongDocuments, NeedleMap, RunEval, answer_scores, evaluate, needle_map
+from lengthgen.eval.evaluate import rows_at_once
 from lengthgen.hf.registry import NAME, register, require_transformers
 from lengthgen.hf.retrofit import from_pretrained
 
 # Causal LMs whose logits are exactly lm_head(final hidden states): `token_losses` can chunk the vocabulary matmul.
 _PLAIN_LM_HEADS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+#: logits per chunk of `token_losses`' vocabulary matmul (plain decoder LMs)
+MAX_LOGITS = 1 << 26
 
 
 def model_folder(path: str | os.PathLike) -> Path:
@@ -77,7 +80,7 @@ def _plain_lm(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 @torch.no_grad()
 def token_losses(model: nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 max_logits: int = 1 << 26, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                 max_logits: int = MAX_LOGITS, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token next-token NLL, float32 (B, L-1): column j is -log p(tokens[:, j+1] | tokens[:, :j+1]).
 
     ``attention_mask`` (B, L), 1 = token: targets that are padding get NaN. For plain decoder LMs (Llama,
@@ -119,6 +122,20 @@ def measure_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Ten
     if batch.doc_ids is not None and getattr(model.config, "model_type", None) == NAME:
         doc_ids = torch.cat([batch.doc_ids, batch.doc_ids[:, -1:]], dim=1)
     return {"loss": token_losses(model, tokens, doc_ids=doc_ids).masked_fill(~batch.loss_mask, float("nan"))}
+
+
+def measure_hf_memory(model: nn.Module, length: int) -> int:
+    """A lower bound on the bytes `measure_hf` holds at once over one row of ``length`` (``length`` + 1 tokens),
+    counting only what `token_losses` itself computes, nothing inside the model: 8 bytes per logit cross-entropy
+    takes at once (the logits as float32, or their float32 copy, and the float32 log-probabilities), for every
+    position (a CausalLM's logits: ``config.vocab_size`` a position) or, for a plain decoder LM, for one chunk
+    (`MAX_LOGITS`) beside the final hidden states (in the head's weight dtype, which its matmul takes; a quantized
+    head's is narrower). Measured peaks: about 1.5x it."""
+    parts = _plain_lm(model)
+    if parts is None:
+        return 8 * length * model.config.vocab_size
+    vocab, width = parts[1].weight.shape
+    return (length + 1) * width * parts[1].weight.element_size() + 8 * min(length, max(1, MAX_LOGITS // vocab)) * vocab
 
 
 def measure_needle_hf(model: nn.Module, source: Any, batch: Any) -> dict[str, torch.Tensor]:
@@ -209,12 +226,19 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
 
     ``tokenizer``: a lengthgen tokenizer name (``byte``, ``gpt2``, ``hf:PATH``); default the folder's own
     ``tokenizer.json`` (FileNotFoundError naming the folder when it has none). A tokenizer with more ids than
-    the model's embedding raises `ConfigError`.
+    the model's embedding raises `ConfigError`, and so does, on the CPU, a length whose one row cannot fit the
+    memory left beside the loaded model (`measure_hf_memory`), before any length runs.
     """
     tok, data, model = _text_and_model(path, tokenizer, corpus, split)
+    device = next(model.parameters()).device.type
+    for length in lengths:
+        try:
+            rows_at_once(model.config, device, 1, length, None, None, measure_hf_memory(model, length))
+        except MemoryError as err:
+            raise ConfigError(f"lengths: {err}", "lengths") from None
     source = LongDocuments([(f"{split} split", data)], data)
     result = evaluate(model, source, list(lengths), tokens_per_length=tokens, seed=seed, diagnostics=False,
-                      measure=measure_hf, forward_tokens=forward_tokens)
+                      measure=measure_hf, memory=measure_hf_memory, forward_tokens=forward_tokens)
     return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split, "tokenizer": tok.name})
 
 
@@ -232,5 +256,5 @@ def needle_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[
     return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split, "tokenizer": tok.name})
 
 
-__all__ = ["evaluate_hf", "load_local_model", "measure_hf", "measure_needle_hf", "model_folder", "needle_hf",
-           "token_losses"]
+__all__ = ["MAX_LOGITS", "evaluate_hf", "load_local_model", "measure_hf", "measure_hf_memory", "measure_needle_hf",
+           "model_folder", "needle_hf", "token_losses"]
