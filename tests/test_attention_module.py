@@ -612,3 +612,15 @@ def test_a_field_that_unused_names_changes_nothing_and_one_it_does_not_name_does
 
 def test_no_preset_sets_a_field_it_never_reads():
     assert {name: spec.unused() for name, spec in PRESETS.items() if spec.unused()} == {}
+
+
+@pytest.mark.parametrize("name", list(MODULE_OPTIONS))
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0)], ids=["no_sequences", "no_positions"])
+def test_every_option_gives_an_empty_output_for_an_empty_input(name, shape):
+    """A gated layer raised torch's 'cannot reshape tensor of 0 elements ... -1 ... is ambiguous' for an input with
+    no sequences or no positions (an empty batch to GPT.generate, an empty chunk through a KVCache)."""
+    net = layer(MODULE_OPTIONS[name][0])
+    x = torch.randn(*shape, DIM, dtype=torch.float64, requires_grad=True)
+    out = net(x, torch.zeros(shape, dtype=torch.long))
+    assert out.shape == x.shape
+    out.sum().backward()

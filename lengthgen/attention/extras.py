@@ -103,8 +103,8 @@ class OutputGate(nn.Module):
         gate = torch.sigmoid(F.linear(x[..., :self.width], self.weight))   # (B, L, H) or (B, L, H*D)
         if self.act == "2sigmoid":
             gate = 2 * gate
-        b, length = x.shape[:2]
-        gate = gate.view(b, length, self.heads, -1).transpose(1, 2)   # (B, H, L, 1 or D)
+        b, length = x.shape[:2]          # no -1 below: it is ambiguous for an empty batch or length
+        gate = gate.view(b, length, self.heads, gate.shape[-1] // self.heads).transpose(1, 2)  # (B, H, L, 1 or D)
         return y * gate
 
     def extra_repr(self) -> str:
