@@ -250,6 +250,17 @@ def test_regress_and_classify_losses():
     assert not torch.allclose(model(t2), out)
 
 
+def test_a_classify_head_refuses_sequences_without_positions():
+    """Tokens of length 0 failed inside torch with 'IndexError: index -1 is out of bounds for dimension 1 with size 0';
+    the lm and regress heads give an empty output there."""
+    empty = torch.zeros(2, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^GPT: the classify head reads each sequence's last position, but the "
+                       r"tokens have none \(\(2, 0\)\)$"):
+        GPT(tiny(head="classify", num_classes=4))(empty)
+    assert GPT(tiny(head="regress"))(empty).shape == (2, 0)
+    assert GPT(tiny())(empty).shape == (2, 0, 13)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match=r"GPTConfig\.norm_placement='middle'.*pre, post, peri"):
         tiny(norm_placement="middle")

@@ -163,6 +163,9 @@ class GPT(nn.Module):
         x = self.features(tokens, doc_ids, cache)
         if self.head_kind == "lm":
             return self.logits(x)
+        if self.head_kind == "classify" and x.shape[1] == 0:
+            raise ValueError("GPT: the classify head reads each sequence's last position, but the tokens have none "
+                             f"({tuple(tokens.shape)})")
         dtype = torch.promote_types(self.head.weight.dtype, torch.float32)   # float32 scalars and class logits
         with torch.autocast(x.device.type, enabled=False):
             x = (x[:, -1] if self.head_kind == "classify" else x).to(dtype)
