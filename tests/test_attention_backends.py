@@ -209,6 +209,8 @@ def test_inputs_of_any_last_dimension_stride_match_dense(backend, spec):
 @pytest.mark.parametrize("args, kwargs, message", [
     ((torch.ones(1, 2, 4, 8, dtype=torch.long),) * 3, {}, "floating-point q, k, v, got torch.int64"),
     ((torch.ones(1, 2, 4, 0),) * 3, {}, r"no channels \(head_dim 0\), got q\(1, 2, 4, 0\)"),
+    ((torch.ones(1, 2, 4, 8), torch.ones(1, 0, 4, 8), torch.ones(1, 0, 4, 8)), {},    # was a ZeroDivisionError
+     r"^attend: 2 query heads are not a multiple of 0 key/value heads$"),
     ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": torch.ones(3)}, r"one per query head \(2,\), got shape \(3,\)"),
     ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": 2.0, "spec": "baseline"}, "query_scaling is 'none'"),
     ((torch.ones(1, 2, 4, 8),) * 3, {"multipliers": [1.0, 2.0]}, r"one per query head \(2,\), got list"),
@@ -234,11 +236,13 @@ def test_attend_refuses_inputs_it_cannot_compute(args, kwargs, message):
 
 
 @pytest.mark.parametrize("backend", ["auto", "dense", "tiled", "sdpa", "cpu_flash"])
-@pytest.mark.parametrize("shape", [(0, 2, 5, 8), (1, 2, 0, 8)], ids=["no_sequences", "no_queries"])
+@pytest.mark.parametrize("shape", [(0, 2, 5, 8), (1, 2, 0, 8), (1, 0, 5, 8)], ids=["no_sequences", "no_queries",
+                                                                                   "no_heads"])
 def test_empty_input_gives_an_empty_output(backend, shape):
-    """No sequences or no queries crashed the process (SIGFPE in cpu_flash) or raised from inside a backend."""
+    """No sequences or no queries crashed the process (SIGFPE in cpu_flash) or raised from inside a backend; no
+    heads (none for keys and values either) was a ZeroDivisionError."""
     q = torch.randn(shape, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(shape[0], 2, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(shape[0], shape[1], 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = attend(q, k, v, "baseline", backend=backend)
     assert out.shape == (*shape[:3], 8)
     out.sum().backward()

@@ -26,7 +26,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Atten
         raise ValueError(f"attend: q and k have no channels (head_dim 0), got q{tuple(q.shape)}")
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"attend: incompatible shapes q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
-    if q.shape[1] % k.shape[1]:
+    if q.shape[1] % k.shape[1] if k.shape[1] else q.shape[1]:     # no key/value heads: no query heads either
         raise ValueError(f"attend: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if q.shape[2] > k.shape[2]:
         raise ValueError(f"attend: {q.shape[2]} queries but only {k.shape[2]} keys (queries are the last positions)")
