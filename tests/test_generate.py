@@ -215,6 +215,8 @@ def test_an_empty_batch_generates_an_empty_batch(attention):
     (dict(top_k=0), ConfigError, r"^top_k=0 is not valid; it must be an integer >= 1, or none$"),
     (dict(prompt=torch.zeros(3, dtype=torch.long)), ValueError, r"prompt must be \(batch, length >= 1\)"),
     (dict(prompt=torch.zeros(1, 3)), ValueError, r"token ids \(torch.long\), got torch.float32"),
+    (dict(prompt=[[1, 2, 3]]), ValueError, r"^GPT.generate: prompt must be \(batch, length >= 1\) token ids "
+     r"\(torch.long\), got list$"),     # a list was an AttributeError
     (dict(prompt=torch.tensor([[1, VOCAB]])), ValueError, rf"token ids must be in \[0, {VOCAB}\) \(model.vocab_size\), "
                                                           rf"got {VOCAB}"),
     (dict(prompt=torch.tensor([[-1, 2]])), ValueError, r"must be in \[0, \d+\) \(model.vocab_size\), got -1"),

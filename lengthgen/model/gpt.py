@@ -250,9 +250,10 @@ class GPT(nn.Module):
         `ConfigError` naming it."""
         if self.head_kind != "lm":
             raise ValueError(f"GPT.generate needs an lm head; this model's head is {self.head_kind!r}")
-        if prompt.dim() != 2 or prompt.shape[1] == 0 or prompt.dtype != torch.long:
-            raise ValueError(f"GPT.generate: prompt must be (batch, length >= 1) token ids (torch.long), got "
-                             f"{prompt.dtype} {tuple(prompt.shape)}")
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.shape[1] == 0 \
+                or prompt.dtype != torch.long:
+            got = f"{prompt.dtype} {tuple(prompt.shape)}" if isinstance(prompt, torch.Tensor) else type(prompt).__name__
+            raise ValueError(f"GPT.generate: prompt must be (batch, length >= 1) token ids (torch.long), got {got}")
         low, high = (int(prompt.min()), int(prompt.max())) if prompt.numel() else (0, 0)
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(f"GPT.generate: prompt token ids must be in [0, {self.config.vocab_size}) "
