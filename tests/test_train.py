@@ -52,6 +52,15 @@ def test_mqar_learns(tmp_path):
     assert "accuracy" in result.metrics["eval"]["16"]
 
 
+@pytest.mark.parametrize("stop_at", [-1, 2.5, "3"])
+def test_a_bad_stop_at_is_refused_before_anything_is_written(tmp_path, stop_at):
+    """stop_at=-1 returned an untrained 'result' (step 0, a checkpoint written), 2.5 ran as min(steps, 2.5) and
+    "3" failed with TypeError: '<' not supported between instances of 'str' and 'int'."""
+    with pytest.raises(ConfigError, match=rf"^stop_at={stop_at!r} is not valid; it must be an integer >= 0, or none$"):
+        train(config(), tmp_path / "run", progress=False, stop_at=stop_at)
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.json").exists()
+
+
 # ---------------------------------------------------------------------------------------------------
 # resume
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from lengthgen.config import ConfigError, ConfigWarning
+from lengthgen.config import ConfigError, ConfigWarning, check_value
 from lengthgen.data.config import step_generator
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval import Provenance, ResultsError, RunEval, eval_source, evaluate
@@ -482,7 +482,9 @@ class Trainer:
         return log
 
     def fit(self, stop_at: int | None = None) -> TrainResult:
-        """Train until ``train.steps`` (or until ``stop_at`` steps, then checkpoint as if interrupted)."""
+        """Train until ``train.steps`` (or until ``stop_at`` steps, then checkpoint as if interrupted); a
+        ``stop_at`` that is not an integer >= 0 is a `ConfigError` naming it, before the folder is written."""
+        stop_at = check_value("stop_at", stop_at, int | None, ge=0)
         cfg, tc = self.config, self.config.train
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
