@@ -177,6 +177,16 @@ def test_python_construction_names_the_class():
     assert TrainConfig(bema={"kappa": 1}).bema == BemaConfig(kappa=1.0)
 
 
+
+def test_p_and_tau_are_refused_where_float32_logits_times_them_overflow():
+    """p x logit (flex's LSE_p) overflowed float32 at p ~ 1e37 and a subnormal p gave a wrong output; t / tau
+    overflowed below tau ~ 1e-32 (NaN on dense and flex): both are refused with their range."""
+    for field, value, bound in (("softmax_p", 1e37, r"in \[0.001, 1000\]"), ("softmax_p", 1e-45, "0.001"),
+                                ("tau", 1e-33, ">= 0.001")):
+        with pytest.raises(ConfigError, match=rf"^AttentionSpec\.{field}=.* is not valid; .*{bound}"):
+            AttentionSpec(**{field: value})
+    assert AttentionSpec(softmax_p=1e3, tau=1e-3).softmax_p == 1e3
+
 def test_bad_task_and_kwargs_fail_before_training(tmp_path):
     from lengthgen.train import train
 

@@ -35,7 +35,8 @@ class AttentionSpec:
     """
 
     softmax_p: float = option(1.0, "p-softmax power (seed 001): 1 is softmax, 2 keeps the output variance "
-                              "for uncorrelated values", gt=0)
+                              "for uncorrelated values (within [0.001, 1000]: p times a float32 logit stays finite)",
+                              ge=1e-3, le=1e3)
     query_scaling: QueryScaling = option("none", "query-length scaling g of the n visible keys: log_n "
                                          "(g = s log n), log_bn (g = a + s log(b n + c), seed 004's log n) or "
                                          "sqrt_log_n (g = a + r sqrt(2 log(b n + c)))")
@@ -46,7 +47,8 @@ class AttentionSpec:
     learnable_scaling: Granularity = option("none", "granularity of a learnable multiplier s / r")
     distance: Distance = option("none", "distance term: logit multiplier a_t (scale_invariant) or bias_t "
                                 "(alibi, log_bias), t = i - j")
-    tau: float = option(10.0, "length scale of scale_invariant and log_bias", gt=0)
+    tau: float = option(10.0, "length scale of scale_invariant and log_bias (>= 0.001: t / tau stays finite in "
+                        "float32)", ge=1e-3)
     log_bias_lambda: float = option(1.0, "log_bias strength: bias_t = -lambda log(1 + t / tau)")
     window: int | None = option(None, "sliding window W: key j visible iff i - j < W", ge=1, le=MAX_SIZE)
     doc_masking: bool = option(False, "attend within a document only (needs doc_ids)")
