@@ -377,6 +377,19 @@ def test_save_and_reload_keep_the_retrofit(kind, tmp_path):
     torch.testing.assert_close(logits(local, ids, mask), want, **TOL)
 
 
+def test_a_global_multiplier_replaced_by_load_state_dict_assign_reaches_every_layer():
+    """The other layers held the first layer's global multiplier Parameter itself: after
+    ``load_state_dict(..., assign=True)`` replaced it, they silently ran the old value."""
+    model, copied = quiet_retrofit(tiny("llama"), FULL), quiet_retrofit(tiny("llama"), FULL)
+    state = {name: t + 0.5 if name.endswith("multiplier") else t for name, t in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    copied.load_state_dict(state)
+    first, second = (m.lengthgen for _, m in lhf.attention_modules(model))
+    assert second.multiplier is first.scaling.multiplier
+    ids, mask = batch()
+    torch.testing.assert_close(logits(model, ids, mask), logits(copied, ids, mask), rtol=0, atol=0)
+
+
 def test_plain_transformers_load_of_a_retrofit_raises_instead_of_running_the_base_model(tmp_path, monkeypatch):
     """A saved retrofit read by transformers' own ``from_pretrained`` (which drops the retrofit parameters and
     hooks) never runs as the base model: with lengthgen.hf imported its attention raises naming the loader;

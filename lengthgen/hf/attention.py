@@ -34,17 +34,18 @@ class LengthgenState(nn.Module):
     """What `retrofit` adds to one HF attention module (as ``module.lengthgen``): the spec's extras ``scaling``
     (`QueryScaling`), ``out_norm`` (`OutNorm`) and ``gate`` (`OutputGate`), as in lengthgen's `Attention`.
 
-    A ``learnable_scaling="global"`` multiplier is owned by the first attention module and held by reference
-    (not registered, so it is saved once) by the others. ``x`` holds the attention input during a forward
-    (captured by a pre-hook) for the gate.
+    A ``learnable_scaling="global"`` multiplier is owned by the first attention module's state (``owner``); the
+    others hold that state by reference (not registered, so the multiplier is saved once) and read its current
+    parameter at each forward, so that replacing it (``load_state_dict(..., assign=True)``) reaches every layer.
+    ``x`` holds the attention input during a forward (captured by a pre-hook) for the gate.
     """
 
     def __init__(self, spec: AttentionSpec, hidden_size: int, heads: int, head_dim: int, *,
-                 shared_multiplier: nn.Parameter | None = None, device=None, dtype=None) -> None:
+                 owner: LengthgenState | None = None, device=None, dtype=None) -> None:
         super().__init__()
         f = dict(device=device, dtype=dtype)
-        shared = spec.learnable_scaling == "global" and shared_multiplier is not None
-        self._shared = [shared_multiplier] if shared else []       # a plain list: not registered here
+        shared = spec.learnable_scaling == "global" and owner is not None
+        self._owner = [owner] if shared else []       # a plain list: not registered here
         self.scaling = None if shared else QueryScaling(spec, heads, **f)
         self.out_norm = OutNorm(spec, heads, head_dim, **f)
         self.gate = OutputGate(spec, hidden_size, heads, head_dim, **f)
@@ -53,7 +54,7 @@ class LengthgenState(nn.Module):
     @property
     def multiplier(self) -> torch.Tensor | None:
         """The query-scaling multiplier this module runs with (its own or the shared global one)."""
-        return self._shared[0] if self._shared else self.scaling.multiplier
+        return self._owner[0].scaling.multiplier if self._owner else self.scaling.multiplier
 
     def post(self, y: torch.Tensor) -> torch.Tensor:
         """Out-norm (+ affine) and gate on the per-head output y: (B, H, Lq, D) -> (B, H, Lq, D)."""

@@ -89,11 +89,12 @@ def _own_config(model: nn.Module) -> None:
             m.config = own
 
 
-def _add_state(m: nn.Module, spec: AttentionSpec, shared: nn.Parameter | None) -> LengthgenState:
-    """Put the spec's `LengthgenState` (at its init) on attention module ``m``, with the gate's input hooks."""
+def _add_state(m: nn.Module, spec: AttentionSpec, owner: LengthgenState | None) -> LengthgenState:
+    """Put the spec's `LengthgenState` (at its init) on attention module ``m``, with the gate's input hooks;
+    ``owner``: the state whose global multiplier it shares."""
     weight = m.o_proj.weight
     state = LengthgenState(spec, m.q_proj.in_features, m.q_proj.out_features // m.head_dim, m.head_dim,
-                           shared_multiplier=shared, device=weight.device, dtype=weight.dtype)
+                           owner=owner, device=weight.device, dtype=weight.dtype)
     m.lengthgen = state
     if spec.gate != "none":
         m._lengthgen_hooks = (m.register_forward_pre_hook(capture_input, with_kwargs=True),
@@ -127,15 +128,15 @@ def retrofit(model: nn.Module, spec: AttentionSpec | str | dict | None = "baseli
         raise ValueError(f"{type(model).__name__} does not use transformers' AttentionInterface; lengthgen cannot "
                          "replace its attention")
     _own_config(model)
-    shared = None
+    owner = None
     for _, m in modules:
         for handle in getattr(m, "_lengthgen_hooks", ()):
             handle.remove()
         m._lengthgen_hooks = ()
         if needs_state(spec):
-            state = _add_state(m, spec, shared)
-            if spec.learnable_scaling == "global" and shared is None:
-                shared = state.multiplier
+            state = _add_state(m, spec, owner)
+            if spec.learnable_scaling == "global" and owner is None:
+                owner = state
         elif hasattr(m, "lengthgen"):
             del m.lengthgen
         m.lengthgen_spec = spec
