@@ -202,6 +202,22 @@ def test_padding_packing_and_kv_cache_are_invisible(kind):
     assert torch.equal(model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw))
 
 
+@pytest.mark.parametrize("kind", MODELS)
+def test_a_right_padded_batch_prefilled_in_chunks_equals_one_forward(kind):
+    """A chunk whose last tokens are padding in every row (a right-padded batch after a cached chunk) raised
+    'queries see later keys': its unseen trailing keys were dropped as if they were an unfilled static cache."""
+    model = quiet_retrofit(tiny(kind), FULL)
+    randomize_retrofit(model)
+    ids, _ = batch(length=12)
+    mask = torch.ones_like(ids)
+    mask[0, 8:], mask[1, 10:] = 0, 0
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
+        rest = model(input_ids=ids[:, 6:], attention_mask=mask, past_key_values=first.past_key_values)
+    chunked = torch.cat([first.logits, rest.logits], dim=1)
+    torch.testing.assert_close(chunked[mask.bool()], logits(model, ids, mask)[mask.bool()], **TOL)
+
+
 def test_arbitrary_masks_run_as_explicit_masks_and_noncausal_masks_raise():
     model = tiny("llama")
     ids, _ = batch(length=12)

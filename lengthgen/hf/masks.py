@@ -59,11 +59,12 @@ def _expected(lq: int, lk: int, doc_ids: torch.Tensor | None, window: int | None
 def plan_mask(allowed: torch.Tensor, lq: int, lk: int, window: int | None) -> MaskPlan:
     """Turn a boolean (B, 1, Lq, Lk) mask into documents for `attend`, or keep it as an explicit mask.
 
-    Queries are the last Lq of the kept keys. Trailing key columns that no query sees (an unfilled static
-    cache) are dropped. A query row is *real* if it sees its own key; padding rows (which see nothing, or
-    only earlier keys) are not constrained and their outputs are unspecified (finite). On real rows the
-    mask must be "causal, inside ``window``, same contiguous run": each real row's first visible key starts
-    a run unless the window cut it.
+    Queries are the last Lq of the kept keys: key columns after them (an unfilled static cache) are dropped,
+    the last query sitting at the largest (last visible key - row) over the rows (a real row's last visible key
+    is its own; right-padding rows, which see only earlier keys, do not move it). A query row is *real* if it
+    sees its own key; padding rows (which see nothing, or only earlier keys) are not constrained and their
+    outputs are unspecified (finite). On real rows the mask must be "causal, inside ``window``, same contiguous
+    run": each real row's first visible key starts a run unless the window cut it.
     """
     if allowed.shape[-1] < lk:
         raise ValueError(f"lengthgen attention: mask covers {allowed.shape[-1]} keys but there are {lk}")
@@ -72,8 +73,9 @@ def plan_mask(allowed: torch.Tensor, lq: int, lk: int, window: int | None) -> Ma
         raise ValueError("lengthgen attention supports masks shared by all heads (B, 1, Lq, Lk), "
                          f"got {tuple(allowed.shape)}")
     b = allowed.shape[0]
-    seen = allowed.any(dim=(0, 1, 2)).nonzero()
-    lk = max(lq, int(seen.max()) + 1 if len(seen) else lq)
+    last = torch.where(allowed[:, 0], torch.arange(lk, device=allowed.device), -1).amax(-1)    # (B, Lq)
+    offset = (last - torch.arange(lq, device=allowed.device))[last >= 0]
+    lk = lq + min(max(int(offset.max()) if len(offset) else 0, 0), lk - lq)
     a = allowed[:, 0, :, :lk]                                      # (B, Lq, Lk)
     rows = torch.arange(lq, device=a.device)
     q_pos = rows + (lk - lq)
