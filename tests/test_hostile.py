@@ -783,6 +783,41 @@ def test_kill_9_then_resume_is_bit_exact(tmp_path):
     assert not list(run.rglob("*.tmp*"))
 
 
+def _killed_at(call: str, n: int) -> str:
+    """A `_python_m_lengthgen` prelude: the process kills itself (SIGKILL: no handler runs) as ``call``
+    (``module:Class.method``) is called for the ``n``-th time."""
+    module, name = call.split(":")
+    owner, method = name.split(".")
+    return (f"import os, signal, {module}\n"
+            f"owner = {module}.{owner}\nbefore, calls = owner.{method}, []\n"
+            "def killing(*args, **kwargs):\n"
+            "    calls.append(1)\n"
+            f"    if len(calls) == {n}:\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    return before(*args, **kwargs)\n"
+            f"owner.{method} = killing")
+
+
+@pytest.mark.parametrize("evaluation", [1, 2])
+def test_kill_9_in_an_evaluation_after_its_checkpoint_logs_it_on_resume(tmp_path, evaluation):
+    """A kill during the evaluation at a checkpoint's step (the checkpoint is written first) lost that evaluation:
+    the resumed run went on from the step after it, so metrics.jsonl never had it, and a finished run resumed
+    returned the earlier evaluation as its metrics. The resume now evaluates that step first."""
+    cfg = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=2", "train.eval_batches=1",
+           "train.eval_batch_size=2", "train.eval_lengths=[8, 16]"]
+    run = tmp_path / "run"
+    killed = _python_m_lengthgen(_killed_at("lengthgen.train.trainer:Trainer._evaluations", evaluation),
+                                 "train", *sets(*cfg), "--out", str(run), "--no-progress")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    full = train(config(*cfg), tmp_path / "full", progress=False)
+    resumed = train(config(*cfg), run, progress=False, resume=True)
+    evaluations = lambda folder: [e for e in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+                                  if "eval" in e]  # noqa: E731
+    assert evaluations(run) == evaluations(tmp_path / "full") and [e["step"] for e in evaluations(run)] == [2, 4]
+    assert resumed.metrics == full.metrics and resumed.history == full.history
+    assert RunEval.load(run / "eval.json").lengths == full.evaluation.lengths
+
+
 def test_stale_temporaries_are_removed_at_start(tmp_path, stopped):
     run = copy(stopped[0], tmp_path)
     (run / "checkpoints" / "step_00000004.tmp-dead").mkdir()

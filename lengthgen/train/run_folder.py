@@ -364,14 +364,14 @@ def cut_metrics(folder: str | Path, step: int) -> None:
         atomic_write_text(Path(folder) / METRICS, "".join(line + "\n" for line in kept))
 
 
-def last_evaluation(folder: str | Path, step: int) -> dict[str, Any]:
-    """The evaluation (``eval``, ``bema_eval``: length -> metric -> mean) that ``metrics.jsonl`` logged last at or
-    before ``step``; {} when there is none."""
-    found: dict[str, Any] = {}
+def last_evaluation(folder: str | Path, step: int) -> tuple[int | None, dict[str, Any]]:
+    """The step and evaluation (``eval``, ``bema_eval``: length -> metric -> mean) that ``metrics.jsonl`` logged
+    last at or before ``step``; (None, {}) when there is none."""
+    at, found = None, {}
     for _, entry in _metrics_to(folder, step):
         if "eval" in entry:
-            found = {k: entry[k] for k in ("eval", "bema_eval") if k in entry}
-    return found
+            at, found = entry["step"], {k: entry[k] for k in ("eval", "bema_eval") if k in entry}
+    return at, found
 
 
 def saved_run_config(folder: str | Path) -> RunConfig | None:

@@ -5,8 +5,9 @@ length (``batch = tokens_per_step // length``; with ``train.restart_at_stages`` 
 optimizers and a new warmup), forward/backward it in ``grad_accum`` micro-batches under the
 run's autocast, stop on a non-finite loss, clip the gradient norm, set the scheduled learning rate, step AdamW
 (and Muon), apply QK-clip, update BEMA; `fit` then logs, checkpoints and evaluates (in that order: an evaluation
-that fails or is interrupted loses no step). On CPU a resumed run reproduces the losses of an uninterrupted run
-exactly (with the same ``train.threads``: another count sums matrix products in another order).
+that fails or is interrupted loses no step, and the resumed run evaluates that step first). On CPU a resumed run
+reproduces the losses of an uninterrupted run exactly (with the same ``train.threads``: another count sums matrix
+products in another order).
 
 `Trainer.evaluate` is `lengthgen.eval.evaluate` under the training device and autocast: every
 ``train.eval_every`` steps and at the end it logs the mean loss and metrics at each eval length; when
@@ -126,6 +127,7 @@ class Trainer:
         self.metrics: dict[str, Any] = {}
         self.last_checkpoint: Path | None = None
         self._saved_step: int | None = None
+        self._unlogged_eval = False     # resumed from a checkpoint whose step's evaluation was not logged
         self.evaluation: RunEval | None = None
         self.folder: run_folder.FolderLock | None = None
         self.extended: dict[str, Any] | None = None     # the log entry of a resume with --extend
@@ -230,7 +232,8 @@ class Trainer:
         self.history = list(state["history"])
         self.tokens = state.get("tokens", 0)
         self.train_seconds = state.get("train_seconds")        # absent in checkpoints written before it was kept
-        self.metrics = run_folder.last_evaluation(self.run_dir, self.step)
+        evaluated_at, self.metrics = run_folder.last_evaluation(self.run_dir, self.step)
+        self._unlogged_eval = self._evaluates_at(self.step) and evaluated_at != self.step
         self.last_checkpoint, self._saved_step = ckpt, self.step
         ckpt_io.set_rng_state(state["rng"])
 
@@ -334,6 +337,19 @@ class Trainer:
             return live, None
         with self.use_bema():
             return live, dataclasses.replace(self.evaluate(), bema=True)
+
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether the run evaluates (and logs it) after ``step``: every ``train.eval_every`` steps and the last."""
+        tc = self.config.train
+        return bool(tc.eval_batches) and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps)
+
+    def _evaluate_step(self, log: RunLog) -> tuple[RunEval, RunEval | None] | None:
+        """Evaluate at the current step and log it; returns the evaluations at ``train.steps`` (for eval.json),
+        else None."""
+        evaluations = self._evaluations()
+        self.metrics = self._log_entry(*evaluations)
+        log.evaluation(self.step, self.metrics)
+        return evaluations if self.step == self.config.train.steps else None
 
     @staticmethod
     def _log_entry(live: RunEval, bema: RunEval | None) -> dict[str, Any]:
@@ -468,7 +484,7 @@ class Trainer:
         ``run.json``, prints the header and opens TensorBoard (and W&B). A finished run reused as it is logs
         nothing."""
         cfg = self.config
-        active = self.is_main and self.step < end
+        active = self.is_main and (self.step < end or self._unlogged_eval)
         log = RunLog(self.run_dir, total=cfg.train.steps, start=self.step, lr=cfg.train.lr, enabled=active,
                      progress=self.progress)
         if active:
@@ -491,6 +507,7 @@ class Trainer:
             save_config(cfg, self.run_dir)
         end = tc.steps if stop_at is None else min(tc.steps, stop_at)
         log = self._open_log(end)
+        last: tuple[RunEval, RunEval | None] | None = None     # the evaluations at train.steps, for eval.json
         if self.extended:
             log.record(self.extended)
             self.extended = None
@@ -500,9 +517,11 @@ class Trainer:
         if self.device.type == "cuda":   # TF32 for float32 matmuls while training; the caller's setting after
             torch.set_float32_matmul_precision("high")
         ran = self.step < end
-        last: tuple[RunEval, RunEval | None] | None = None     # the evaluations at train.steps, for eval.json
         try:
             with run_threads(tc):          # train.threads, the caller's after
+                if self._unlogged_eval:     # killed between its step's checkpoint and evaluation: evaluate it now
+                    self._unlogged_eval = False
+                    last = self._evaluate_step(log)
                 while self.step < end:
                     entry = self._train_step(self.step)
                     step, elapsed = self.step, time.perf_counter() - start_time
@@ -513,11 +532,8 @@ class Trainer:
                     # length) loses no step
                     if (tc.checkpoint_every and step % tc.checkpoint_every == 0) or step == end:
                         self.save_checkpoint()
-                    if tc.eval_batches and ((tc.eval_every and step % tc.eval_every == 0) or step == tc.steps):
-                        evaluations = self._evaluations()
-                        last = evaluations if step == tc.steps else None
-                        self.metrics = self._log_entry(*evaluations)
-                        log.evaluation(step, self.metrics)
+                    if self._evaluates_at(step):
+                        last = self._evaluate_step(log)
                 if self._saved_step != self.step:
                     self.save_checkpoint()
                 if self.step >= tc.steps and (ran or not self._evaluated()):
