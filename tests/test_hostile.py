@@ -818,6 +818,26 @@ def test_kill_9_in_an_evaluation_after_its_checkpoint_logs_it_on_resume(tmp_path
     assert RunEval.load(run / "eval.json").lengths == full.evaluation.lengths
 
 
+def test_overwrite_after_a_kill_9_in_a_comparison_runs_atomic_write(tmp_path):
+    """compare --overwrite after a kill as a run wrote latest.json refused the folder: the write's temporary
+    (runs/NAME-seed0/.latest.json.XXXXXXXX.tmp) was taken for a file lengthgen did not write. Only the folder
+    being locked had its temporaries removed, not its runs'; they are lengthgen's, deleted with the rest."""
+    out = tmp_path / "c"
+    kill = ("import os, signal\nreplace = os.replace\n"
+            "def killing(src, dst, *args, **kwargs):\n"
+            "    if str(dst).endswith('latest.json'):\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    return replace(src, dst, *args, **kwargs)\n"
+            "os.replace = killing")
+    args = ["compare", "--variants", "baseline", *sets("train.checkpoint_every=1"), "--out", str(out), "--no-progress"]
+    killed = _python_m_lengthgen(kill, *args)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert [p.name for p in out.rglob("*.tmp")] and not (out / "results.json").exists()
+    done = _python_m_lengthgen("", *args, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert (out / "results.json").is_file() and not list(out.rglob("*.tmp*"))
+
+
 def test_stale_temporaries_are_removed_at_start(tmp_path, stopped):
     run = copy(stopped[0], tmp_path)
     (run / "checkpoints" / "step_00000004.tmp-dead").mkdir()

@@ -194,14 +194,15 @@ def check_outputs(folder: str | Path, names: list[str]) -> None:
 
 def not_written(folder: Path, where: str = "") -> list[str]:
     """What in ``folder`` lengthgen did not write (paths from ``folder``), which ``--overwrite`` would delete
-    with it: names outside `WRITTEN` (but results files, `results_file`), anything in ``checkpoints/`` but
-    checkpoints and in ``tb/`` but event files, and in a comparison's ``runs/`` and ``pretrain/`` anything but
-    its run folders (``NAME-seedN`` or ``BASE/NAME-seedN``, e.g. not ``lengthgen train``'s default
-    ``runs/<config name>``), each checked the same way, as are a retrofit's ``finetune/`` and ``control/``."""
+    with it: names outside `WRITTEN` (but results files, `results_file`, and the temporaries of atomic writes that a
+    kill interrupted), anything in ``checkpoints/`` but checkpoints and in ``tb/`` but event files, and in a
+    comparison's ``runs/`` and ``pretrain/`` anything but its run folders (``NAME-seedN`` or ``BASE/NAME-seedN``,
+    e.g. not ``lengthgen train``'s default ``runs/<config name>``), each checked the same way, as are a retrofit's
+    ``finetune/`` and ``control/``."""
     found = []
     for child in sorted(folder.iterdir()):
         path = where + child.name
-        if child.name == LOCK:
+        if child.name == LOCK or _TEMPORARY.fullmatch(child.name):
             continue
         if child.name not in WRITTEN:
             if results_file(child) is None:
