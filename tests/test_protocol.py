@@ -60,6 +60,19 @@ def test_pretrain_protocol_finetunes_every_variant_from_its_base_and_evaluates_b
     assert Comparison.load(tmp_path / "results.json") == results
 
 
+
+def test_a_finetune_keeps_the_bases_checkpoints_so_resume_continues_it(tmp_path):
+    """A compare's finetunes were checkpointed at their end only (`finetune_config` sets 0 for `retrofit`), so a
+    finetune cut short (preempted, killed) restarted from step 0 on --resume even where the config asks for
+    checkpoints (seed 000's preset: every 500 of its 1000 finetuning steps); they keep the base's setting."""
+    cfg = base_config(None, TINY + [BASES, "compare.pretrain_steps=3", "train.checkpoint_every=1", VARIANTS])
+    finetune = plan(cfg).config("rope/avnorm", 0, pretrained=tmp_path)
+    assert finetune.train.checkpoint_every == 1 and finetune.train.init_from == str(tmp_path)
+    results = run_compare(cfg, tmp_path / "c", **QUIET)
+    assert results.variants["rope/avnorm"][0].config["train"]["checkpoint_every"] == 1
+    steps = sorted(p.name for p in (tmp_path / "c" / "runs" / "rope" / "avnorm-seed0" / "checkpoints").iterdir())
+    assert len(steps) == 2, steps
+
 def test_protocol_is_one_command_from_a_config(tmp_path, capsys):
     config = tmp_path / "protocol.toml"
     config.write_text('name = "tiny-protocol"\n[model]\ndim = 16\nheads = 2\nlayers = 1\n'

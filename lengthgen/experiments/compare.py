@@ -168,12 +168,14 @@ class Plan:
     bases: dict[str | None, RunConfig]
 
     def config(self, run: str, seed: int, pretrained: str | Path | None = None) -> RunConfig:
-        """The config of ``run`` with ``seed``: its base's, finetuned from ``pretrained`` when given, with the
-        variant applied last."""
+        """The config of ``run`` with ``seed``: its base's, finetuned from ``pretrained`` when given (keeping the
+        base's ``train.checkpoint_every``, so that ``--resume`` continues a finetune cut short), with the variant
+        applied last."""
         base, variant = self.runs[run]
         cfg = self.bases[base].override(f"train.seed={seed}")
         if pretrained is not None:
-            cfg = finetune_config(cfg, pretrained, cfg.train.steps)
+            cfg = finetune_config(cfg, pretrained, cfg.train.steps,
+                                  [f"train.checkpoint_every={cfg.train.checkpoint_every}"])
         return apply_variant(cfg, variant, self.compare.variants.get(variant), f"compare.variants.{variant}")
 
     def pretrain_config(self, base: str | None, seed: int) -> RunConfig:
