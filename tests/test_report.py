@@ -535,6 +535,16 @@ def test_a_minus_infinite_seed_is_a_cross_at_the_bottom():
     assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [64] and list(crosses[0].get_ydata()) == [0.0]
 
 
+def test_variants_infinite_at_one_length_each_have_a_cross_in_sight():
+    """Two variants whose loss diverged at the same length drew their crosses on one spot: only the last variant's
+    showed, so the report's plot hid that the others had diverged too."""
+    results = comparison({"a": [0.8, 0.9], "b": [math.inf, 0.6], "c": [math.inf, math.inf], "d": [-math.inf, 0.5]})
+    colors = {style["color"]: name for name, style in variant_styles(results.variants).items()}
+    crosses = {colors[line.get_color()]: list(line.get_ydata())
+               for line in extrapolation_figure(results).axes[0].get_lines() if line.get_gid() == "infinite"}
+    assert crosses == {"b": [1.0], "c": [0.95], "d": [0.0]}         # -inf at the bottom: nothing there before
+
+
 def test_a_length_without_a_value_breaks_the_curve():
     """A length where every seed's value is NaN (a metric undefined there) was skipped and the curve drawn straight
     from the length before to the one after, as if measured in between."""

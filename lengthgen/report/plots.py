@@ -26,8 +26,10 @@ from matplotlib.patches import Patch  # noqa: E402
 MARKERS = "osD^vP*Xh<>p"
 CHANCE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.2}
 TRAIN_STYLE = {"color": "grey", "linestyle": ":", "linewidth": 1.5}
-#: where a seed's value is infinite: a cross at the top edge of the panel (-inf: the bottom), in the variant's color
+#: where a seed's value is infinite: a cross at the top edge of the panel (-inf: the bottom), in the variant's color;
+#: each further variant infinite at that length `INF_STEP` (a fraction of the panel's height) further in
 INF_STYLE = {"marker": "x", "linestyle": "none", "markersize": 8, "markeredgewidth": 2, "gid": "infinite"}
+INF_STEP = 0.05
 
 
 def variant_styles(variants) -> dict[str, dict]:
@@ -43,13 +45,18 @@ def variant_styles(variants) -> dict[str, dict]:
 def _draw(ax, xs: list[float], per_x: list[list[float]], style: dict, **extra) -> None:
     """Mean over seeds at each x, and the min-max band when there are several seeds (NaN values dropped); where a
     seed's value is infinite (a model whose output was not finite), no mean but a cross at the top edge (at the
-    bottom edge for -inf, a higher-is-better metric's worst; `INF_STYLE`); the line and band break where there is
-    no mean, rather than join its neighbours across it (a mean between two breaks has its band as a bar);
-    ``extra``: more line properties (``gid`` names the curve)."""
+    bottom edge for -inf, a higher-is-better metric's worst; `INF_STYLE`), inside the crosses that variants drawn
+    before have there (`INF_STEP`), rather than over them; the line and band break where there is no mean, rather
+    than join its neighbours across it (a mean between two breaks has its band as a bar); ``extra``: more line
+    properties (``gid`` names the curve)."""
     points = [(x, [v for v in vs if not math.isnan(v)]) for x, vs in zip(xs, per_x)]
     infinite = [x for x, vs in points if any(math.isinf(v) for v in vs)]
     if infinite:                        # +inf at the top edge, -inf (a higher-is-better metric's worst) at the bottom
-        ax.plot(infinite, [0.0 if min(vs) == -math.inf else 1.0 for x, vs in points if x in infinite],
+        bottom = [min(vs) == -math.inf for x, vs in points if x in infinite]
+        drawn = [(x, y < 0.5) for line in ax.get_lines() if line.get_gid() == "infinite"
+                 for x, y in zip(*line.get_data())]          # the crosses of the variants drawn before: stack on them
+        ax.plot(infinite, [INF_STEP * drawn.count((x, b)) if b else 1 - INF_STEP * drawn.count((x, b))
+                           for x, b in zip(infinite, bottom)],
                 **{**INF_STYLE, "color": style["color"]}, transform=ax.get_xaxis_transform(), clip_on=False)
     shown = [vs if x not in infinite else [] for x, vs in points]
     if not any(shown):
