@@ -470,6 +470,21 @@ def test_seed_bands_and_chance_lines():
     assert not any(line.get_color() == "black" for ax in single.axes for line in ax.get_lines())
 
 
+def test_a_comparison_at_one_length_shows_its_chance_line():
+    """Evaluated at one length, the chance 'line' was a single point with no marker: the legend promised a dashed
+    chance line that the panel did not show."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}, dense=False)
+    results.eval_lengths = [16]
+    fig = extrapolation_figure(results)
+    (chance,) = [line for line in fig.axes[0].get_lines() if line.get_color() == "black"]
+    assert list(chance.get_ydata()) == [0.1, 0.1] and list(chance.get_xdata()) == [0, 1]     # across the panel
+    assert "chance (trivial baseline)" in {t.get_text() for t in fig.legends[0].get_texts()}
+    at_chance = comparison({"a": [0.0, 0.0], "b": [0.0, 0.0]}, chance=0.01, dense=False)
+    at_chance.eval_lengths = [64]
+    bottom, top = extrapolation_figure(at_chance).axes[0].get_ylim()     # fitted to 0 and 0.01, not 0 +- 0.055
+    assert -0.001 < bottom < 0 and 0.01 < top < 0.011
+
+
 def test_per_query_metrics_are_plotted_by_length_only():
     sparse = extrapolation_figure(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}, dense=False))
     (ax,) = sparse.axes

@@ -155,7 +155,10 @@ def extrapolation_figure(results: Comparison):
             runs = results.variants[variant]
             _draw(ax, lengths, [[run.at(n).at_length.get(metric, math.nan) for run in runs] for n in lengths],
                   styles[variant], gid=variant)
-        if any(c is not None for c in chance):
+        if len(lengths) == 1 and chance[0] is not None:     # a line through one point: across the panel instead
+            ax.axhline(chance[0], **CHANCE_STYLE)
+            ax.autoscale(axis="y")                  # axhline keeps the y limits it finds when they hold the line
+        elif any(c is not None for c in chance):
             ax.plot(lengths, [math.nan if c is None else c for c in chance], **CHANCE_STYLE)
         _log2_axis(ax, train_length, "evaluated length L (tokens)")
         ax.set_xticks(lengths, [f"{n}\n{n / train_length:g}x" for n in lengths])
