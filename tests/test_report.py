@@ -15,7 +15,7 @@ from lengthgen.eval.buckets import bucket_edges
 from lengthgen.report import markdown_report, run_summary, terminal_table, verdict, verdicts, write_report
 from lengthgen.report.plots import diagnostics_figure, extrapolation_figure, variant_styles
 from lengthgen.report.stats import above_chance
-from lengthgen.report.tables import groups, position_table
+from lengthgen.report.tables import groups, position_table, times
 
 LENGTHS = [16, 32, 64]
 
@@ -230,6 +230,19 @@ def test_variant_names_are_escaped_as_markdown():
     assert "**a\\|b**" in report and "| a\\|b | 0.9 " in report and "| \\<b\\> |" in report
     assert "| x\\*y\\* |" in report and "| \\_u\\_ |" in report
     assert "| log_n |" in report            # an underscore inside a word is no emphasis: left as it is
+
+
+def test_lengths_that_are_no_multiple_of_the_training_length_have_readable_ratios():
+    """Lengths 20, 50 and 100 at training length 12 were labelled 1.66667x, 4.16667x and 8.33333x in every table
+    header, the conclusion and the plot's ticks; exact ratios (0.03125x of 64 at 2048) stay exact."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    results.train_length = 12
+    text = markdown_report(results)
+    assert "| variant | 16 (1.33x) | 32 (2.67x) | 64 (5.33x) |" in text and "(5.33x the training length)" in text
+    assert "64 (5.33x)" in terminal_table(results)
+    ticks = [t.get_text() for t in extrapolation_figure(results).axes[0].get_xticklabels()]
+    assert ticks == ["16\n1.33x", "32\n2.67x", "64\n5.33x"]
+    assert [times(n, 2048) for n in (64, 3072, 65536)] == ["0.03125x", "1.5x", "32x"]
 
 
 def test_report_with_one_seed_says_why_there_is_no_winner():

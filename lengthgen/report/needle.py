@@ -11,7 +11,7 @@ from pathlib import Path
 from lengthgen.atomic import atomic_write_text
 from lengthgen.eval.results import Comparison, NeedleMap
 from lengthgen.report.plots import save_figure
-from lengthgen.report.tables import length_label, mean, table
+from lengthgen.report.tables import length_label, mean, table, times
 
 import matplotlib
 
@@ -44,7 +44,7 @@ def _chance(nmap: NeedleMap, value: str = "exact_match") -> float | None:
 
 def _length_labels(nmap: NeedleMap) -> list[str]:
     train = nmap.train_length
-    return [f"{n}" + (f"\n{n / train:g}x" if train else "") for n in nmap.lengths]
+    return [f"{n}" + (f"\n{times(n, train)}" if train else "") for n in nmap.lengths]
 
 
 def needle_figure(maps: dict[str, list[NeedleMap]]):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lengthgen.atomic import atomic_write_figure
 from lengthgen.eval.results import Bucket, Comparison, LengthEval
-from lengthgen.report.tables import averaged_over, chance_level, groups
+from lengthgen.report.tables import averaged_over, chance_level, groups, times
 
 import matplotlib
 
@@ -161,7 +161,7 @@ def extrapolation_figure(results: Comparison):
         elif any(c is not None for c in chance):
             ax.plot(lengths, [math.nan if c is None else c for c in chance], **CHANCE_STYLE)
         _log2_axis(ax, train_length, "evaluated length L (tokens)")
-        ax.set_xticks(lengths, [f"{n}\n{n / train_length:g}x" for n in lengths])
+        ax.set_xticks(lengths, [f"{n}\n{times(n, train_length)}" for n in lengths])
         ax.minorticks_off()
         ax.set_ylabel(f"{metric} at length L\n({over})")
         ax.set_title(_titled(group, f"{metric} by evaluated length"))

@@ -135,8 +135,16 @@ def table(rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows[1:])]
 
 
+def times(length: int, train_length: int) -> str:
+    """``length / train_length`` as ``2x``, ``0.03125x`` (exact where six digits write it) or ``1.67x`` (3
+    significant digits, more for the integer part: ``21845x``)."""
+    ratio = length / train_length
+    exact = f"{ratio:g}"
+    return (exact if float(exact) == ratio else f"{ratio:.{max(3, len(str(round(ratio))))}g}") + "x"
+
+
 def length_label(length: int, train_length: int) -> str:
-    return f"{length} ({length / train_length:g}x)"
+    return f"{length} ({times(length, train_length)})"
 
 
 def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: bool = False) -> list[list[str]]:
@@ -179,7 +187,7 @@ def conclusion(results: Comparison) -> str:
 def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
     longest, metric = results.eval_lengths[-1], results.metric
     found = verdicts(results, names)[longest]
-    where = f"{prefix} {longest} tokens ({longest / results.train_length:g}x the training length)"
+    where = f"{prefix} {longest} tokens ({times(longest, results.train_length)} the training length)"
     values = {name: v for name, v in seed_values(results, metric, longest).items() if name in names}
     means = {name: mean(v) for name, v in values.items()}
     order = sorted((name for name in means if not math.isnan(means[name])), key=means.get,
