@@ -472,6 +472,15 @@ def test_one_colour_per_variant_in_every_panel_and_figure():
     assert _lines(diagnostics_figure(results))["b after out-norm"][0].get_linestyle() == "--"
 
 
+def test_twelve_variants_have_twelve_colours():
+    """Colours cycled through matplotlib's ten, so the 11th and 12th variants were drawn in the 1st's and 2nd's
+    colours (baseline and a variant eleventh in the list both blue), told apart only by their markers."""
+    results = comparison({f"baseline+qk_norm+v{i}": [0.5 + 0.01 * i, 0.55 + 0.01 * i] for i in range(12)})
+    lines = _lines(extrapolation_figure(results))
+    assert len({lines[name][0].get_color() for name in results.variants}) == 12
+    assert variant_styles(results.variants)["baseline+qk_norm+v0"]["color"] == "#1f77b4"    # still C0 first
+
+
 def test_seed_bands_and_chance_lines():
     fig = extrapolation_figure(comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]}))
     assert all(len(ax.collections) == 2 for ax in fig.axes)          # one min-max band per variant and panel

@@ -24,6 +24,10 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 MARKERS = "osD^vP*Xh<>p"
+#: variant colours in order: matplotlib's ten (C0-C9, tab20's dark half), then tab20's light half, so that up to 20
+#: variants each have a colour of their own
+COLORS = [matplotlib.colors.to_hex(c) for c in (*matplotlib.colormaps["tab20"].colors[::2],
+                                                 *matplotlib.colormaps["tab20"].colors[1::2])]
 CHANCE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.2}
 TRAIN_STYLE = {"color": "grey", "linestyle": ":", "linewidth": 1.5}
 #: where a seed's value is infinite: a cross at the top edge of the panel (-inf: the bottom), in the variant's color;
@@ -33,11 +37,11 @@ INF_STEP = 0.05
 
 
 def variant_styles(variants) -> dict[str, dict]:
-    """Variant -> matplotlib style, by order: colour ``C0``, ``C1``, ..., a marker of its own, and a line width
-    and marker size falling from the first variant (drawn first, widest) to the last."""
+    """Variant -> matplotlib style, by order: a colour (`COLORS`) and a marker of its own, and a line width and
+    marker size falling from the first variant (drawn first, widest) to the last."""
     names = list(variants)
     wide = [1 - i / max(1, len(names) - 1) for i in range(len(names))]         # 1 for the first, 0 for the last
-    return {name: {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
+    return {name: {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
                    "linewidth": 1.2 + 2.4 * wide[i], "markersize": 4 + 5 * wide[i], "markeredgewidth": 1.2}
             for i, name in enumerate(names)}
 
