@@ -564,6 +564,13 @@ def test_an_infinite_seed_is_a_cross_at_the_top_not_a_mean():
     _assert_readable(fig)
 
 
+def test_an_infinite_mean_has_no_ratio_to_the_training_length():
+    """A loss that diverged to inf in every seed read "inf [inf, inf] (infx)" in report.md's headline table."""
+    text = markdown_report(comparison({"a": [0.8, 0.9], "b": [math.inf, math.inf], "c": [math.inf, 0.6]}))
+    assert "| b | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | inf [inf, inf]° |" in text
+    assert "| c | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | inf [0.6, inf]° |" in text and "infx" not in text
+
+
 def test_a_minus_infinite_seed_is_a_cross_at_the_bottom():
     """The evaluator gives a failed model's higher-is-better metric -inf (its worst value): that cross was drawn at
     the top edge, above every finite curve, where an accuracy's best values are."""

@@ -150,7 +150,7 @@ def length_label(length: int, train_length: int) -> str:
 def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: bool = False) -> list[list[str]]:
     """Header, one row per variant and the chance row of ``name`` by length; values not above chance are marked
     where the comparison records ``name``'s direction; ``ratio``: each mean's ratio to the variant's mean at the
-    training length, where that is finite. The headline at length L has the `digits` that show a named winner
+    training length, where both are finite. The headline at length L has the `digits` that show a named winner
     apart."""
     lengths, train_length = results.eval_lengths, results.train_length
     chance = {n: chance_levels(results, name, n) if field == "at_length" else {} for n in lengths}
@@ -164,7 +164,7 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
         for n in lengths:
             text = cell(by_length[n][variant], chance[n].get(variant) if higher is not None else None, bool(higher),
                         places[n], undefined(results, name, n))
-            if ratio and base and math.isfinite(base) and not math.isnan(mean(by_length[n][variant])):
+            if ratio and base and math.isfinite(base) and math.isfinite(mean(by_length[n][variant])):
                 text += f" ({mean(by_length[n][variant]) / base:.3g}x)"
             cells.append(text)
         rows.append([variant, *cells])
