@@ -419,6 +419,26 @@ def test_retrieval_panel_titles_fit_their_panels():
             assert ax.get_title().endswith("\n(mean of 3 seeds)")
         plt.close(fig)
 
+
+def test_many_retrieval_maps_wrap_four_to_a_row():
+    """Twelve variants' maps were one row of twelve panels, a figure 36 inches wide whose text could not be read
+    once shown at a page's width."""
+    from lengthgen.eval import NeedleCell, NeedleMap
+    from lengthgen.report.needle import needle_figure, plt
+
+    lengths = [16, 32, 64]
+    nmap = NeedleMap("mqar", 1, [0.0, 1.0], lengths, [NeedleCell(d, n, 10, 0.5, 0.5, 1.0) for n in lengths
+                                                     for d in (0.0, 1.0)], 0, Provenance.capture("cpu"))
+    four = needle_figure({f"v{i}": [nmap] for i in range(4)})
+    fig = needle_figure({f"v{i}": [nmap] for i in range(10)})
+    panels = {ax.get_title(): ax.get_subplotspec() for ax in fig.axes if ax.get_visible() and ax.get_title()}
+    assert len(panels) == 10 and [(panels[f"v{i}"].rowspan.start, panels[f"v{i}"].colspan.start)
+                                  for i in (0, 3, 4, 9)] == [(0, 0), (0, 3), (1, 0), (2, 1)]
+    assert fig.get_figwidth() == four.get_figwidth()
+    assert all(ax.get_ylabel() for ax in fig.axes if ax.get_title() and ax.get_subplotspec().colspan.start == 0)
+    plt.close(four)
+    plt.close(fig)
+
 # ------------------------------------------------------------------ plots
 
 

@@ -23,6 +23,8 @@ NEEDLE_PLOT = "needle.png"
 DEPTH = ("depth = the fraction of the filler before the needle (0: at the start, 1: right before the query); "
          "exact match = the greedy answer is right, every token (teacher-forced: the argmax at each answer token)")
 TRAIN_LINE = {"color": "black", "linestyle": "--", "linewidth": 2.0}
+#: variants' panels to a row
+PER_ROW = 4
 
 
 def variant_maps(results: Comparison) -> dict[str, list[NeedleMap]]:
@@ -49,14 +51,19 @@ def _length_labels(nmap: NeedleMap) -> list[str]:
 
 def needle_figure(maps: dict[str, list[NeedleMap]]):
     """Exact match by depth (rows) and length (columns) per variant, mean over its seeds, on one colour scale
-    [0, 1], each panel titled by its variant (wrapped to the panel's width); a dashed line after the last length
-    within the training length; the chance level on the colour bar."""
+    [0, 1], each panel titled by its variant (wrapped to the panel's width), `PER_ROW` panels to a row; a dashed
+    line after the last length within the training length; the chance level on the colour bar."""
     first = next(iter(maps.values()))[0]
     depths, lengths = first.depths, first.lengths
     panel = 0.8 + 0.75 * len(lengths)                # inches per panel
-    fig, axes = plt.subplots(1, len(maps), squeeze=False, sharey=True, layout="constrained",
-                             figsize=(2.4 + len(maps) * panel, max(3.6, 2.2 + 0.35 * len(depths))))
-    for ax, (name, runs) in zip(axes[0], maps.items()):
+    cols = min(PER_ROW, len(maps))
+    rows = -(-len(maps) // cols)
+    height = max(2.6, 1.2 + 0.35 * len(depths))      # inches per row
+    fig, axes = plt.subplots(rows, cols, squeeze=False, sharey=True, layout="constrained",
+                             figsize=(2.4 + cols * panel, 1.0 + rows * height))
+    for ax in axes.flat[len(maps):]:                 # the last row's empty slots
+        ax.set_visible(False)
+    for ax, (name, runs) in zip(axes.flat, maps.items()):
         grid = mean_grid(runs)
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for i, row in enumerate(grid):
@@ -70,8 +77,9 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
         ax.set_title("\n".join(textwrap.wrap(name, int(panel * 13)) + seeds), fontsize=10)   # within its panel
         if first.train_length:
             ax.axvline(sum(n <= first.train_length for n in lengths) - 0.5, **TRAIN_LINE)
-    axes[0][0].set_ylabel("needle depth\n(0: start, 1: before the query)")      # two lines: fits 3 depths
-    bar = fig.colorbar(image, ax=axes[0].tolist(), fraction=0.05, pad=0.02)
+    for row in axes:
+        row[0].set_ylabel("needle depth\n(0: start, 1: before the query)")        # two lines: fits 3 depths
+    bar = fig.colorbar(image, ax=axes.flat[:len(maps)], fraction=0.05, pad=0.02)
     chance = _chance(first)
     if chance is not None:
         bar.ax.axhline(chance, color="black", linewidth=2)
