@@ -76,6 +76,20 @@ def test_model_diagnostics_records_every_layer_and_out_norm_rms():
     assert all(layer.capture is None for layer in layers)
 
 
+def test_model_diagnostics_holds_one_layers_capture_at_a_time():
+    # a long evaluation's diagnostics pass would hold every layer's q, k, v and outputs (4 L x dim each) at once,
+    # beyond what the evaluation's memory check allows for; each layer's are released once its statistics are taken
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([Attention(16, 2, layer_index=i) for i in range(3)])
+    held = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: held.append(sum(bool(m.capture) for m in layers)))
+    x = torch.randn(1, 24, 16)
+    stats = model_diagnostics(layers, lambda: layers[2](layers[1](layers[0](x))))
+    assert held == [0, 0, 0]
+    assert [s["inv_wmax"].shape for s in stats] == [(2, 24)] * 3
+
+
 def test_evaluate_tiny_model_by_length():
     task = make_task("counting")
     model = GPT(GPTConfig(vocab_size=task.vocab_size, head="regress", dim=16, layers=1, heads=2))

@@ -59,15 +59,27 @@ def attention_stats(q, k, v, spec, *, multiplier=None, doc_ids=None, y=None, y_n
 def model_diagnostics(model: torch.nn.Module, run_forward) -> list[dict[str, torch.Tensor]]:
     """Diagnostics for every `Attention` layer of ``model`` during ``run_forward()`` (one forward pass).
 
-    Returns one dict per layer (in module order) of (H, L) tensors, see `STATS`."""
+    Each layer's statistics are taken as soon as its forward returns, and what it captured released: the pass
+    holds one layer's q, k, v and outputs at a time, not every layer's. Returns one dict per layer (in module
+    order) of (H, L) tensors, see `STATS`."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
+    stats: dict[int, dict[str, torch.Tensor]] = {}
+
+    def take(index: int, layer: Attention):
+        def hook(module, args, output):
+            r, layer.capture = layer.capture, {}
+            stats[index] = attention_stats(r["q"], r["k"], r["v"], layer.spec, multiplier=layer.scaling.multiplier,
+                                           doc_ids=r["doc_ids"], y=r["y"], y_norm=r["y_norm"])
+        return hook
+
+    hooks = [layer.register_forward_hook(take(i, layer)) for i, layer in enumerate(layers)]
     for layer in layers:
         layer.capture = {}
     try:
         run_forward()
-        return [attention_stats(r["q"], r["k"], r["v"], layer.spec, multiplier=layer.scaling.multiplier,
-                                doc_ids=r["doc_ids"], y=r["y"], y_norm=r["y_norm"])
-                for layer, r in ((layer, layer.capture) for layer in layers)]
+        return [stats[i] for i in range(len(layers))]
     finally:
+        for hook in hooks:
+            hook.remove()
         for layer in layers:
             layer.capture = None
