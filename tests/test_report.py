@@ -289,6 +289,9 @@ def test_report_summarizes_the_setup_and_defines_both_means():
     assert "- **Seeds**: 0, 1 (2 seeds per variant)" in text and "lengths 16 (1x), 32 (2x), 64 (4x)" in text
     assert "![accuracy by evaluated length and by position](extrapolation.png)" in text
     assert "![attention diagnostics by position](diagnostics.png)" in text
+    # 1/w_max is of the softmax distribution, not of a p-softmax variant's weights (which do not sum to 1)
+    assert "1 / max_j softmax_ij, of the softmax distribution (for p-softmax variants before" in text
+    assert diagnostics_figure(results).axes[0].get_ylabel() == "1 / max_j softmax_ij (effective attended keys)"
 
 
 def test_the_cells_promise_a_ratio_only_where_the_training_length_was_evaluated():

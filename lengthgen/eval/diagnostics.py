@@ -1,12 +1,15 @@
 """Attention diagnostics by query position (seed 000, seed 003, seed 004), computed blockwise.
 
-For each query the attention *distribution* is ``softmax(logit_i)``; p-softmax weights are a per-query
-rescaling of it (seed 001), so the distribution's shape is what these measure:
+For each query the attention *distribution* is ``pi_ij = softmax(logit_i)_j`` (it sums to 1); the layer's
+p-softmax weights are its per-query rescaling ``w_ij = pi_ij / ||pi_i||_p`` (seed 001), so for p != 1 the first three
+measure the distribution's shape, not the weights the layer uses (which do not sum to 1):
 
-* ``inv_wmax``  ``1 / max_j w_ij``: the effective number of attended tokens (seed 004).
-* ``entropy``   ``-sum_j w_ij log w_ij`` (nats): dispersion (seed 003).
-* ``participation`` ``sum_j w_ij^2``: the output variance factor for uncorrelated unit-variance values (seed 001).
-* ``rms_pre`` / ``rms_post``: RMS of each head's attention output before / after out-norm (seed 000).
+* ``inv_wmax``  ``1 / max_j pi_ij``: the effective number of attended tokens (seed 004).
+* ``entropy``   ``-sum_j pi_ij log pi_ij`` (nats): dispersion (seed 003).
+* ``participation`` ``sum_j pi_ij^2``: for p = 1 the output variance factor for uncorrelated unit-variance values
+  (seed 001); the layer's is ``sum_j w_ij^2 = participation / ||pi_i||_p^2``, exactly 1 for p = 2.
+* ``rms_pre`` / ``rms_post``: RMS of each head's attention output (of the weights w) before / after out-norm and its
+  affine (seed 000), over head_dim.
 
 Queries are processed in blocks against all their visible keys, so memory is linear in length; the
 (L, L) matrix is never built.

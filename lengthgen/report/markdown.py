@@ -58,7 +58,9 @@ def markdown_report(results: Comparison) -> str:
     if has_diagnostics(results):
         lines += [f"![attention diagnostics by position]({DIAGNOSTICS})", "",
                   f"`{DIAGNOSTICS}`: attention diagnostics by query position at the longest length, averaged over "
-                  "layers and heads (the first evaluated sequence of each seed).", ""]
+                  "layers and heads (the first evaluated sequence of each seed): 1 / max_j softmax_ij, of the "
+                  "softmax distribution (for p-softmax variants before the 1/||.||_p rescaling, which keeps the "
+                  "distribution's shape), and the RMS of each head's attention output.", ""]
     lines += needle_section(results)
     lines += [*runs_table(results), "", "Raw numbers, every config and spec: `results.json`.", ""]
     return "\n".join(lines)

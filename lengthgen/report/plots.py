@@ -202,13 +202,14 @@ def _layer_mean(row: LengthEval, stat: str) -> list[Bucket]:
 
 
 def diagnostics_figure(results: Comparison):
-    """1/w_max (effective number of attended keys) and the RMS of the attention output before (solid) and after
-    (dashed) out-norm by query position, averaged over layers and heads, at the longest evaluated length; a row
-    per base with bases."""
+    """1/w_max of the softmax distribution (effective number of attended keys; before p-softmax's rescaling) and
+    the RMS of the attention output before (solid) and after (dashed) out-norm by query position, averaged over
+    layers and heads, at the longest evaluated length; a row per base with bases."""
     longest = results.eval_lengths[-1]
     grouped, styles, legend_styles = _styles(results)
     fig, axes = plt.subplots(len(grouped), 2, figsize=(11, 4.2 * len(grouped)), squeeze=False, sharey="col")
-    panels = (("inv_wmax", "1 / max_j w_ij (effective attended keys)"), ("rms_pre", "attention output RMS per head"))
+    panels = (("inv_wmax", "1 / max_j softmax_ij (effective attended keys)"),
+              ("rms_pre", "attention output RMS per head"))
     out_norm = False
     for (group, names), row in zip(grouped.items(), axes):
         for ax, (stat, label) in zip(row, panels):
