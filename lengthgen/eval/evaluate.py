@@ -10,8 +10,9 @@ quantity is averaged in power-of-2 position buckets (seed 000). NaN marks what i
 or where a metric is undefined; the source's reason, where it gives one, in `LengthEval.undefined`). Where a scored
 position's loss is NaN (the model's output was not finite), the loss and every metric whose direction the source
 states take their worst value, +inf or -inf, with a warning, so that a failure is never left out of a mean. The
-value "at length L" of a per-position quantity is its mean over positions ``[L/2, L)`` (0-based; the last bucket):
-how the model does at positions only that length reaches; its ``mean`` is over all positions ``[0, L)``.
+value "at length L" of a per-position quantity is its mean over positions ``[L//2, L)`` (0-based; the last bucket
+only when L is a power of 2: at L = 100 it is ``[50, 100)``, the last bucket ``[64, 100)``): how the model does
+at positions only that length reaches; its ``mean`` is over all positions ``[0, L)``.
 Per-sequence metrics (classify tasks) are averaged over the batch; a task's `batch_metrics` (Tomita's ROC AUC) are
 one value for the whole batch, kept like a per-sequence metric. A task's chance level of each quantity
 (`lengthgen.data.tasks.Task.chance`) is averaged over the same positions and buckets.
