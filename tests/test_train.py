@@ -579,3 +579,18 @@ def test_batch_norm_with_micro_batches_warns_that_it_differs_from_one_pass(tmp_p
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigWarning)                  # one pass over the batch: nothing to say
         Trainer(config("model.norm=batch"), tmp_path / "b", progress=False).close()
+
+
+def test_z_loss_and_logit_cap_without_an_lm_head_are_reported_unused():
+    """`GPT.loss` adds the z-loss and `GPT.forward` caps the logits of an lm head only: set on a task whose head is
+    regress (counting) or classify (tomita), they change nothing, and ``train`` must say so."""
+    both = ("model.z_loss=0.01", "model.logit_cap=5.0")
+    for task, head in (("counting", "regress"), ("tomita", "classify")):
+        notes = config(f"data.task={task}", "data.task_kwargs={}", *both).unused([16])
+        assert [n for n in notes if "lm head" in n] == [
+            f"model.z_loss=0.01 has no effect with the {head} head (of data.task='{task}'): it applies to an lm "
+            "head's logits only",
+            f"model.logit_cap=5.0 has no effect with the {head} head (of data.task='{task}'): it applies to an lm "
+            "head's logits only"], notes
+    assert not [n for n in config("data.task=mqar", "data.task_kwargs={}", *both).unused([16]) if "lm head" in n]
+    assert not [n for n in config("data.kind=text", *both).unused([16]) if "lm head" in n]

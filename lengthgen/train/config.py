@@ -20,6 +20,7 @@ from lengthgen.atomic import atomic_write_text
 from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, build, check, documented, folder_name, invalid,
                               load_toml, option, parse_assignment, read_config_text, set_key, to_plain)
 from lengthgen.data.config import DataConfig
+from lengthgen.data.tasks import TASKS
 from lengthgen.model.config import GPTConfig
 
 Schedule = Literal["cosine", "wsd", "constant"]
@@ -192,9 +193,15 @@ class RunConfig:
 
     def unused(self, lengths: list[int]) -> list[str]:
         """`TrainConfig.unused`, `GPTConfig.unused`, sliding windows that hide no key at ``lengths`` (those the
-        command trains and evaluates at; `GPTConfig.idle_windows`), and document masking on a task (its sequences
-        are one document each)."""
+        command trains and evaluates at; `GPTConfig.idle_windows`), document masking on a task (its sequences
+        are one document each), and the lm head's z-loss and logit soft-cap with a task's regress or classify
+        head."""
         notes = self.train.unused() + self.model.unused() + self.model.idle_windows(lengths)
+        head = self.model.head or (TASKS[self.data.task].head if self.data.kind == "task" else "lm")
+        for key in ("z_loss", "logit_cap"):
+            if head != "lm" and getattr(self.model, key):
+                notes.append(f"model.{key}={getattr(self.model, key)} has no effect with the {head} head (of "
+                             f"data.task='{self.data.task}'): it applies to an lm head's logits only")
         masking = sorted({"model.attention" if spec is self.model.attention else "model.layer_attention"
                           for spec in self.model.layer_specs() if spec.doc_masking})
         if self.data.kind == "task" and masking:
