@@ -20,7 +20,8 @@ from lengthgen.train.tracking import Trackers
 
 
 def step_line(entry: dict[str, Any], total: int, lr: float, eta_s: float) -> str:
-    """``step 100/400  loss 1.234  lr 3.0e-03  18.2k tok/s  eta 0:41`` (and the length when it is staged)."""
+    """``step 100/400  loss 1.234  lr 3.0e-03  18.2k tok/s  eta 0:41`` (a staged run's length is in the entry,
+    ``metrics.jsonl``, not on the line)."""
     rate = entry["tokens_per_s"]
     speed = f"{rate / 1e6:.1f}M" if rate >= 1e6 else f"{rate / 1e3:.1f}k" if rate >= 1e3 else f"{rate:.0f}"
     minutes, seconds = divmod(round(eta_s), 60)
