@@ -216,3 +216,21 @@ def test_oracle_check_warns_of_nothing():
         warnings.simplefilter("error")
         error = bench._check(lambda *x: attend(*x, spec, backend="tiled"), spec, None, q, k, v, grad, True)
     assert error < 1e-4
+
+
+def test_a_gradient_that_is_exactly_zero_is_no_error_row():
+    """At L = 1 (and with documents of one token each) every query sees one key, so the oracle's dq is exactly 0;
+    each tensor's error was divided by its own largest magnitude, so a kernel's rounding noise in dq (1e-8) made
+    a correct case an 'error: differs from the dense oracle by 9e+22' row, with no time."""
+    for length, variant in ((1, "baseline"), (4, "doc_l2")):
+        rows = bench.bench_attention(lengths=(length,), head_dims=(8,), variants=(variant,),
+                                     backends=("tiled", "cpu_flash", "sdpa"), batch=1, heads=1, dtype="float32",
+                                     device="cpu", warmup=0, reps=1, verbose=False)
+        for row in rows[2:]:
+            assert row["status"] == "ok" or row["status"].startswith("unsupported"), row
+            assert row["status"] != "ok" or row["check_error"] < 1e-5
+    q, k, v, grad = (torch.randn(1, 2, 8, 8) for _ in range(4))          # a wrong kernel is still caught
+    from lengthgen.attention import AttentionSpec, attend
+    spec = AttentionSpec()
+    wrong = lambda q_, k_, v_: attend(q_ * 1.01, k_, v_, spec, backend="tiled")   # noqa: E731
+    assert bench._check(wrong, spec, None, q, k, v, grad, True) > 1e-3

@@ -134,7 +134,8 @@ def _sdpa(q, k, v, *, flash: bool):
 def _check(forward: Callable[..., torch.Tensor], spec: AttentionSpec, doc_ids, q, k, v, grad, train: bool
            ) -> float | None:
     """The largest error of ``forward`` (and with ``train`` its gradients) against the dense oracle on the same
-    inputs in float32, relative to the oracle's largest magnitude; None when the oracle's weights would not fit in
+    inputs in float32, each relative to the oracle's largest magnitude in that tensor (in all of them for one that
+    is exactly zero, e.g. dq when every query sees one key); None when the oracle's weights would not fit in
     `CHECK_MAX_BYTES`."""
     if _dense_bytes(q) > CHECK_MAX_BYTES:
         return None
@@ -145,8 +146,9 @@ def _check(forward: Callable[..., torch.Tensor], spec: AttentionSpec, doc_ids, q
     if train:
         want += torch.autograd.grad(want[0], ref_inputs, grad.float())
         got += torch.autograd.grad(got[0], inputs, grad)
-    return max(float((g.detach().float() - w.detach()).abs().max() / w.detach().abs().max().clamp_min(1e-30))
-               for g, w in zip(got, want))
+    sizes = [float(w.detach().abs().max()) for w in want]
+    return max(float((g.detach().float() - w.detach()).abs().max()) / max(size or max(sizes), 1e-30)
+               for g, w, size in zip(got, want, sizes))
 
 
 def _with_tflops(row: dict, flops: tuple[float, float]) -> dict:
