@@ -63,13 +63,20 @@ def names(valid, empty: bool = False):
 
 def fresh(ap: argparse.ArgumentParser, paths, overwrite: bool) -> None:
     """Refuse, before anything is measured, output ``paths`` that are folders, or exist and ``overwrite`` is not
-    given, or whose folder cannot be made: a benchmark that has run must be able to write, and replaces no results
-    unasked."""
+    given, or whose folder cannot be made, or that lengthgen's commands refuse in the folders they wrote
+    (`lengthgen.cli.common.refuse_out`: a run's own files, its checkpoints): a benchmark that has run must be able
+    to write, and replaces no results unasked."""
+    from lengthgen.cli.common import CommandError, refuse_out
+
     for path in map(Path, paths):
         if path.is_dir():
             ap.error(f"argument --out: {path} is a folder; choose another --out")
         if path.exists() and not overwrite:
             ap.error(f"argument --out: {path} exists; pass --overwrite to replace it, or choose another --out")
+        try:
+            refuse_out(path)
+        except CommandError as err:
+            ap.error(f"argument {err}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:

@@ -124,7 +124,25 @@ def test_unwritable_out_is_refused_before_measuring(script, tmp_path, capsys):
     assert f"--out: {tmp_path / 'r.json'} is a folder; choose another --out" in line
     (tmp_path / "file").write_text("")
     line = _refused(main, [*argv, "--out", str(tmp_path / "file" / "r")], capsys)
-    assert f"--out: cannot make the folder {tmp_path / 'file'}" in line
+    assert f"{tmp_path / 'file'} is a file, not a folder" in line
+
+
+@pytest.mark.parametrize("script", PAIRS)
+def test_a_runs_files_are_refused_before_measuring(script, tmp_path, capsys):
+    """As `lengthgen bench` refuses them: ``--out RUN/config --overwrite`` replaced the run's config.json with the
+    benchmark's results, and ``--out RUN/checkpoints/r`` wrote into its checkpoints."""
+    from lengthgen.train.run_folder import LOCK
+
+    main, argv = PAIRS[script]
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / LOCK).write_text("")
+    (run / "config.json").write_text("{}")
+    line = _refused(main, [*argv, "--out", str(run / "config"), "--overwrite"], capsys)
+    assert f"--out {run / 'config.json'} would replace a file of the run" in line
+    line = _refused(main, [*argv, "--out", str(run / "checkpoints" / "new" / "r")], capsys)
+    assert f"is inside the folder {run} that lengthgen wrote" in line
+    assert (run / "config.json").read_text() == "{}" and not any((run / "checkpoints").iterdir())
 
 
 def test_triton_configs_keeps_an_existing_sweep(tmp_path, capsys):

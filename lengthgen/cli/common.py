@@ -163,10 +163,19 @@ def check_writable(path: Path) -> None:
 
 
 def writing(path: Path, source: str | None = None) -> contextlib.AbstractContextManager:
-    """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses a
-    folder, a path inside a lengthgen folder's subfolders (checkpoints, logs), a run's own files other than its
-    evaluations, and those of any folder but ``source`` (the evaluated run folder or checkpoint)."""
-    from lengthgen.train.run_folder import LOCK, WRITTEN, enclosing_folder, lock
+    """The lock of ``path``'s folder when lengthgen writes there (it has a lock file), else nothing; refuses
+    what `refuse_out` refuses."""
+    from lengthgen.train.run_folder import LOCK, lock
+
+    refuse_out(path, source)
+    return lock(path.parent) if (path.parent / LOCK).exists() else contextlib.nullcontext()
+
+
+def refuse_out(path: Path, source: str | None = None) -> None:
+    """`CommandError` for an --out that is a folder, under a file, inside a lengthgen folder's subfolders
+    (checkpoints, logs), a run's own file other than its evaluations, or an existing file of any folder but
+    ``source`` (the evaluated run folder or checkpoint) in a folder lengthgen wrote."""
+    from lengthgen.train.run_folder import LOCK, WRITTEN, enclosing_folder
 
     if path.is_dir():
         raise CommandError(f"--out {path} is a folder; give a file path")
@@ -178,9 +187,8 @@ def writing(path: Path, source: str | None = None) -> contextlib.AbstractContext
         if inside is not None:          # e.g. a checkpoint's model.safetensors: resuming would find it damaged
             raise CommandError(f"--out {path} is inside the folder {inside} that lengthgen wrote (checkpoints, "
                                "logs); choose a file outside it, or directly in it")
-        return contextlib.nullcontext()
+        return
     if path.name in WRITTEN - {"eval.json", "eval_bema.json"}:
         raise CommandError(f"--out {path} would replace a file of the run; choose another file name")
     if path.exists() and (source is None or not Path(source).resolve().is_relative_to(path.parent.resolve())):
         raise CommandError(f"--out {path} is another run's {path.name}; choose another file name")
-    return lock(path.parent)
