@@ -72,7 +72,8 @@ def worker(length: int, threads: int, presets: list[str], repeats: int) -> list[
     return rows
 
 
-def markdown(rows: list[dict], command: str) -> str:
+def markdown(rows: list[dict], command: str, failed: list[dict] = ()) -> str:
+    """Per thread count: each preset's ratio to the baseline at each L; then the (threads, L) that failed."""
     lines = [f"# CPU training step of the demo model, every preset / baseline\n\nCommand: `{command}`\n",
              f"Tokens per step {TOKENS}; cells: ratio to baseline [min, max over rounds] (backend auto picked)\n"]
     for threads in sorted({r["threads"] for r in rows}):
@@ -86,6 +87,7 @@ def markdown(rows: list[dict], command: str) -> str:
             cells = [next((f"{r['ratio']:.2f} [{r['spread'][0]:.2f}, {r['spread'][-1]:.2f}] ({r['backend']})"
                            for r in sub if r["preset"] == preset and r["L"] == n), "-") for n in lengths]
             lines.append(f"| {preset} | " + " | ".join(cells) + " |")
+    lines += [f"\nFailed (not measured): threads={f['threads']} L={f['L']}: {f['error']}" for f in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -111,13 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
     bench_args.fresh(ap, [args.out + ".json", args.out + ".md"] if args.out else [], args.overwrite)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
-    rows = []
+    rows, failed = [], []
     for threads in args.threads:
         for length in args.lengths:
             payload = json.dumps(dict(length=length, threads=threads, presets=presets, repeats=args.repeats))
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", payload], cwd=ROOT, env=env,
                                   capture_output=True, text=True)
             if proc.returncode != 0:
+                failed.append(dict(L=length, threads=threads, error=f"rc {proc.returncode}: "
+                                   + " ".join(proc.stderr.strip()[-400:].split())))
                 print(f"L={length} threads={threads} failed: {proc.stderr[-400:]}", flush=True)
                 continue
             rows += json.loads(proc.stdout.strip().splitlines()[-1])
@@ -126,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                             and r["threads"] == threads), flush=True)
     if args.out:
         command = "python benchmarks/train_step_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        atomic_write_text(args.out + ".json", json.dumps(dict(command=command, tokens=TOKENS, rows=rows), indent=1))
-        atomic_write_text(args.out + ".md", markdown(rows, command))
+        atomic_write_text(args.out + ".json", json.dumps(dict(command=command, tokens=TOKENS, rows=rows, failed=failed),
+                                                         indent=1))
+        atomic_write_text(args.out + ".md", markdown(rows, command, failed))
     return 0
 
 

@@ -173,3 +173,23 @@ def test_attention_cpu_claims_no_spread_from_one_round(monkeypatch):
     md = attention_cpu.markdown(dict(setup={}, time=rows[8192, 3] + rows[64, 3], memory=[]), "cmd")
     row = {length: next(line for line in md.splitlines() if line.startswith(f"| {length} |")) for length in (64, 8192)}
     assert row[8192].endswith(" (1 round) |") and "[" not in row[8192] and "round" not in row[64] and "[" in row[64]
+
+
+def test_train_step_cpu_keeps_what_failed(tmp_path, monkeypatch, fake_measuring):
+    """A (threads, L) whose worker failed was printed and then left out of OUT.json and OUT.md: the files read as if
+    that length had never been asked for."""
+    good = train_step_cpu.subprocess.run
+
+    def run(cmd, **kwargs):
+        if json.loads(cmd[-1])["length"] == 64:
+            return good(cmd, **kwargs)
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback ...\nMemoryError: out of memory\n")
+    monkeypatch.setattr(train_step_cpu.subprocess, "run", run)
+    out = tmp_path / "r"
+    assert train_step_cpu.main(["--lengths", "64,4096", "--threads", "1", "--presets", "baseline", "--out",
+                                str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["L"] for r in data["rows"]] == [64]
+    assert data["failed"] == [dict(L=4096, threads=1, error="rc 1: Traceback ... MemoryError: out of memory")]
+    assert "Failed (not measured): threads=1 L=4096: rc 1: Traceback ... MemoryError: out of memory" in \
+        out.with_suffix(".md").read_text()
