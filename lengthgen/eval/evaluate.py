@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lengthgen.config import MAX_SIZE, check_value, invalid
+from lengthgen.config import MAX_SIZE, ConfigError, check_value, invalid
 from lengthgen.data.config import step_generator
 from lengthgen.data.tasks.base import Batch, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
@@ -126,6 +126,16 @@ def rows_at_once(config: Any, device: str, rows: int, length: int, forward_token
                           f"{gib(batch + row)} of memory, {gib(free)} available"
                           + (" under the cgroup (container) memory limit" if bound == "cgroup" else ""))
     return min(step, max(1, (free // 2 - batch) // row))
+
+
+def check_row_fits(key: str, config: Any, device: str, length: int, autocast: torch.dtype | None = None,
+                   row: int | None = None) -> None:
+    """One sequence of ``length`` must fit (`rows_at_once` for one row); else a `ConfigError` naming ``key``, before
+    anything runs."""
+    try:
+        rows_at_once(config, device, 1, length, None, autocast, row)
+    except MemoryError as err:
+        raise ConfigError(f"{key}: {err}", key) from None
 
 
 def _measure(model, source, batch: Batch, device, context, measure: Measure, step: int) -> dict[str, torch.Tensor]:
@@ -276,4 +286,5 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if parameter is None else parameter.device
 
 
-__all__ = ["EVAL_STREAM", "Measure", "eval_generator", "evaluate", "measure_gpt", "rows_at_once", "sequences"]
+__all__ = ["EVAL_STREAM", "Measure", "check_row_fits", "eval_generator", "evaluate", "measure_gpt", "rows_at_once",
+           "sequences"]

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from lengthgen.config import ConfigError
 from lengthgen.eval import DEPTHS, LongDocuments, NeedleMap, RunEval, answer_scores, evaluate, needle_map
-from lengthgen.eval.evaluate import rows_at_once
+from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.hf.registry import NAME, register, require_transformers
 from lengthgen.hf.retrofit import from_pretrained
 
@@ -232,10 +232,7 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
     tok, data, model = _text_and_model(path, tokenizer, corpus, split)
     device = next(model.parameters()).device.type
     for length in lengths:
-        try:
-            rows_at_once(model.config, device, 1, length, None, None, measure_hf_memory(model, length))
-        except MemoryError as err:
-            raise ConfigError(f"lengths: {err}", "lengths") from None
+        check_row_fits("lengths", model.config, device, length, row=measure_hf_memory(model, length))
     source = LongDocuments([(f"{split} split", data)], data)
     result = evaluate(model, source, list(lengths), tokens_per_length=tokens, seed=seed, diagnostics=False,
                       measure=measure_hf, memory=measure_hf_memory, forward_tokens=forward_tokens)

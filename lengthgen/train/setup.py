@@ -14,7 +14,7 @@ import torch
 
 from lengthgen.config import ConfigError, differences
 from lengthgen.data.config import make_source
-from lengthgen.eval.evaluate import rows_at_once
+from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.train.config import RunConfig, load_config
 
 
@@ -177,12 +177,9 @@ def check_resume(old: RunConfig, now: RunConfig, where: Path, *, step: int, exte
 
 def check_memory(cfg: RunConfig, key: str, length: int) -> None:
     """On the CPU (`inference_device`), one evaluation forward pass of ``cfg.model`` over one sequence of ``length``
-    must fit the available memory (`lengthgen.eval.evaluate.rows_at_once`); else a `ConfigError` naming ``key``."""
+    must fit the available memory (`lengthgen.eval.evaluate.check_row_fits`); else a `ConfigError` naming ``key``."""
     device = inference_device(cfg.train)
-    try:
-        rows_at_once(cfg.model, device, 1, length, None, autocast_dtype(cfg.train, device))
-    except MemoryError as err:
-        raise ConfigError(f"{key}: {err}", key) from None
+    check_row_fits(key, cfg.model, device, length, autocast_dtype(cfg.train, device))
 
 
 def device_type(train: Any) -> str:
