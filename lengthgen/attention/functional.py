@@ -250,10 +250,11 @@ def head_norm(x: torch.Tensor, kind: str, eps: float, weight: torch.Tensor | Non
     """RMSNorm (``rms``, x / sqrt(mean(x^2) + eps)) or LayerNorm without affine (``layer``) over the last axis,
     then an optional weight.
 
-    As QK-norm: rms-normed q and k have norm sqrt(D), so q.k = D cos(q, k) and the default scale 1/sqrt(D) gives
-    sqrt(D) cos (modded-nanogpt, seed 004). Seed 002's QKNorm (Henry et al. 2020) is cos / tau with a learnable
-    scalar tau (init 1): ``rms`` with ``base_scale = 1/D``, where only the per-channel QK-norm weights learn a
-    temperature. A finite eps keeps some norm information (seed 004: |x_hat|^2 = |x|^2 / (|x|^2/D + eps))."""
+    As QK-norm (Dehghani et al. 2023): rms-normed q and k have norm sqrt(D), so q.k = D cos(q, k) and the
+    default scale 1/sqrt(D) gives sqrt(D) cos (modded-nanogpt, seed 004). Seed 002's QKNorm (Henry et al. 2020) is
+    cos / tau with a learnable scalar tau (init 1): ``rms`` with ``base_scale = 1/D``, where only the per-channel
+    QK-norm weights learn a temperature. A finite eps keeps some norm information (seed 004: |x_hat|^2 =
+    |x|^2 / (|x|^2/D + eps))."""
     if kind == "rms":
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     elif kind == "layer":
@@ -263,11 +264,12 @@ def head_norm(x: torch.Tensor, kind: str, eps: float, weight: torch.Tensor | Non
 
 def rope_frequencies(head_dim: int, theta: float, fraction: float = 1.0, device=None,
                      min_freq: float | None = None) -> torch.Tensor:
-    """Rotation frequencies of the head_dim/2 pairs: ``theta^(-i / pairs)``, or with ``min_freq`` the rotated
-    pairs' frequencies log-spaced from 1 down to ``min_freq``, both included (modded-nanogpt's half-truncated
-    RoPE in seed 000: 32 of 64 pairs from 1 to 1/1024). p-RoPE (Barbero et al. 2024, "Round and round we go")
-    keeps only the highest-frequency ``fraction`` of the pairs, ``int(fraction * head_dim // 2)`` of them as in
-    Gemma's ``apply_rope(rope_proportion=...)``; the rest get frequency 0 (no position)."""
+    """RoPE's (Su et al. 2021) rotation frequencies of the head_dim/2 pairs: ``theta^(-i / pairs)``, or with
+    ``min_freq`` the rotated pairs' frequencies log-spaced from 1 down to ``min_freq``, both included
+    (modded-nanogpt's half-truncated RoPE in seed 000: 32 of 64 pairs from 1 to 1/1024). p-RoPE (Barbero et al.
+    2024, "Round and round we go") keeps only the highest-frequency ``fraction`` of the pairs,
+    ``int(fraction * head_dim // 2)`` of them as in Gemma's ``apply_rope(rope_proportion=...)``; the rest get
+    frequency 0 (no position)."""
     pairs = head_dim // 2
     rotated = int(fraction * head_dim // 2)
     freqs = theta ** (-torch.arange(pairs, device=device, dtype=torch.float32) / pairs)

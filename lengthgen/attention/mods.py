@@ -43,14 +43,16 @@ def causal(b, h, q_idx, kv_idx):
 
 
 def sliding_window(window: int) -> MaskMod:
-    """``i - j < W``: the W most recent keys (local attention layers; with `causal`)."""
+    """``i - j < W``: the W most recent keys (with `causal`): local attention (Beltagy et al. 2020), seed 004's
+    local layers."""
     def mod(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < window
     return _named(mod, f"sliding_window({window})")
 
 
 def document(starts: torch.Tensor) -> MaskMod:
-    """``j >= start_i``, the first position of query i's document; with `causal`: the same contiguous run.
+    """``j >= start_i``, the first position of query i's document; with `causal`: the same contiguous run
+    (document masking of packed sequences, seed 004).
 
     ``starts``: (B, Lk) run start of each position (`document_bounds`)."""
     def mod(b, h, q_idx, kv_idx):

@@ -4,7 +4,9 @@ The math each field controls is written out in `lengthgen.attention.functional` 
 Sources: p-softmax (seed 001, "Attention Normalizes the Wrong Norm"); AVNorm out-norm (seed 000);
 `log_n` query scaling (Scalable-Softmax, Nakanishi 2025); `sqrt_log_n`, `log_bias`, 2sigmoid gate,
 finite QK-norm eps (seed 004); `scale_invariant` (Anson, Wang, Aitchison 2025); ALiBi (Press et al. 2022);
-p-RoPE (Barbero et al. 2024); gated attention (Qiu et al. 2025).
+RoPE (Su et al. 2021); p-RoPE (Barbero et al. 2024); NoPE (Kazemnejad et al. 2023); QK-norm (Dehghani et al.
+2023; seed 002's QKNorm, Henry et al. 2020); gated attention (Qiu et al. 2025); sliding windows (local attention,
+Beltagy et al. 2020; seed 004's local layers); document masking (seed 004).
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ PRESETS: dict[str, AttentionSpec] = {
     "alibi": AttentionSpec(distance="alibi", position="nope"),             # Press et al. 2022
     "log_bias": AttentionSpec(distance="log_bias"),                        # seed 004 (on its p-RoPE base)
     "gated": AttentionSpec(gate="elementwise", gate_act="2sigmoid"),       # seed 004 / Qiu et al. 2025
-    "nope": AttentionSpec(position="nope"),
+    "nope": AttentionSpec(position="nope"),                                # Kazemnejad et al. 2023; seed 004
     "nope_avnorm": AttentionSpec(position="nope", out_norm="head_layer"),  # seed 000
 }
 

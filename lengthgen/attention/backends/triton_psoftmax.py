@@ -1,4 +1,5 @@
-"""`triton`: one fused causal flash-style Triton kernel for p-softmax attention, forward and backward.
+"""`triton`: one fused causal flash-style Triton kernel for p-softmax attention (seed 001), forward and backward:
+FlashAttention-2's tiling (Dao 2023) with p-softmax's running sums.
 
 For queries q (B, H, Lq, D) and keys/values (B, Hkv, Lk, D) (GQA: H a multiple of Hkv; queries are the last Lq of
 Lk positions) with ``l_ij = a_t c (q'_i . k_j) + bias_t``, q'_i = g_i q_i, t = i - j, c the ``scale`` of the dot
