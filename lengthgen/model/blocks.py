@@ -87,9 +87,10 @@ def make_attention(cfg: GPTConfig, spec: AttentionSpec, index: int, multiplier: 
 
 
 class SequentialBlock(nn.Module):
-    """Attention, then MLP, each sublayer F placed by ``placement`` (see `GPTConfig`): ``pre`` x + F(N(x)),
-    ``post`` N(x + F(x)), ``peri`` x + N'(F(N(x))), ``hybrid`` / ``hybrid_first`` y = x + MHA(x) (the first
-    block pre-norms x), then z = N(y), z + FFN(z). ``attention`` False or ``mlp_ratio = 0`` drop a sublayer."""
+    """Attention, then MLP, each sublayer F placed by ``placement`` (see `GPTConfig`, which names the sources;
+    seed 003 compares the first three): ``pre`` x + F(N(x)), ``post`` N(x + F(x)), ``peri`` x + N'(F(N(x))),
+    ``hybrid`` / ``hybrid_first`` (HybridNorm / HybridNorm*, seed 002) y = x + MHA(x) (the first block pre-norms
+    x), then z = N(y), z + FFN(z). ``attention`` False or ``mlp_ratio = 0`` drop a sublayer."""
 
     def __init__(self, cfg: GPTConfig, spec: AttentionSpec, index: int, placement: str,
                  multiplier: nn.Parameter | None = None, attention: bool = True, value_embed: bool = False) -> None:

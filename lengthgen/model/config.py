@@ -59,7 +59,9 @@ class GPTConfig:
     """A decoder-only transformer. ``vocab_size``/``head``/``num_classes`` are filled from the task in runs.
 
     Norm placements (N = norm, F = attention or MLP):
-    ``pre``: x = x + F(N(x)); ``post``: x = N(x + F(x)); ``peri`` (sandwich): x = x + N2(F(N1(x)));
+    ``pre`` (Xiong et al. 2020): x = x + F(N(x)); ``post`` (Vaswani et al. 2017): x = N(x + F(x)); ``peri``
+    (sandwich; Peri-LN, Kim et al. 2025): x = x + N2(F(N1(x))); seed 003 ("Post-Norm can Resharpen Attention")
+    compares the three, seed 002 writes pre and post;
     ``hybrid`` (HybridNorm, Zhuo et al. 2025): attention with QKV-norm and no pre-norm, y = x + MHA(x), then
     z = N(y), x' = z + FFN(z); QKV-norm is the spec's ``qk_norm`` on Q and K (set to the model's norm kind,
     ``rms`` for rms and ``layer`` otherwise, when the spec has none) plus the same per-head norm on V
