@@ -121,7 +121,8 @@ class GPTConfig:
     attention_backend: Backend = option("auto", "attention backend (auto picks by device, spec and size)")
     head: Head | None = option(None, "output head (default: the data's; lm without data)")
     num_classes: int = option(0, "classes of the classify head", ge=0)
-    z_loss: float = option(0.0, "lm: coefficient of mean(logsumexp(logits)^2)", ge=0)
+    z_loss: float = option(0.0, "lm: coefficient of mean(logsumexp(logits)^2) (PaLM's z-loss, Chowdhery et al. "
+                           "2022)", ge=0)
     logit_cap: float | None = option(None, "lm: soft-cap of the logits (see logit_cap_form)", gt=0)
     logit_cap_form: LogitCap = option("tanh", "tanh: cap * tanh(logits / cap) (Gemma 2); sigmoid: cap * "
                                       "sigmoid((logits + 5) / 7.5) (seed 000's modded-nanogpt, cap 23)")

@@ -207,8 +207,9 @@ class GPT(nn.Module):
     def loss(self, output: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(scalar training loss, unreduced loss) honoring ``batch.loss_mask``, in float32.
 
-        ``lm``: cross-entropy per position (B, L); the scalar adds ``z_loss * mean(logsumexp^2)`` over the
-        masked positions (the unreduced loss is the cross-entropy only). ``regress``: L1 per position (B, L).
+        ``lm``: cross-entropy per position (B, L); the scalar adds ``z_loss * mean(logsumexp^2)`` (PaLM's z-loss,
+        Chowdhery et al. 2022; a stability trick in seed 004) over the masked positions (the unreduced loss is the
+        cross-entropy only). ``regress``: L1 per position (B, L).
         ``classify``: cross-entropy per sequence (B,); a sequence counts when any of its mask is set.
         The unreduced loss is 0 outside the mask; the scalar is its mean over the masked entries.
         """
