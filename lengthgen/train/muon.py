@@ -1,4 +1,5 @@
-"""Muon whose Newton-Schulz iteration runs once per matrix shape, on the stack of that shape's updates.
+"""Muon (Jordan et al. 2024) whose Newton-Schulz iteration runs once per matrix shape, on the stack of that shape's
+updates.
 
 `torch.optim.Muon` orthogonalizes one matrix at a time: the ~124M benchmark GPT's 72 hidden matrices cost
 5 iterations x 3 matmuls each, about a thousand small kernels, and its optimizer steps took 28 of 139 ms of a

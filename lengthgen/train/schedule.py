@@ -1,11 +1,12 @@
 """Learning-rate and Muon-momentum schedules as pure functions of the step (the lr as a multiplier of its peak).
 
 ``step`` counts optimizer updates from 0 (the multiplier used for update ``step``), ``total`` is the number
-of updates. Warmup (both schedules): ``(step + 1) / warmup`` for ``step < warmup``.
+of updates. Warmup (every lr schedule): ``(step + 1) / warmup`` for ``step < warmup``.
 
-* cosine: ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with
+* cosine (Loshchilov and Hutter 2017, SGDR): ``min + (1 - min) * (1 + cos(pi * progress)) / 2`` with
   ``progress = (step - warmup) / max(1, total - warmup)``;
-* wsd (warmup, stable, decay): 1 until ``decay_start = total - round(cooldown_frac * total)``, then linear
+* wsd (warmup, stable, decay; Hu et al. 2024, MiniCPM): 1 until
+  ``decay_start = total - round(cooldown_frac * total)``, then linear
   ``1 - (1 - min) * (step - decay_start) / (total - decay_start)``;
 * constant: 1 after warmup.
 
