@@ -1,6 +1,6 @@
 """Bounded-depth Dyck: next-token prediction on random legal bracket prefixes.
 
-Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (formal-language suite).
+Source: seed 003, "Post-Norm can Resharpen Attention" (arXiv 2510.08341; formal-language suite).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class DyckTask(Task):
     ``extra["legal"]``: (B, L, vocab_size) bool, the legal next tokens after each prefix: every
     opener if depth < m, the closer matching the top of the stack if depth > 0. With these the law
     of the next token is known exactly (`next_token_law`), and the headline metric is the total
-    variation distance of the model's prediction to it, the seed's metric of distribution quality.
+    variation distance of the model's prediction to it, seed 003's metric of distribution quality.
     """
 
     name = "dyck"

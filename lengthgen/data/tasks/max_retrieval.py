@@ -1,6 +1,6 @@
 """Max retrieval: output the value paired with the largest key.
 
-Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (formal-language / retrieval suite).
+Source: seed 003, "Post-Norm can Resharpen Attention" (arXiv 2510.08341; formal-language / retrieval suite).
 """
 
 from __future__ import annotations

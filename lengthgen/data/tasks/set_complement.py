@@ -1,6 +1,6 @@
 """Set complement: predict the uniform distribution over the tokens not seen yet.
 
-Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (Set Complement Task).
+Source: seed 003, "Post-Norm can Resharpen Attention" (arXiv 2510.08341; Set Complement Task).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tomita grammars 1-7: classify binary strings as accepted or rejected.
 
-Source: arXiv 2510.08341, "Post-Norm can Resharpen Attention" (formal-language suite); the grammars
+Source: seed 003, "Post-Norm can Resharpen Attention" (arXiv 2510.08341; formal-language suite); the grammars
 are Tomita (1982), "Dynamic construction of finite automata from examples using hill-climbing".
 """
 
