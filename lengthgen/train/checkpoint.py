@@ -221,12 +221,3 @@ def read_optimizers(ckpt: Path, device: str | torch.device = "cpu") -> list[dict
     path = Path(ckpt) / "optimizer.pt"
     with _reading(path):
         return torch.load(path, map_location=device, weights_only=True)["optimizers"]
-
-
-def load_optimizers(optimizers: list[torch.optim.Optimizer], ckpt: Path, device: str | torch.device) -> None:
-    states = read_optimizers(ckpt, device)
-    with _reading(Path(ckpt) / "optimizer.pt"):
-        if len(states) != len(optimizers):
-            raise ValueError(f"{len(states)} optimizer states, the run has {len(optimizers)}")
-        for opt, st in zip(optimizers, states):
-            opt.load_state_dict(st)
