@@ -516,6 +516,48 @@ def test_a_run_trained_on_the_val_split_is_warned_and_labelled_when_evaluated(tm
     assert batch == "1 long document (val split, which the run trained on)"
 
 
+def test_evaluating_a_run_on_text_it_may_have_trained_on_is_warned(tmp_path, capsys):
+    """The split is drawn from each document's key (file and index), so after the corpus files changed (renamed
+    here; or how lengthgen orders, splits or tokenizes them) the 'val split' holds documents the run trained on.
+    Resume refuses such a change (the checkpoint keeps the training tokens' digest), but `lengthgen eval` and
+    `lengthgen needle` and `lengthgen retrofit` read the new split and called it held out, without a word; now one
+    warning line each."""
+    import hashlib
+
+    from lengthgen.cli import main
+    from lengthgen.train import train
+    from lengthgen.train.config import RunConfig
+
+    (tmp_path / "corpus").mkdir()
+    docs = [f"document {i} " * 8 for i in range(40)]
+    path = write_docs(tmp_path / "corpus", docs, "a.jsonl")
+    text = {"corpus": str(tmp_path / "corpus"), "tokenizer": "byte", "val_fraction": 0.5, "cache": False}
+    cfg = RunConfig.from_dict({"data": {"kind": "text", "text": text, "length": 16},
+                               "model": {"dim": 16, "layers": 1, "heads": 2},
+                               "train": {"steps": 1, "batch_size": 2, "eval_batches": 0}})
+    train(cfg, tmp_path / "run", progress=False)
+    path.rename(tmp_path / "corpus" / "b.jsonl")
+
+    def held_out(name):      # the split rule written out: sha1 of "<file>#<index>" below the fraction
+        return {i for i in range(len(docs)) if int.from_bytes(
+            hashlib.sha1(f"{name}#{i}".encode()).digest()[:8], "big") / 2.0**64 < 0.5}
+    assert held_out("b.jsonl") - held_out("a.jsonl")      # val documents now that the run trained on
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--lengths", "16", "--tokens", "16",
+                 "--out", str(tmp_path / "eval.json")]) == 0
+    assert main(["needle", str(tmp_path / "run"), "--lengths", "128", "--depths", "0.5", "--samples", "1",
+                 "--out", str(tmp_path / "needle")]) == 0
+    assert main(["retrofit", str(tmp_path / "run"), "--set", "model.attention.out_norm=head_rms", "--steps", "1",
+                 "--eval-lengths", "16", "--eval-tokens", "16", "--no-progress", "--out", str(tmp_path / "r")]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 3 and all(re.fullmatch(
+        rf"lengthgen (eval|needle|retrofit): warning: {re.escape(str(tmp_path / 'run'))}(/checkpoints/\w+)? was "
+        r"trained on other text than "
+        r"data\.text reads here \(token digest \w{12}, now \w{12}: the corpus files changed, or how this lengthgen "
+        r"orders, splits or tokenizes them\): documents it trained on may be evaluated as held out", line)
+        for line in warned), warned
+
+
 # ------------------------------------------------------------------------------------------------
 # stdlib corpus
 

@@ -9,6 +9,7 @@ from typing import Any
 from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.eval import MULTIPLES, RunEval, eval_source, evaluate
 from lengthgen.train import load_run
+from lengthgen.train.weights import check_trained_data
 from lengthgen.train.config import RunConfig
 from lengthgen.data.config import make_source
 from lengthgen.train.setup import autocast_dtype, check_length, for_inference, run_threads
@@ -41,6 +42,7 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
     cfg, model = load_run(path, bema=bema)
     model, kind = for_inference(model, cfg.train)
     data = make_source(cfg.data)
+    check_trained_data(path, data)
     lengths = checked_lengths(cfg, data, lengths)
     source = eval_source(cfg.data, data)
     with run_threads(cfg.train):

@@ -15,6 +15,7 @@ from lengthgen.eval import NeedleMap
 from lengthgen.eval import DEPTHS, check_needles, needle_map, validation_text
 from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.train import load_run
+from lengthgen.train.weights import check_trained_data
 from lengthgen.train.config import RunConfig
 from lengthgen.train.setup import autocast_dtype, for_inference, run_threads
 
@@ -47,7 +48,9 @@ def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: li
     runs."""
     cfg, model = load_run(path, bema=bema)
     model, kind = for_inference(model, cfg.train)
-    source = needle_filler(cfg.data, make_source(cfg.data))
+    data = make_source(cfg.data)
+    check_trained_data(path, data)
+    source = needle_filler(cfg.data, data)
     lengths = checked_lengths(cfg, source, lengths)
     check_needles(source, lengths, list(depths), needles)
     with run_threads(cfg.train):

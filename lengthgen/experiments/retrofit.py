@@ -38,7 +38,7 @@ from lengthgen.train.config import RunConfig
 from lengthgen.train.optim import build_optimizers
 from lengthgen.train.run_folder import RunFolderError, check_fresh, load_newest, lock
 from lengthgen.train.setup import autocast_dtype, device_type, resolve, run_threads
-from lengthgen.train.weights import load_initial_weights
+from lengthgen.train.weights import check_trained_data, load_initial_weights
 
 
 def finetune_config(base: RunConfig, checkpoint: str | Path, steps: int, overrides: list[str] | tuple[str, ...] = ()
@@ -88,6 +88,7 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     train_length = max(cfg.lengths())
     eval_tokens = check_value("eval_tokens", eval_tokens, int, ge=1, le=MAX_SIZE)
     cfg, source = resolve(cfg)      # the checkpoint's model must fit data.* overrides: vocabulary and head
+    check_trained_data(ckpt, source)
     eval_lengths = checked_lengths(cfg, source, eval_lengths, "eval_lengths")
     evaluated_on = eval_source(cfg.data, source)
     def evaluate_model(model: torch.nn.Module) -> RunEval:

@@ -1,16 +1,17 @@
-"""Weights from a run folder: `load_run` (a trained run's model, optionally its BEMA weights) and
-`load_initial_weights` (``train.init_from``: another run's weights in a model whose attention may add
-parameters)."""
+"""Weights from a run folder: `load_run` (a trained run's model, optionally its BEMA weights), `check_trained_data`
+(is the data here what it trained on?) and `load_initial_weights` (``train.init_from``: another run's weights in a
+model whose attention may add parameters)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, ConfigWarning
 from lengthgen.train.config import RunConfig
 from lengthgen.attention.module import is_spec_parameter
 from lengthgen.model import GPT
@@ -99,4 +100,16 @@ def _load_checkpoint(ckpt: Path, bema: bool, device: str | torch.device) -> tupl
     return cfg, model.eval()
 
 
-__all__ = ["load_initial_weights", "load_run"]
+def check_trained_data(path: str | Path, source: Any) -> None:
+    """A `ConfigWarning` when ``source`` (the run's training data built here) is not the text the newest checkpoint
+    at ``path`` trained on (its token digest): a corpus's split is drawn per document, so the documents evaluated as
+    held out may then be text the run trained on (a resume refuses such data)."""
+    trained_on = load_newest(path, ckpt_io.read_state)[1].get("data_digest")
+    now = source.digest() if hasattr(source, "digest") else None
+    if trained_on is not None and now is not None and trained_on != now:
+        warnings.warn(f"{path} was trained on other text than data.text reads here (token digest {trained_on[:12]}, "
+                      f"now {now[:12]}: the corpus files changed, or how this lengthgen orders, splits or tokenizes "
+                      "them): documents it trained on may be evaluated as held out", ConfigWarning, stacklevel=2)
+
+
+__all__ = ["check_trained_data", "load_initial_weights", "load_run"]
