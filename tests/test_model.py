@@ -161,6 +161,15 @@ def test_tokens_that_are_not_integer_ids_are_named():
     assert model(torch.zeros(2, 3, dtype=torch.int32)).shape[:2] == (2, 3)
 
 
+def test_token_ids_outside_the_vocabulary_are_named():
+    """An id >= vocab_size (or < 0) was torch's bare IndexError 'index out of range in self'."""
+    model = GPT(tiny())
+    for tokens, got in (([[1, 13]], r"\[1, 13\]"), ([[-1, 3]], r"\[-1, 3\]")):
+        with pytest.raises(ValueError, match=rf"^GPT: token ids must be in \[0, 13\) \(model.vocab_size\), got ids in "
+                           rf"{got}$"):
+            model(torch.tensor(tokens))
+
+
 def test_global_layers_must_agree_on_the_gain_they_share():
     """The shared multiplier took the first global layer's scaling_init, silently dropping another layer's; and it
     was built from a layer without attention when that came first (then unused, or at an init no layer asked for).

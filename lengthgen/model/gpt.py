@@ -132,7 +132,11 @@ class GPT(nn.Module):
             raise ValueError("GPT: a KVCache needs causal layers, and norm='batch' in training mode normalizes over "
                              "every position; decode in eval mode (model.eval(): running statistics)")
         start = 0 if cache is None else cache.length
-        x = self.embed(tokens)
+        try:
+            x = self.embed(tokens)
+        except IndexError:          # eager CPU only (CUDA asserts on the device); no check costs a sync
+            raise ValueError(f"GPT: token ids must be in [0, {self.config.vocab_size}) (model.vocab_size), got "
+                             f"ids in [{int(tokens.min())}, {int(tokens.max())}]") from None
         if self.first_embed is not None:   # seed 001: one vector for position 0, another for every later one
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
             x = x + self.first_embed((positions > 0).long())
