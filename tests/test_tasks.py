@@ -86,6 +86,13 @@ def test_impossible_lengths(name):
         task.sample(0, 16, gen(0))
 
 
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_a_generator_that_is_none_is_named(name):
+    """sample(..., generator=None) was "AttributeError: 'NoneType' object has no attribute 'device'"."""
+    with pytest.raises(ConfigError, match=rf"^{name}\.generator=None is not valid; it must be a torch.Generator"):
+        make_task(name).sample(2, 16, None)
+
+
 def test_minimum_lengths():
     with pytest.raises(ValueError, match=r"'passkey'.*length 10 .*minimum length 11"):
         make_task("passkey", num_digits=5).sample(2, 10, gen(0))

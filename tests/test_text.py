@@ -588,6 +588,8 @@ def test_stdlib_text_data_val_split_samples():
     assert data.stream.num_documents > 0 and data.stream.num_tokens > 10_000
     batch = data.sample(2, 256, gen(0))
     assert batch.tokens.shape == (2, 256) and int(batch.tokens.max()) < 259
+    with pytest.raises(ConfigError, match=r"^TextData.generator=0 is not valid; it must be a torch.Generator"):
+        data.sample(2, 256, 0)      # was "'int' object has no attribute 'device'"
 
 
 # ------------------------------------------------------------------------------------------------

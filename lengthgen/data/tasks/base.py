@@ -6,6 +6,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lengthgen.config import invalid
+
+
+def check_generator(key: str, generator: torch.Generator) -> torch.Generator:
+    """``generator`` if it is a torch.Generator (its device is the batch's); else a `ConfigError` naming ``key``."""
+    if not isinstance(generator, torch.Generator):
+        raise invalid(key, generator, "a torch.Generator, e.g. torch.Generator().manual_seed(0)")
+    return generator
+
 
 @dataclass
 class Batch:

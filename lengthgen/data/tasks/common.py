@@ -8,13 +8,14 @@ import math
 import torch
 
 from lengthgen.config import ConfigError, check_value
-from lengthgen.data.tasks.base import Task
+from lengthgen.data.tasks.base import Task, check_generator
 
 
-def check_sample_args(task: Task, batch_size: int, length: int) -> None:
+def check_sample_args(task: Task, batch_size: int, length: int, generator: torch.Generator) -> None:
     """Raise a ValueError naming the task, the bad value and the limit for a request outside
-    ``task.min_length..task.max_length`` or a non-positive batch size."""
+    ``task.min_length..task.max_length``, a non-positive batch size or a generator that is not one."""
     check_value(f"{task.name}.batch_size", batch_size, int, ge=1)
+    check_generator(f"{task.name}.generator", generator)
     check_value(f"{task.name}.length", length, int)
     if length < task.min_length:
         raise ValueError(f"task {task.name!r}: length {length} is below the minimum length {task.min_length}")

@@ -33,7 +33,7 @@ class CountingTask(Task):
         self.vocab_size = check_value(f"{self.name}.vocab_size", vocab_size, int, ge=2, le=MAX_SIZE)
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         tokens = torch.randint(self.vocab_size, (batch_size, length), generator=generator,
                                device=generator.device)
         hits = (tokens == tokens[:, :1]).float()

@@ -45,7 +45,7 @@ class DyckTask(Task):
         self.vocab_size = 2 * num_types + 1
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         device = generator.device
         k, m = self.num_types, self.max_depth
         # Index j = number of brackets read (0..length); bracket j is read between states j-1 and j.

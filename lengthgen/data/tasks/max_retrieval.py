@@ -38,7 +38,7 @@ class MaxRetrievalTask(Task):
         self.max_length = 2 * num_keys + 2
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         device = generator.device
         n = (length - 1) // 2
         keys = torch.rand(batch_size, self.num_keys, generator=generator, device=device).argsort(1)[:, :n]

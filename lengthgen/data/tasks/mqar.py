@@ -38,7 +38,7 @@ class MQARTask(Task):
         self.answer_tokens = 1
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         keys, values = self._pairs(batch_size, length, generator)
         which = torch.randint(length // 4, (batch_size, length - 2 * (length // 4)), generator=generator,
                               device=generator.device)
@@ -52,7 +52,7 @@ class MQARTask(Task):
         asks needle j mod K. The same generator draws the same pairs at every depth. ``extra["needle_pos"]``:
         (B,) the first needle key's position; ``extra["answer"]``: (B, L) long, j at query j (each query is one
         answer), -1 elsewhere."""
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         n = length // 4
         check_needle(self, depth, needles, most=n)
         keys, values = self._pairs(batch_size, length, generator)

@@ -43,7 +43,7 @@ class PasskeyTask(Task):
         self.answer_tokens = num_digits
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         tokens, digits = self._draw(batch_size, length, generator)
         needle_pos = torch.randint(length - 2 * self.num_digits, (batch_size,), generator=generator,
                                    device=generator.device)
@@ -56,7 +56,7 @@ class PasskeyTask(Task):
         depth 1 right before QUERY. The same generator draws the same filler and digits at every depth.
         ``extra["answer"]``: (B, L) long, 0 at the k answer positions (one answer), -1 elsewhere. One needle only:
         the query names no key, so several needles would be indistinguishable."""
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         check_needle(self, depth, needles, most=1)
         tokens, digits = self._draw(batch_size, length, generator)
         position = round(depth * (length - 2 * self.num_digits - 1))

@@ -39,7 +39,7 @@ class SetComplementTask(Task):
         self.max_length = num_tokens
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         device = generator.device
         perm = torch.rand(batch_size, self.num_tokens, generator=generator, device=device).argsort(1)
         bos = torch.full((batch_size, 1), self.bos, dtype=torch.long, device=device)

@@ -120,7 +120,7 @@ class TomitaTask(Task):
         return bool((_log_counts(self.grammar, n)[:, n, 0] > float("-inf")).all())
 
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
-        check_sample_args(self, batch_size, length)
+        check_sample_args(self, batch_size, length, generator)
         device = generator.device
         n = next(n for n in range(length - 1, 0, -1) if self._both_labels(n))
         ranks = torch.rand(batch_size, generator=generator, device=device).argsort()

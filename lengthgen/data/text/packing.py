@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lengthgen.atomic import atomic_write
 from lengthgen.config import ConfigWarning, check_value
-from lengthgen.data.tasks.base import Batch, Task
+from lengthgen.data.tasks.base import Batch, Task, check_generator
 from lengthgen.data.text.corpora import Corpus, CorpusError, make_corpus
 from lengthgen.data.text.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
 
@@ -257,6 +257,7 @@ class TextData(Task):
     def sample(self, batch_size: int, length: int, generator: torch.Generator) -> Batch:
         check_value("TextData.batch_size", batch_size, int, ge=1)
         check_value("TextData.length", length, int, ge=1)
+        check_generator("TextData.generator", generator)
         n = self.stream.num_tokens
         if length + 1 > n:
             warnings.warn(f"{self.name}: rows of {length} tokens hold more than all {n} tokens of the text: it repeats "
