@@ -170,6 +170,18 @@ def test_evaluate_refuses_a_model_that_does_not_fit_the_task(task, config, match
         evaluate(model, make_task(task), [8], tokens_per_length=16)
 
 
+def test_evaluate_names_a_model_or_source_of_the_wrong_type():
+    """A task's name as the source was "AttributeError: 'str' object has no attribute 'sample'", and a model that is
+    no module "'str' object has no attribute 'parameters'"."""
+    task = make_task("counting")
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, head="regress", dim=16, layers=1, heads=2))
+    with pytest.raises(ValueError, match=r"^evaluate: source must be a data source with sample\(batch_size, length, "
+                                         r"generator\) .*, got str$"):
+        evaluate(model, "counting", [8], tokens_per_length=16)
+    with pytest.raises(ValueError, match=r"^evaluate: model must be a torch.nn.Module, got str$"):
+        evaluate("model.pt", task, [8], tokens_per_length=16)
+
+
 @pytest.mark.parametrize("lengths, match", [([16, 0], r"lengths\[1\]=0 is not valid"),
                                             ([-3], r"lengths\[0\]=-3 is not valid"),
                                             ([8.5], r"lengths\[0\]=8.5 is not valid")])

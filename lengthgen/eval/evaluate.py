@@ -261,8 +261,14 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
 
 
 def _check_fits(model: nn.Module, source: Any) -> None:
-    """A ValueError when a lengthgen model (one with a ``head_kind``) cannot run on ``source``: another head, or fewer
-    token ids than the source uses (torch would fail deep inside the embedding, the loss or the metrics)."""
+    """A ValueError when ``model`` is no torch module, ``source`` has no ``sample``, or a lengthgen model (one with a
+    ``head_kind``) cannot run on ``source``: another head, or fewer token ids than the source uses (torch would fail
+    deep inside the embedding, the loss or the metrics)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"evaluate: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(getattr(source, "sample", None)):
+        raise ValueError(f"evaluate: source must be a data source with sample(batch_size, length, generator) (a "
+                         f"task: lengthgen.data.tasks.make_task(name)), got {type(source).__name__}")
     head = getattr(model, "head_kind", None)
     name = getattr(source, "name", "the source")
     if head is None:
