@@ -73,6 +73,11 @@ class ConfigError(ValueError):
         return ConfigError(new + message[len(self.key):], new)
 
 
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural (an ``s`` appended) unless ``count`` is 1: ``1 sequence``, ``2 sequences``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def invalid(key: str, value: Any, what: str) -> ConfigError:
     """``key=value is not valid; it must be <what>``."""
     return ConfigError(f"{key}={value!r} is not valid; it must be {what}", key)
@@ -472,6 +477,6 @@ def format_config(config: Any, width: int = 34) -> str:
     return "\n".join(out)
 
 
-__all__ = ["ConfigError", "build", "check", "check_value", "describe", "differences", "documented", "expected",
-           "format_config", "hints", "invalid", "key_path", "leaves", "load_toml", "option", "parse_assignment",
-           "parse_value", "set_key", "to_plain", "toml_value", "unknown_key"]
+__all__ = ["ConfigError", "build", "check", "check_value", "counted", "describe", "differences", "documented",
+           "expected", "format_config", "hints", "invalid", "key_path", "leaves", "load_toml", "option",
+           "parse_assignment", "parse_value", "set_key", "to_plain", "toml_value", "unknown_key"]

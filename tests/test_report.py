@@ -10,7 +10,9 @@ import re
 
 import pytest
 
-from lengthgen.eval import Bucket, Comparison, LengthEval, Provenance, RunEval
+from lengthgen import GPT, GPTConfig
+from lengthgen.data.tasks import make_task
+from lengthgen.eval import Bucket, Comparison, LengthEval, Provenance, RunEval, evaluate
 from lengthgen.eval.buckets import bucket_edges
 from lengthgen.report import markdown_report, run_summary, terminal_table, verdict, verdicts, write_report
 from lengthgen.report.plots import diagnostics_figure, extrapolation_figure, variant_styles
@@ -197,6 +199,21 @@ def test_an_undefined_metric_says_why_and_never_prints_nan():
     assert (r.value_text("accuracy"), r.value_text("loss"), r.value_text("absent")) == (f"undefined: {why}", "n/a",
                                                                                         "n/a")
     assert not re.search(r"\bnan", text + terminal + summary)
+
+
+def test_one_sampled_sequence_is_singular_and_still_summarized_by_tokens():
+    """evaluate at one sequence per length wrote "1 sampled sequences", in eval's summary and the report."""
+    task = make_task("counting")
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, head="regress", dim=16, layers=1, heads=2))
+    row = evaluate(model, task, [64], tokens_per_length=64, diagnostics=False).lengths[0]
+    assert (row.batch_size, row.batch) == (1, "1 sampled sequence")
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for runs in results.variants.values():
+        for run in runs:
+            for r in run.lengths:
+                r.batch_size, r.batch = 1, row.batch
+    text = markdown_report(results)
+    assert "per length 64 tokens (at 64: 1 sampled sequence)" in text and "batches by length" not in text
 
 
 def test_report_lists_each_lengths_documents_for_text():

@@ -109,8 +109,9 @@ def test_merge_compares_what_a_batch_holds_not_its_wording():
     old, new = "28 long documents (val split)", "28 long documents (val split; all there are, the same for every seed)"
     assert _batch_kind(old) == _batch_kind(new) == "val"
     assert _batch_kind("1 long document (train split, which the run trained on)") == "train"
-    assert _batch_kind("4 packed rows (no document of 128 tokens)") == "packed rows"
-    assert _batch_kind("4 sampled sequences") == "sampled sequences"
+    assert _batch_kind("4 packed rows (no document of 128 tokens)") == "packed row"
+    assert _batch_kind("4 sampled sequences") == _batch_kind("1 sampled sequence") == "sampled sequence"
+    assert _batch_kind("1 sampled sequences") == "sampled sequence"     # older versions' wording at one sequence
     assert _batch_kind("2 long documents (val split)") != _batch_kind("2 long documents (train split)")
 
 

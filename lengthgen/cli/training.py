@@ -16,6 +16,7 @@ from lengthgen.cli.common import (
     positive_int,
     warn_unused,
 )
+from lengthgen.config import counted
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -56,7 +57,7 @@ def train_command(args: argparse.Namespace) -> int:
     if distributed.env_world()[0] != 0:  # torchrun: rank 0 reports (`main` leaves the process group)
         return 0
     final = f"{result.history[-1]:.4g}" if result.history else "n/a"
-    print(f"trained {result.step} steps; final loss {final}; run folder {result.run_dir}")
+    print(f"trained {counted(result.step, 'step')}; final loss {final}; run folder {result.run_dir}")
     if result.evaluation:
         print(run_summary(result.evaluation, getattr(result.trainer.source, "metric", "loss"),
                           train_length=max(result.config.lengths())))

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from lengthgen.config import MAX_SIZE, ConfigError, check_value, invalid
+from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted, invalid
 from lengthgen.data.config import step_generator
 from lengthgen.data.tasks.base import Batch, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
@@ -122,7 +122,7 @@ def rows_at_once(config: Any, device: str, rows: int, length: int, forward_token
     free, bound = available
     batch = rows * length * 8           # token ids
     if batch + row > free:
-        raise MemoryError(f"evaluating length {length} ({rows} sequence{'s' if rows > 1 else ''}) needs at least "
+        raise MemoryError(f"evaluating length {length} ({counted(rows, 'sequence')}) needs at least "
                           f"{gib(batch + row)} of memory, {gib(free)} available"
                           + (" under the cgroup (container) memory limit" if bound == "cgroup" else ""))
     return min(step, max(1, (free // 2 - batch) // row))
@@ -192,7 +192,7 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     reasons = {name: why(name, batch) for name, v in at_length.items() if math.isnan(v)}
     result = LengthEval(
         length=length, batch_size=int(batch.tokens.shape[0]),
-        batch=describe(batch_size, length) if describe else f"{batch.tokens.shape[0]} sampled sequences",
+        batch=describe(batch_size, length) if describe else counted(batch.tokens.shape[0], "sampled sequence"),
         at_length=at_length, undefined={name: r for name, r in reasons.items() if r},
         mean={name: float(v.nanmean()) for name, v in values.items()},
         buckets={name: bucket_means(v) for name, v in per_position.items()},

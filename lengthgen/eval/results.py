@@ -307,9 +307,10 @@ class Comparison:
 
 def _batch_kind(description: str) -> str:
     """What an evaluation batch holds, from its description, whatever the wording of the version that wrote it:
-    the split of its long documents ("val", "train"), else e.g. "sampled sequences" or "packed rows"."""
+    the split of its long documents ("val", "train"), else e.g. "sampled sequence" or "packed row" (singular: older
+    versions wrote "1 sampled sequences")."""
     split = re.search(r"\((\w+) split", description)
-    return split.group(1) if split else description.split(" ", 1)[-1].split(" (")[0]
+    return split.group(1) if split else description.split(" ", 1)[-1].split(" (")[0].removesuffix("s")
 
 
 def _unseeded(config: dict[str, Any], per_seed_init: bool = False) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lengthgen.config import ConfigError, ConfigWarning
+from lengthgen.config import ConfigError, ConfigWarning, counted
 from lengthgen.data.tasks.base import Batch
 
 
@@ -64,11 +64,11 @@ class LongDocuments:
             label = next(label for label, data in self.candidates if data is self.fallback)
             n = self.fallback.stream.num_tokens
             repeats = f"; its {n} tokens repeat within each row" if length + 1 > n else ""
-            return (f"{count} packed rows of the {label}{self._trained(self.fallback)} (no document of {length} "
-                    f"tokens{repeats})")
+            return (f"{counted(count, 'packed row')} of the {label}{self._trained(self.fallback)} (no document of "
+                    f"{length} tokens{repeats})")
         label, data, rows, available = picked
         every = "; all there are, the same for every seed" if rows == available else ""
-        return f"{rows} long document{'s' if rows != 1 else ''} ({label}{self._trained(data)}{every})"
+        return f"{counted(rows, 'long document')} ({label}{self._trained(data)}{every})"
 
     def _trained(self, data: Any) -> str:
         return ", which the run trained on" if data is self.trained_on else ""

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 
 from lengthgen.attention import PRESETS
-from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, ConfigWarning, build, check, folder_name, invalid,
-                              leaves, option)
+from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, ConfigWarning, build, check, counted, folder_name,
+                              invalid, leaves, option)
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.eval import Comparison, RunEval, check_needles
 from lengthgen.experiments.eval_run import checked_lengths
@@ -347,8 +347,9 @@ def _protocol(cc: CompareConfig, runs: Plan, pretrained: dict[tuple, Path]) -> d
     bases = {base or "base": cc.bases.get(base, {}) for base in runs.bases}
     steps = next(iter(runs.bases.values())).train.steps
     text = (f"Seed 000's retrofit protocol: each base ({', '.join(f'`{b}`' for b in bases)}) pretrained "
-            f"{cc.pretrain_steps} steps per seed (`pretrain/`), then every variant finetuned {steps} steps from it "
-            "with a fresh optimizer; the variant without changes is the base continued.")
+            f"{counted(cc.pretrain_steps, 'step')} per seed (`pretrain/`), then every variant finetuned "
+            f"{counted(steps, 'step')} from it with a fresh optimizer; the variant without changes is the base "
+            "continued.")
     record = {"pretrain_steps": cc.pretrain_steps, "finetune_steps": steps, "bases": bases,
               "base_runs": {f"{base or 'base'}-seed{seed}": str(path) for (base, seed), path in pretrained.items()}}
     return {"description": text, "retrofit": record}

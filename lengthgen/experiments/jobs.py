@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from lengthgen.config import to_plain
+from lengthgen.config import counted, to_plain
 from lengthgen.eval import RunEval, evaluate
 from lengthgen.experiments.needle import needle_filler, run_map
 from lengthgen.train import train
@@ -139,7 +139,7 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
     evaluate it (`evaluate_run`) with its training seconds (summed over the sessions that trained it) and tokens
     recorded. ``sources``: `evaluate_run`'s."""
     steps = job.config.train.steps
-    log(f"{job.label} training {steps} steps at length {max(job.config.lengths())}"
+    log(f"{job.label} training {counted(steps, 'step')} at length {max(job.config.lengths())}"
         + (" (resuming)" if job.resume else ""))
     start = time.perf_counter()
     trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume)

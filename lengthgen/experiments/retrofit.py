@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from lengthgen.config import MAX_SIZE, ConfigError, check_value
+from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted
 from lengthgen.eval import Comparison, RunEval, eval_source, evaluate
 from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.model import GPT
@@ -131,7 +131,7 @@ def _finetune(name: str, cfg: RunConfig, run_dir: Path, evaluate_model: Callable
               progress: bool, log: Callable[[str], None]) -> tuple[RunEval, list[str]]:
     """Train ``cfg`` (a finetuning config) into ``run_dir`` and evaluate the result; returns the evaluation and
     the parameters the checkpoint did not have."""
-    log(f"[{name}] finetuning {cfg.train.steps} steps at length {max(cfg.lengths())}")
+    log(f"[{name}] finetuning {counted(cfg.train.steps, 'step')} at length {max(cfg.lengths())}")
     trained = train(cfg, run_dir, progress=progress)
     trainer = trained.trainer
     added = (trainer.initialized_from or {}).get("added", [])
@@ -146,10 +146,10 @@ def _description(ckpt: Path, overrides, steps: int, train_length: int, added: li
     """The report's paragraph under the title: what was retrofitted and how it was finetuned."""
     code = lambda names: ", ".join(f"`{n}`" for n in names)  # noqa: E731
     return (f"Checkpoint `{ckpt}` (variant **before**), retrofitted with {code(overrides) or 'no config change'} "
-            f"and finetuned {steps} steps at length {train_length} with a fresh optimizer (variant **after**; run "
-            f"folder `finetune/`). Variant **control** is finetuned the same way from the same checkpoint without "
-            f"the model change (run folder `control/`). Parameters added (kept at their initialization when "
-            f"loading): {code(added) or 'none'}.")
+            f"and finetuned {counted(steps, 'step')} at length {train_length} with a fresh optimizer (variant "
+            f"**after**; run folder `finetune/`). Variant **control** is finetuned the same way from the same "
+            f"checkpoint without the model change (run folder `control/`). Parameters added (kept at their "
+            f"initialization when loading): {code(added) or 'none'}.")
 
 
 __all__ = ["finetune_config", "run_retrofit"]

@@ -9,7 +9,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from lengthgen.config import differences
+from lengthgen.config import counted, differences
 from lengthgen.eval.results import Comparison, RunEval
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
@@ -114,11 +114,11 @@ def setup(results: Comparison) -> list[str]:
              "- **Variants** (the config keys in which their runs differ, seeds aside; every other key is shared):",
              "", *variant_table(results), "",
              f"- **Training** ({'the finetuning; before: its own run' if results.retrofit else 'per run'}): "
-             f"{train.get('steps')} steps at length {results.train_length}"
+             f"{counted(train.get('steps'), 'step')} at length {results.train_length}"
              + (f" (stages {train.get('stages')})" if train.get("stages") else "")
              + f", {tokens_per_step:,} tokens per step, {_by_variant(results, 'train_tokens', 'tokens in all')}; "
              f"{_optimizer(train)}, {train.get('schedule')} schedule, "
-             f"{train.get('warmup_steps')} warmup steps",
+             f"{counted(train.get('warmup_steps'), 'warmup step')}",
              f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
              f"- **Evaluation**: lengths {', '.join(length_label(n, results.train_length) for n in lengths)}; "
              f"{_batches(runs[0], lengths)}",
@@ -134,7 +134,7 @@ def _batches(run: RunEval, lengths: list[int]) -> str:
     """What a run is evaluated on: the tokens per length and the longest length's batch for sampled sequences;
     each length's batch otherwise (text's long documents: from which split, and whether every seed sees the same)."""
     batches = {n: run.at(n).batch for n in lengths}
-    if all(batch.endswith("sampled sequences") for batch in batches.values()):
+    if all(batch.endswith(("sampled sequence", "sampled sequences")) for batch in batches.values()):
         longest = run.at(lengths[-1])
         return (f"per length {longest.batch_size * longest.length:,} tokens (at {lengths[-1]}: {longest.batch}), "
                 "seeded by each run's seed")

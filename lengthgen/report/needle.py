@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 from lengthgen.atomic import atomic_write_text
+from lengthgen.config import counted
 from lengthgen.eval.results import Comparison, NeedleMap
 from lengthgen.report.plots import save_figure
 from lengthgen.report.tables import length_label, mean, table, times
@@ -85,9 +86,8 @@ def needle_figure(maps: dict[str, list[NeedleMap]]):
         bar.ax.axhline(chance, color="black", linewidth=2)
     bar.set_label("exact match" + (f" (black line: chance {chance:.2g})" if chance is not None else ""))
     trained = f"; dashed line: training length {first.train_length}" if first.train_length else ""
-    fig.suptitle(f"{first.source}: needle retrieval by depth and context length\n{first.needles} needle"
-                 f"{'s' if first.needles > 1 else ''} per context, {first.cells[0].samples} sequences per cell"
-                 f"{trained}", fontsize=10)
+    fig.suptitle(f"{first.source}: needle retrieval by depth and context length\n{counted(first.needles, 'needle')} "
+                 f"per context, {counted(first.cells[0].samples, 'sequence')} per cell{trained}", fontsize=10)
     return fig
 
 
@@ -113,8 +113,9 @@ def needle_markdown(nmap: NeedleMap) -> str:
     model = nmap.run_dir or nmap.config.get("hf_model", "the model")
     lines = [f"# Retrieval map: {nmap.source}", "",
              f"- **Model**: `{model}`" + (f", training length {nmap.train_length}" if nmap.train_length else ""),
-             f"- **Needles**: {nmap.needles} per context, {nmap.cells[0].samples} sequences per cell, evaluation "
-             f"seed {nmap.eval_seed} (every depth of one length sees the same haystacks; only the needles move)",
+             f"- **Needles**: {nmap.needles} per context, {counted(nmap.cells[0].samples, 'sequence')} per cell, "
+             f"evaluation seed {nmap.eval_seed} (every depth of one length sees the same haystacks; only the needles "
+             "move)",
              f"- **Compute**: {nmap.provenance.device}, {nmap.eval_seconds} s; lengthgen {nmap.provenance.lengthgen}, "
              f"torch {nmap.provenance.torch}, {nmap.provenance.date}", "", f"{DEPTH}.", ""]
     for value, title, spec in (("exact_match", "Exact match", ".2f"),
@@ -153,9 +154,9 @@ def needle_section(results: Comparison) -> list[str]:
                                                      else "") + f", worst depth {min(column):.2f}"
                              for column, seeds in zip(columns, per_seed))])
     return ["## Retrieval maps", "", f"![exact match by needle depth and context length]({NEEDLE_PLOT})", "",
-            f"`{NEEDLE_PLOT}`: exact match of {first.needles} needle(s) per context at depths "
-            f"{', '.join(f'{d:g}' for d in first.depths)}, {first.cells[0].samples} sequences per cell, mean over "
-            f"seeds; {DEPTH}" + (f"; chance {chance:.3g}" if chance is not None else "") + ".", "",
+            f"`{NEEDLE_PLOT}`: exact match of {counted(first.needles, 'needle')} per context at depths "
+            f"{', '.join(f'{d:g}' for d in first.depths)}, {counted(first.cells[0].samples, 'sequence')} per cell, "
+            f"mean over seeds; {DEPTH}" + (f"; chance {chance:.3g}" if chance is not None else "") + ".", "",
             "Cells: mean over depths and seeds, [min, max] over seeds (of each seed's mean over depths) when "
             "several, and the worst depth's mean over seeds.", "", *table(rows), ""]
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from lengthgen.config import check_value
+from lengthgen.config import check_value, counted
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.tasks.common import check_sample_args
 
@@ -185,7 +185,7 @@ class TomitaTask(Task):
         rows = len(batch.targets)
         if metric != "roc_auc" or batch.targets.unique().numel() > 1:
             return None
-        return f"one class at this length (a batch of {rows} sequence{'s' if rows > 1 else ''})"
+        return f"one class at this length (a batch of {counted(rows, 'sequence')})"
 
     def chance(self, metric: str, length: int) -> float | None:
         """Labels are balanced (half of every batch accepted): ``accuracy`` and ``roc_auc`` 1/2

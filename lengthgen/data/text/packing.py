@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lengthgen.atomic import atomic_write
-from lengthgen.config import ConfigWarning, check_value
+from lengthgen.config import ConfigWarning, check_value, counted
 from lengthgen.data.tasks.base import Batch, Task, check_generator
 from lengthgen.data.text.corpora import Corpus, CorpusError, make_corpus
 from lengthgen.data.text.tokenizer import ByteTokenizer, Tokenizer, make_tokenizer
@@ -381,7 +381,7 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
         shared = sorted(_local_files(c) & _local_files(other)) if other is not None else []
         if shared:
             training = unread if corpus == val_corpus else corpus
-            raise ValueError(f"val_corpus {val_corpus!r} shares {len(shared)} file{'s' if len(shared) > 1 else ''} "
+            raise ValueError(f"val_corpus {val_corpus!r} shares {counted(len(shared), 'file')} "
                              f"with corpus {training!r} (e.g. {shared[0]}): the run would train on its validation "
                              "text; name the training files apart (a glob)")
     t0 = time.perf_counter()
