@@ -371,6 +371,22 @@ def test_muon_exclude_sends_the_matched_block_matrices_to_adamw():
         build_optimizers(model, config('train.muon_exclude=["blocks.*"]').train)
 
 
+def test_weight_decay_mul_that_changes_no_decay_is_named():
+    """A weight_decay_mul pattern matching only norms and biases (which weight_decay_on='matrices' never decays), or
+    any multiplier with weight_decay = 0, built the same optimizer as without it, silently."""
+    cfg = config("train.weight_decay=0.1", "train.weight_decay_mul={'*norm*' = 2.0}")
+    model = GPT(cfg.model.replace(vocab_size=8, head="lm"))
+    with pytest.raises(ConfigError, match=r"^train.weight_decay_mul: pattern '\*norm\*' matches only parameters "
+                                          r"that are not 2-D .* no effect; remove it or set "
+                                          r"train.weight_decay_on='all'$"):
+        build_optimizers(model, cfg.train)
+    adamw = build_optimizers(model, cfg.override("train.weight_decay_on=all").train)[0]
+    assert sorted(g["weight_decay"] for g in adamw.param_groups) == pytest.approx([0.1, 0.2])
+    build_optimizers(model, cfg.override("train.weight_decay_mul={'*' = 2.0}").train)     # matrices too: applies
+    assert config("train.weight_decay_mul={'*' = 2.0}").unused([16]) == [
+        "train.weight_decay_mul: no effect with train.weight_decay=0 (it multiplies AdamW's weight decay)"]
+
+
 def test_muon_lr_mul_scales_the_matched_matrices_and_follows_the_schedule():
     cfg = config("train.optimizer=muon", "train.muon_lr=0.01",
                  "train.muon_lr_mul={\"blocks.*.attn.*_proj.weight\" = 2.0, \"blocks.*.mlp.proj.weight\" = 4.0, "

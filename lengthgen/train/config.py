@@ -146,8 +146,9 @@ class TrainConfig:
 
     def unused(self) -> list[str]:
         """What this valid config asks for but a run of it never reaches: stages that start at or after the last
-        step, a warmup longer than the run, a Muon momentum schedule without Muon, a BEMA burn-in as long as the run
-        (one message each; ``train`` and ``compare`` warn with them)."""
+        step, a warmup longer than the run, a Muon momentum schedule without Muon, weight decay multipliers without
+        weight decay, a BEMA burn-in as long as the run (one message each; ``train`` and ``compare`` warn with
+        them)."""
         notes = []
         late = [list(stage) for stage in self.stages if stage[0] >= self.steps]
         if late:
@@ -160,6 +161,9 @@ class TrainConfig:
                      if getattr(self, k)]
         if scheduled and self.optimizer == "adamw":
             notes.append(f"{' and '.join(scheduled)}: no effect with train.optimizer='adamw' (Muon's momentum only)")
+        if self.weight_decay_mul and self.weight_decay == 0:
+            notes.append("train.weight_decay_mul: no effect with train.weight_decay=0 (it multiplies AdamW's weight "
+                         "decay)")
         if self.bema.enabled and self.bema.tau >= self.steps:
             notes.append(f"train.bema.tau={self.bema.tau} >= train.steps={self.steps}: BEMA never starts (no BEMA "
                          "weights are evaluated or saved)")

@@ -61,6 +61,14 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
     adam_mul = by_pattern("train.adam_lr_mul", adam_names, tc.adam_lr_mul, 1.0, "AdamW parameter")
     adam_betas = by_pattern("train.adam_betas", adam_names, tc.adam_betas, tuple(tc.betas), "AdamW parameter")
     decay_mul = by_pattern("train.weight_decay_mul", adam_names, tc.weight_decay_mul, 1.0, "AdamW parameter")
+    if tc.weight_decay_on == "matrices":
+        for pattern, (matched, _) in zip(tc.weight_decay_mul, pattern_matches(
+                "train.weight_decay_mul", tc.weight_decay_mul, adam_names, "AdamW parameter")):
+            if all(params[name].ndim < 2 for name in matched):
+                raise ConfigError(f"train.weight_decay_mul: pattern {pattern!r} matches only parameters that are not "
+                                  "2-D (norms, biases, scalars), which AdamW does not decay with "
+                                  "train.weight_decay_on='matrices': no effect; remove it or set "
+                                  "train.weight_decay_on='all'", "train.weight_decay_mul")
     muon_groups: dict[float, list[nn.Parameter]] = {}
     adam_groups: dict[tuple, list[nn.Parameter]] = {}
     for name, p in params.items():
