@@ -216,6 +216,23 @@ def test_one_sampled_sequence_is_singular_and_still_summarized_by_tokens():
     assert "per length 64 tokens (at 64: 1 sampled sequence)" in text and "batches by length" not in text
 
 
+def test_a_merged_report_lists_each_device_and_code_its_runs_were_evaluated_with():
+    """Merged comparisons showed the first one's Compute and Code only, as if every run had been evaluated there."""
+    merged, other = comparison({"a": [0.8, 0.9]}), comparison({"b": [0.5, 0.6]})
+    for run in other.variants["b"]:
+        run.provenance = dataclasses.replace(run.provenance, device="cuda:0 (NVIDIA H100)", torch="2.5.1",
+                                             git_commit="0123456789abcdef")
+    assert "- **Compute**: cpu;" in markdown_report(merged)         # one origin: as before
+    merged.merge(other)
+    text = markdown_report(merged)
+    p = merged.variants["a"][0].provenance
+    here = f"{p.device}, lengthgen {p.lengthgen}" + (f" (git {p.git_commit[:10]})" if p.git_commit else "")
+    assert ("- **Code and device**: they differ between the runs' evaluations\n"
+            f"  - {here}, torch {p.torch}: a (seeds 0, 1)\n"
+            f"  - cuda:0 (NVIDIA H100), lengthgen {p.lengthgen} (git 0123456789), torch 2.5.1: b (seeds 0, 1)") in text
+    assert "- **Compute**: per run" in text and "- **Code**:" not in text
+
+
 def test_report_lists_each_lengths_documents_for_text():
     results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
     assert "per length 256 tokens (at 64: 4 sampled sequences)" in markdown_report(results)

@@ -127,7 +127,27 @@ def setup(results: Comparison) -> list[str]:
              f"- **Code**: lengthgen {results.provenance.lengthgen}"
              + (f" (git {commit[:10]})" if commit else "") + f", torch {results.provenance.torch}, "
              f"{results.provenance.date}"]
+    origins = _origins(results)
+    if len(origins) > 1:        # merged (or resumed) results computed apart: the first's origin is not all runs'
+        lines[-2:] = [f"- **Compute**: per run {_seconds([r.train_seconds for r in runs])} training, "
+                      f"{_seconds([r.eval_seconds for r in runs])} evaluation",
+                      "- **Code and device**: they differ between the runs' evaluations",
+                      *(f"  - {line}" for line in origins)]
     return lines
+
+
+def _origins(results: Comparison) -> list[str]:
+    """One line per device, lengthgen version, git commit and torch that evaluated some of the runs, naming
+    their variants and seeds."""
+    seeds: dict[str, dict[str, list]] = {}
+    for name, variant_runs in results.variants.items():
+        for run in variant_runs:
+            p = run.provenance
+            origin = (f"{p.device}, lengthgen {p.lengthgen}" + (f" (git {p.git_commit[:10]})" if p.git_commit else "")
+                      + f", torch {p.torch}")
+            seeds.setdefault(origin, {}).setdefault(name, []).append(run.seed)
+    return [f"{origin}: " + ", ".join(f"{name} ({'seeds' if len(s) > 1 else 'seed'} {', '.join(map(str, s))})"
+                                      for name, s in by_variant.items()) for origin, by_variant in seeds.items()]
 
 
 def _batches(run: RunEval, lengths: list[int]) -> str:
