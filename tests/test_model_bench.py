@@ -56,6 +56,26 @@ def test_cpu_measurements_report_no_gpu_figures():
     assert set(layer["overheads"]) == {"out_norm+gate", "out_norm", "gate", "head_gate", "seed000"}
 
 
+def test_train_peak_memory_is_the_timed_steps_not_the_process(monkeypatch):
+    """peak_mem_gib was torch.cuda.max_memory_allocated read at the end, never reset: the process's peak (an
+    earlier case, the compiling first step) and what came after the rounds (the profiled step, Muon's comparison).
+    The CUDA allocator's counter is faked here: 9 GiB before, 1 GiB in the timed rounds, 3 GiB after them."""
+    allocator = {"peak": 9.0}
+    rounds = mb.measure_interleaved
+
+    def timed_rounds(*args, **kwargs):
+        allocator["peak"] = max(allocator["peak"], 1.0)
+        return rounds(*args, **kwargs)
+
+    monkeypatch.setattr(mb, "_reset_peak", lambda device: allocator.update(peak=0.0), raising=False)
+    monkeypatch.setattr(mb, "_peak_gib", lambda device: allocator["peak"])
+    monkeypatch.setattr(mb, "measure_interleaved", timed_rounds)
+    monkeypatch.setattr(mb, "top_kernels", lambda step, device: allocator.update(peak=3.0) or [])
+    cfg = RunConfig().override("model.vocab_size=32", "model.dim=16", "model.layers=1", "model.heads=2",
+                               "train.device=cpu")
+    assert mb.train_throughput(cfg, batch_size=2, length=16, steps=1, warmup=1, device="cpu")["peak_mem_gib"] == 1.0
+
+
 def test_synthetic_batch_packs_documents():
     batch = mb.synthetic_batch(50, 2, 64, True, torch.device("cpu"))
     assert batch.tokens.shape == batch.targets.shape == batch.doc_ids.shape == (2, 64)

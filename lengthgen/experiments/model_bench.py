@@ -74,7 +74,15 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _reset_peak(device: torch.device) -> None:
+    """Start `_peak_gib` afresh: what the work after this call allocates at most (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def _peak_gib(device: torch.device) -> float | None:
+    """GiB allocated at most since `_reset_peak` (CUDA; None on the CPU, where no allocator counts it)."""
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
@@ -111,8 +119,9 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
 
     Whole steps are timed in the same interleaved rounds as their forward + backward alone: ``optimizer_s`` (and
     ``optimizer_fraction`` of the step) is the median per-round difference, the gradient clipping and optimizer
-    steps. ``top_kernels``: where one more step's time goes (`top_kernels`). With Muon, ``muon_step_ms``: its
-    step against torch's (`muon_step_ms`)."""
+    steps. ``peak_mem_gib``: the most memory allocated during those rounds (CUDA only; not the first, compiling
+    step's, nor what this process allocated before). ``top_kernels``: where one more step's time goes
+    (`top_kernels`). With Muon, ``muon_step_ms``: its step against torch's (`muon_step_ms`)."""
     device = torch.device(device)
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
@@ -136,8 +145,10 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
             opt.step()
 
     first = _timed(step, device)
+    _reset_peak(device)
     timings = measure_interleaved({"step": step, "forward_backward": forward_backward}, device, max(0, warmup - 1),
                                   steps)
+    peak_mem = _peak_gib(device)
     timing, optimizer = timings["step"], timings["step"] - timings["forward_backward"]
     kernels = top_kernels(step, device)
     muon = muon_step_ms(model, cfg, device, warmup, steps) if cfg.train.optimizer == "muon" else None
@@ -151,7 +162,7 @@ def train_throughput(cfg: RunConfig, *, batch_size: int, length: int, steps: int
                 first_step_s=first, step_s=seconds, step_s_quartiles=[t / 1e3 for t in timing.quartiles()],
                 steps=steps, optimizer_s=optimizer.median / 1e3, optimizer_fraction=(optimizer / timing).median,
                 tokens_per_s=tokens_per_s, flops_per_token=flops,
-                tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=_peak_gib(device),
+                tflops=tflops, peak_tflops=peak, mfu=tflops / peak if peak else None, peak_mem_gib=peak_mem,
                 top_kernels=kernels, muon_step_ms=muon)
 
 
@@ -184,9 +195,7 @@ def long_eval(cfg: RunConfig, *, length: int, device: str | torch.device = "cuda
     for name, fn in runs.items():
         with _autocast(cfg, device):
             first = _timed(fn, device)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
+            _reset_peak(device)
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             seconds = _timed(fn, device)
         peak = _peak_gib(device)
