@@ -18,6 +18,11 @@ from lengthgen.eval.diagnostics import attention_stats, model_diagnostics
 from lengthgen.model import GPT, GPTConfig
 
 
+#: what `LongDocuments.describe` says of packed rows (no document is that long)
+JOINED = ("a row joins documents, so a position's context spans earlier documents, or under document masking only "
+          "its own")
+
+
 def test_bucket_edges_are_powers_of_two_cut_at_length():
     assert bucket_edges(10) == [(0, 1), (1, 2), (2, 4), (4, 8), (8, 10)]
     assert bucket_edges(8) == [(0, 1), (1, 2), (2, 4), (4, 8)]
@@ -305,10 +310,10 @@ def test_long_documents_prefer_the_first_split_with_a_long_document():
     assert source.describe(2, 64) == "2 long documents (train split, which the run trained on)"
     batch = source.sample(4, 128, torch.Generator().manual_seed(0))
     assert source.describe(4, 128) == ("4 packed rows of the train split, which the run trained on (no document of "
-                                       "128 tokens)")
+                                       f"128 tokens: {JOINED})")
     assert batch.tokens.shape == (4, 128) and int(batch.tokens[0, 0]) == 2
     assert source.describe(4, 270) == ("4 packed rows of the train split, which the run trained on (no document of "
-                                       "270 tokens; its 270 tokens repeat within each row)")
+                                       f"270 tokens: {JOINED}; its 270 tokens repeat within each row)")
 
 
 def test_an_eval_length_beyond_the_whole_text_is_one_warning_line_about_the_text_it_evaluates(tmp_path, capsys):
@@ -331,5 +336,6 @@ def test_an_eval_length_beyond_the_whole_text_is_one_warning_line_about_the_text
     assert len(err) == 1 and err[0].startswith("lengthgen eval: warning: text:") and "/val:byte: rows of 20000 " \
         "tokens hold more than all" in err[0]
     rows = json.loads((tmp_path / "eval.json").read_text())["lengths"]
-    assert rows[1]["batch"].endswith("(no document of 20000 tokens; its " + err[0].split("all ")[1].split(" ")[0]
-                                     + " tokens repeat within each row)")
+    total = err[0].split("all ")[1].split(" ")[0]
+    assert rows[1]["batch"].endswith(f"(no document of 20000 tokens: {JOINED}; its {total} tokens repeat within each "
+                                     "row)")

@@ -27,6 +27,9 @@ from lengthgen.data.text.corpus import stat_fingerprint
 
 BYTE = ByteTokenizer()
 BOS = BYTE.bos_id
+#: what `LongDocuments.describe` says of packed rows (no document is that long)
+JOINED = ("a row joins documents, so a position's context spans earlier documents, or under document masking only "
+          "its own")
 
 
 def gen(seed: int) -> torch.Generator:
@@ -487,10 +490,10 @@ def test_packed_rows_beyond_every_document_are_held_out_text(tmp_path):
     rows = source.sample(2, 2048, gen(0)).tokens
     text = BYTE.decode(rows.flatten().tolist())
     assert "val document" in text and "train document" not in text
-    assert source.describe(2, 2048) == "2 packed rows of the val split (no document of 2048 tokens)"
+    assert source.describe(2, 2048) == (f"2 packed rows of the val split (no document of 2048 tokens: {JOINED})")
     alone = DataConfig(kind="text", text={"corpus": str(train_path), "split": "all", "cache": False})
     assert eval_source(alone, make_source(alone)).describe(2, 2048) == (
-        "2 packed rows of the all split, which the run trained on (no document of 2048 tokens)")
+        f"2 packed rows of the all split, which the run trained on (no document of 2048 tokens: {JOINED})")
 
 def test_a_run_trained_on_the_val_split_is_warned_and_labelled_when_evaluated(tmp_path, capsys):
     """data.text.split='val' trains on the validation text: `lengthgen eval` said "long documents (val split)" as

@@ -57,15 +57,17 @@ class LongDocuments:
 
     def describe(self, count: int, length: int) -> str:
         """What ``sample(count, length, ...)`` returns, e.g. ``"2 long documents (val split)"``; when it takes
-        every document that long, it says that every seed then evaluates the same ones; packed rows longer than
-        the whole text, that the text repeats within them."""
+        every document that long, it says that every seed then evaluates the same ones; packed rows, that their
+        positions' context is not one document of ``length`` tokens (and when they are longer than the whole text,
+        that the text repeats within them)."""
         picked = self._pick(count, length)
         if picked is None:
             label = next(label for label, data in self.candidates if data is self.fallback)
             n = self.fallback.stream.num_tokens
             repeats = f"; its {n} tokens repeat within each row" if length + 1 > n else ""
             return (f"{counted(count, 'packed row')} of the {label}{self._trained(self.fallback)} (no document of "
-                    f"{length} tokens{repeats})")
+                    f"{length} tokens: a row joins documents, so a position's context spans earlier documents, or "
+                    f"under document masking only its own{repeats})")
         label, data, rows, available = picked
         every = "; all there are, the same for every seed" if rows == available else ""
         return f"{counted(rows, 'long document')} ({label}{self._trained(data)}{every})"

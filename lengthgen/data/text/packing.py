@@ -241,7 +241,8 @@ class TextData(Task):
 
     def digest(self) -> str:
         """The token stream's size, vocabulary, document starts and every k-th token (k = max(1, tokens >> 24): at
-        most 2**25 of them), hashed (blake2b): another corpus, or the same files edited, give another digest; a copy gives the same."""
+        most 2**25 of them), hashed (blake2b): another corpus, or the same files edited, give another digest; a
+        copy gives the same."""
         if self._digest is None:
             s = self.stream
             h = hashlib.blake2b(f"{s.num_tokens} {s.num_documents} {s.vocab_size} {s.bos_id}".encode(),
