@@ -155,6 +155,22 @@ def test_config_show_takes_set_before_or_after_what(capsys, monkeypatch):
     assert shown[0] == shown[1] and re.search(r"^dim = 24 ", shown[0], flags=re.M)
 
 
+@pytest.mark.parametrize("what", ["l2", "attention"])
+def test_config_show_of_a_spec_with_set_points_to_a_command_that_works(capsys, monkeypatch, tmp_path, what):
+    """``config show l2 --set model.attention.softmax_p=3`` was refused with 'for attention use --set
+    model.attention.FIELD=VALUE', the very --set it had refused; the error now names a command that shows it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "show", what, "--set", "model.attention.softmax_p=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    suggested = re.search(r"lengthgen (config show .*?model\.attention\.FIELD=VALUE)", err)
+    assert suggested, err
+    argv = suggested[1].replace("FIELD=VALUE", "softmax_p=3").split()
+    assert shown(capsys, *argv[2:])["model.attention.softmax_p"][0] == "3.0"
+    preset = shown(capsys, *argv[2:-2])["model.attention.softmax_p"][0]      # without the change: the preset's
+    assert preset == ("2.0" if what == "l2" else "1.0")
+
+
 @pytest.mark.parametrize("cls", [AttentionSpec, GPTConfig, TrainConfig, BemaConfig, RunConfig, DataConfig])
 def test_help_documents_every_field(cls):
     text = pydoc.render_doc(cls, renderer=pydoc.plaintext)

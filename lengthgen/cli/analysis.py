@@ -305,7 +305,10 @@ def config_command(args: argparse.Namespace) -> int:
     what = args.what
     if what == "attention" or what in PRESETS:
         if args.overrides:
-            raise CommandError("--set applies to run configs; for attention use --set model.attention.FIELD=VALUE")
+            preset = what if what in PRESETS else "baseline"
+            raise CommandError(f"config show {what} takes no --set (it shows the spec as defined); to see it changed, "
+                               f"show a run config: lengthgen config show --set model.attention={preset} "
+                               "--set model.attention.FIELD=VALUE")
         print(format_config(PRESETS.get(what, PRESETS["baseline"])))
         print(f"\n# presets (model.attention=NAME) and how they differ from baseline, the defaults"
               f"{' above' if what == 'attention' else ''}")
