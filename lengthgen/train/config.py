@@ -111,8 +111,11 @@ class TrainConfig:
     seed: int = option(0, "seed of the weights and the data", ge=0, le=2**63 - 1)
     eval_every: int = option(0, "evaluate every this many steps; 0: at the end only", ge=0)
     eval_lengths: list[int] = option([], "evaluation lengths (default [data.length])", ge=1, le=MAX_SIZE)
-    eval_batches: int = option(2, "batches per evaluation length", ge=0)
-    eval_batch_size: int = option(16, "sequences per evaluation batch", ge=1, le=MAX_SIZE)
+    eval_batches: int = option(2, "train's evaluations: eval_batches x eval_batch_size sequences of the training "
+                               "length's tokens per eval length (longer lengths: the same tokens in fewer "
+                               "sequences); 0: no evaluation", ge=0)
+    eval_batch_size: int = option(16, "tokens per evaluation forward pass, in sequences of the training length "
+                                  "(train, and eval, needle, compare, retrofit)", ge=1, le=MAX_SIZE)
     checkpoint_every: int = option(0, "checkpoint every this many steps; 0: at the end only", ge=0)
     keep_checkpoints: int = option(2, "checkpoints kept on disk", ge=1)
     log_every: int = option(10, "log every this many steps (and the first and last): a line on the console "
