@@ -24,7 +24,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "-o", help="run folder (default runs/<config name>); it must be empty unless --resume "
                                        "or --overwrite")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest readable "
-                   "checkpoint (refused if the config changes the training trajectory)")
+                   "checkpoint (refused if the config changes the training trajectory); with no checkpoint yet, or no "
+                   "folder, it starts the run at step 0")
     p.add_argument("--extend", action="store_true", help="with --resume: allow a new train.steps, e.g. to train a "
                    "finished run longer (recorded in metrics.jsonl)")
     p.add_argument("--overwrite", action="store_true", help="delete the run in --out and start over")
