@@ -260,9 +260,11 @@ def sample_command(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("theory", lambda p: p.add_argument("--out", "-o", default="runs/theory", help="output folder"))
+@command("theory", lambda p: p.add_argument("--out", "-o", default="runs/theory",
+                                            help="folder for theory.json and theory.png (default runs/theory)"))
 def theory_command(args: argparse.Namespace) -> int:
-    """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.png."""
+    """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.json
+    and theory.png."""
     from lengthgen.experiments.theory import main_theory
     from lengthgen.train.run_folder import check_outputs, lock
 

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"cuda, {','.join(map(str, bench.CPU_LENGTHS))} on cpu)")
     parser.add_argument("--head-dims", type=_ints, default=(64, 128), help="comma list (default 64,128)")
     parser.add_argument("--variants", type=_choices(bench.VARIANTS), default=None,
-                        help=f"comma list of {', '.join(bench.VARIANTS)}")
+                        help=f"comma list of {', '.join(bench.VARIANTS)} (default: all)")
     parser.add_argument("--backends", type=_choices(attention_backends.MODULES), default=None,
                         help=f"comma list (default {','.join(bench.GPU_BACKENDS)} on cuda, "
                              f"{','.join(bench.CPU_BACKENDS)} on cpu)")
