@@ -30,7 +30,8 @@ def step_line(entry: dict[str, Any], total: int, lr: float, eta_s: float) -> str
 
 
 def eval_line(step: int, entry: dict[str, Any]) -> str:
-    """``eval step 100: length 32 loss 0.41 abs_error 0.35 | length 128 ...`` (``bema_eval`` on its own part)."""
+    """``eval step 100: length 32 loss 0.41 abs_error 0.35 | length 128 ...``: each length's mean over all its
+    positions [0, L) (``bema_eval`` on its own part)."""
     parts = []
     for kind, by_length in entry.items():
         label = "BEMA " if kind == "bema_eval" else ""
