@@ -56,7 +56,10 @@ def test_pretrain_protocol_finetunes_every_variant_from_its_base_and_evaluates_b
             assert run.config["model"]["attention"]["out_norm"] == ("head_layer" if variant == "avnorm" else "none")
     assert results.retrofit["pretrain_steps"] == 3 and results.retrofit["finetune_steps"] == 2
     assert results.retrofit["bases"] == {"rope": {}, "nope": {"model": {"attention": {"position": "nope"}}}}
-    assert "retrofit protocol" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "retrofit protocol" in report
+    training = next(line for line in report.splitlines() if line.startswith("- **Training**"))
+    assert "before" not in training and "pretrained 3 steps" in training, training   # no 'before' variant here
     assert Comparison.load(tmp_path / "results.json") == results
 
 

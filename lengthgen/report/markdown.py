@@ -106,6 +106,9 @@ def setup(results: Comparison) -> list[str]:
     seeds = sorted({run.seed for run in runs if run.seed is not None})
     lengths = results.eval_lengths
     commit = results.provenance.git_commit
+    protocol = results.retrofit or {}
+    trained = (f"per finetuning run; each base pretrained {counted(protocol['pretrain_steps'], 'step')} per seed first"
+               if "pretrain_steps" in protocol else "the finetuning; before: its own run" if protocol else "per run")
     lines = [f"- **Task**: `{results.source}`" + (f" ({kwargs})" if kwargs else "") + f"; headline `{results.metric}`"
              + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
              f"- **Model**: {model.get('layers')} layers, width {model.get('dim')}, {model.get('heads')} heads, "
@@ -113,7 +116,7 @@ def setup(results: Comparison) -> list[str]:
              f"{_by_variant(results, 'parameters', 'parameters')}",
              "- **Variants** (the config keys in which their runs differ, seeds aside; every other key is shared):",
              "", *variant_table(results), "",
-             f"- **Training** ({'the finetuning; before: its own run' if results.retrofit else 'per run'}): "
+             f"- **Training** ({trained}): "
              f"{counted(train.get('steps'), 'step')} at length {results.train_length}"
              + (f" (stages {train.get('stages')})" if train.get("stages") else "")
              + f", {tokens_per_step:,} tokens per step, {_by_variant(results, 'train_tokens', 'tokens in all')}; "
