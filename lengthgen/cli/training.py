@@ -81,10 +81,11 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretrain-steps", type=positive_int, help="pretrain each base this many steps, then finetune "
                    "every variant from it (seed 000; sets compare.pretrain_steps)")
     p.add_argument("--seeds", type=positive_int, help="seeds per variant: 0, 1, ..., N-1; mean and spread are "
-                                                      "reported (sets compare.seeds)")
-    p.add_argument("--eval-tokens", type=positive_int, help="tokens per evaluated length (sets compare.eval_tokens)")
+                   "reported (default: the config's compare.seeds, else 1; sets compare.seeds)")
+    p.add_argument("--eval-tokens", type=positive_int, help="tokens per evaluated length (default: the config's, "
+                   "else 8192; sets compare.eval_tokens)")
     p.add_argument("--workers", type=positive_int, help="runs at once, each in its own process with train.threads "
-                                                        "CPU threads (sets compare.workers)")
+                   "CPU threads (default: the config's, else 1; sets compare.workers)")
     p.add_argument("--metric", help="the report's headline: loss, the source's metric or one it also reports, "
                                     "e.g. Dyck's legal_accuracy, each ranked in its own direction (default: the "
                                     "source's; loss for the embedded default; sets compare.metric)")
