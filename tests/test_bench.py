@@ -234,3 +234,13 @@ def test_a_gradient_that_is_exactly_zero_is_no_error_row():
     spec = AttentionSpec()
     wrong = lambda q_, k_, v_: attend(q_ * 1.01, k_, v_, spec, backend="tiled")   # noqa: E731
     assert bench._check(wrong, spec, None, q, k, v, grad, True) > 1e-3
+
+
+def test_table_columns_line_up_for_every_backend_name():
+    """The table's backend column was 10 wide, so 'sdpa_default' (12) pushed every later cell of its row two
+    characters right of the header's."""
+    rows = [dict(backend=name, variant="baseline", length=256, head_dim=64, mode="fwd+bwd", fwd_ms=1.0, bwd_ms=2.0,
+                 status="ok") for name in (bench.REFERENCE, bench.DEFAULT_SDPA, "dense", "cpu_flash")]
+    lines = bench.format_table(rows).splitlines()
+    ends = {line.index(" L ") + 2 if line is lines[0] else line.index(" 256 ") + 4 for line in lines}   # L's end
+    assert len(ends) == 1, "\n".join(lines)

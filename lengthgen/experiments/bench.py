@@ -336,7 +336,7 @@ def _finish(row: dict, verbose: bool) -> dict:
 # output
 
 
-_TABLE = (("backend", 10, "{}"), ("variant", 15, "{}"), ("length", 6, "{}"), ("head_dim", 4, "{}"),
+_TABLE = (("backend", 12, "{}"), ("variant", 15, "{}"), ("length", 6, "{}"), ("head_dim", 4, "{}"),
           ("mode", 7, "{}"), ("fwd_ms", 9, "{:.3f}"), ("bwd_ms", 9, "{:.3f}"), ("total_tflops", 7, "{:.3g}"),
           ("peak_mem_mib", 9, "{:.0f}"), ("ratio_vs_sdpa_flash", 7, "{:.2f}"), ("status", 0, "{}"))
 _HEADS = {"head_dim": "D", "total_tflops": "TFLOP/s", "peak_mem_mib": "peak MiB", "ratio_vs_sdpa_flash": "x flash",
