@@ -163,7 +163,7 @@ def _needle_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=positive_int, default=100,
                    help="sequences per (depth, length) cell (default %(default)s)")
     p.add_argument("--needles", type=positive_int, default=1, help="needles per context, each asked for (RULER's "
-                   "multi-query needles; mqar and text; passkey holds one)")
+                   "multi-query needles; mqar and text; passkey holds one; default 1)")
     p.add_argument("--bema", action="store_true", help="map the BEMA weights")
     p.add_argument("--hf", metavar="PATH", help="a local Hugging Face model directory instead of a run")
     p.add_argument("--corpus", help="with --hf: the filler's text corpus (stdlib, a path, bin:GLOB; default stdlib)")
