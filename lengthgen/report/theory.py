@@ -23,7 +23,7 @@ def plot_theory(rows: Sequence[dict], path) -> None:
         sel = sorted((row for row in rows if row["r"] == r), key=lambda row: row["n"])
         ns = [row["n"] for row in sel]
         ax.errorbar(ns, [row["monte_carlo"] for row in sel], yerr=[row["stderr"] for row in sel],
-                    color=color, marker="o", ms=4, capsize=3, label=f"r = {r:g} (direct MC)")
+                    color=color, marker="o", ms=4, capsize=3, label=f"r = {r:g} (direct MC, bars: ±1 standard error)")
         if all(row.get("conditional") is not None for row in sel):
             ax.plot(ns, [row["conditional"] for row in sel], color=color, ls=":", lw=1.2,
                     label=f"r = {r:g} (conditional MC)")
