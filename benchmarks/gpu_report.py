@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from lengthgen.config import counted
+
 #: (target, limit): attention times are forward + backward over SDPA-flash p = 1 on the same shapes in the same run
 RATIO_TARGETS = (
     ("triton l2 (p=2) / SDPA flash, L >= 4K", "triton", ("l2",), lambda n: n >= 4096, 1.15),
@@ -247,7 +249,7 @@ def _eval_md(r: dict, _: dict) -> list[str]:
 
 def _compare_md(r: dict, _: dict) -> list[str]:
     out = ["## lengthgen compare", "", f"On {r['device']}, train.compile={r['compile']}, dtype {r['dtype']}, "
-           f"{r['steps']} steps at length {r['train_length']}.", ""]
+           f"{counted(r['steps'], 'step')} at length {r['train_length']}.", ""]
     lengths = [str(n) for n in r["eval_lengths"]]
     return out + _table(["variant", "final train loss", "train s", *(f"loss at {n}" for n in lengths)],
                         [[v, x["final_train_loss"], x["train_seconds"], *(x["loss_at"].get(n) for n in lengths)]

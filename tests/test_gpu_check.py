@@ -226,3 +226,12 @@ def test_runs_in_the_same_second_keep_their_own_files(tmp_path):
     assert [s.name for s in stems] == ["x86-64-2026-11-22-164205", "x86-64-2026-11-22-164205-2",
                                        "x86-64-2026-11-22-164205-3"]
     assert gpu_check._stem(args, dict(result, started="2026-11-22T16:42:06+01:00")).name.endswith("-164206")
+
+
+def test_one_compare_step_is_singular():
+    """The compare section wrote '1 steps at length 64' (the dry run's one step), where every other count phrase
+    is `lengthgen.config.counted`'s."""
+    compare = dict(device="cpu", compile=False, dtype="float32", steps=1, train_length=64, eval_lengths=[64],
+                   runs={"l2": dict(final_train_loss=1.5, train_seconds=0.1, loss_at={"64": 1.5})})
+    assert "float32, 1 step at length 64." in "\n".join(gpu_report._compare_md(compare, {}))
+    assert "100 steps at length 64." in "\n".join(gpu_report._compare_md(dict(compare, steps=100), {}))
