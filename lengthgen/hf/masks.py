@@ -73,7 +73,9 @@ def plan_mask(allowed: torch.Tensor, lq: int, lk: int, window: int | None) -> Ma
         raise ValueError("lengthgen attention supports masks shared by all heads (B, 1, Lq, Lk), "
                          f"got {tuple(allowed.shape)}")
     b = allowed.shape[0]
-    last = torch.where(allowed[:, 0], torch.arange(lk, device=allowed.device), -1).amax(-1)    # (B, Lq)
+    seen = allowed[:, 0]                                           # (B, Lq, Lk)
+    last = lk - 1 - seen.flip(-1).to(torch.uint8).argmax(-1)       # (B, Lq) last visible key; 1 byte per entry
+    last = torch.where(seen.any(-1), last, -1)
     offset = (last - torch.arange(lq, device=allowed.device))[last >= 0]
     lk = lq + min(max(int(offset.max()) if len(offset) else 0, 0), lk - lq)
     a = allowed[:, 0, :, :lk]                                      # (B, Lq, Lk)
