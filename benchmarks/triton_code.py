@@ -40,10 +40,10 @@ OPCODES = ("HGMMA", "HMMA", "MUFU", "FMUL", "FFMA", "FADD", "FMNMX", "F2FP")
 
 
 def compile_for_cuda(kernel: str, arch: int, dtype: str, head_dim: int, distance: str, window: bool, docs: bool,
-                     p: float, gain: bool = False):
+                     p: float, gain: bool = False, gain_grad: bool | None = None):
     """``kernel`` (fwd, dq, dkdv) compiled ahead of time for sm_``arch`` with the backend's launch configuration
-    (``dtype``: bf16, fp16 or fp32; ``gain``: with query gains, and their gradient in dq). Outside the Triton
-    interpreter (TRITON_INTERPRET unset when the backend was imported)."""
+    (``dtype``: bf16, fp16 or fp32; ``gain``: with query gains, and by default (``gain_grad``) their gradient in
+    dq). Outside the Triton interpreter (TRITON_INTERPRET unset when the backend was imported)."""
     from triton import compile as triton_compile
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -54,7 +54,8 @@ def compile_for_cuda(kernel: str, arch: int, dtype: str, head_dim: int, distance
     cfg = tp._configs(kernel, head_dim, 4 if dtype == "fp32" else 2)
     options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     constants = dict(D=head_dim, D_V=head_dim, DIST=tp.DISTANCE_CODES[distance], HAS_WINDOW=window,
-                     HAS_DOCS=docs, P_KIND=tp.p_kind(p), HAS_GAIN=gain, GAIN_GRAD=gain,
+                     HAS_DOCS=docs, P_KIND=tp.p_kind(p), HAS_GAIN=gain,
+                     GAIN_GRAD=gain if gain_grad is None else gain_grad,
                      PREC="ieee" if dtype == "fp32" else "tf32", **cfg)
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in TENSOR_ARGS

@@ -283,12 +283,14 @@ def test_unsupported_reasons(monkeypatch):
 
 #: opt-in shared memory per block, bytes (CUDA C++ Programming Guide, compute capabilities table)
 SHARED_LIMIT = {80: 166912, 90: 232448}
-# (arch, dtype, head_dim, distance, window, documents, p, gains): each distance, dtype, flag and p case at least once
+# (arch, dtype, head_dim, distance, window, documents, p, gains: True with their gradient, "no grad" without):
+# each distance, dtype, flag and p case at least once
 AOT_CASES = [(90, "bf16", 128, "none", False, False, 1.0, False),
              (90, "bf16", 128, "scale_invariant", True, True, 2.0, True),      # with query gains (sqrt_log_n)
              (90, "fp16", 64, "alibi", True, True, 0.5, False), (90, "bf16", 64, "log_bias", False, True, 2.0, False),
              (80, "bf16", 128, "log_bias", True, True, 1.5, False),   # 16-bit tiles (swept on an H100) on an A100
-             (80, "fp32", 128, "log_bias", True, True, 2.0, True)]    # the most shared memory, A100's limit
+             (80, "fp32", 128, "log_bias", True, True, 2.0, True),    # the most shared memory, A100's limit
+             (90, "bf16", 64, "none", False, True, 1.0, "no grad")]    # fixed gains (inference, sqrt_log_n unlearned)
 
 
 @pytest.fixture
@@ -310,7 +312,7 @@ def test_kernels_compile_for_cuda(kernel, compiler):
     architecture's shared memory. The interpreter accepts code the compiler rejects (plain Python globals, for
     one), so this is the CPU check that the CUDA build works."""
     for arch, dtype, head_dim, distance, window, docs, p, gain in AOT_CASES:
-        compiled = compiler(kernel, arch, dtype, head_dim, distance, window, docs, p, gain)
+        compiled = compiler(kernel, arch, dtype, head_dim, distance, window, docs, p, bool(gain), gain is True)
         assert 0 < compiled.metadata.shared <= SHARED_LIMIT[arch], (arch, dtype, head_dim, compiled.metadata.shared)
 
 
