@@ -151,11 +151,12 @@ def attention_max_logits(attn: Attention, chunk: int = 256) -> torch.Tensor:
 def qk_clip_(attn: Attention, max_logits: torch.Tensor, tau: float) -> torch.Tensor:
     """Rescale ``attn``'s query/key weights so that heads whose max logit exceeds ``tau`` come back to tau.
 
-    gamma_h = tau / max_h for heads above tau, else 1. Without QK-norm, head h's rows of W_q are scaled by
-    sqrt(gamma_h) and each key head's rows of W_k by sqrt(min gamma over the query heads sharing it), so
-    every head's logits shrink by at least gamma_h (exactly gamma_h without GQA). With QK-norm the
-    projections cannot change the logits; the (shared over heads) affine weights of the Q and K norms are
-    scaled by sqrt(min_h gamma_h) instead, and non-affine QK-norm is left alone (warning). Returns gamma (H,).
+    gamma_h = tau / max_h for heads above tau, else 1. Without QK-norm every head's logits scale by exactly
+    gamma_h, the heads below tau untouched: head h's rows of W_q and W_k are scaled by sqrt(gamma_h) each (Kimi
+    K2); under GQA a key head is shared by several query heads, so, as Kimi K2 does for its shared rotary key,
+    W_k is left alone and head h's rows of W_q are scaled by gamma_h. With QK-norm the projections cannot change
+    the logits; the (shared over heads) affine weights of the Q and K norms are scaled by sqrt(min_h gamma_h)
+    instead, and non-affine QK-norm is left alone (warning). Returns gamma (H,).
     """
     gamma = torch.where(max_logits > tau, tau / max_logits.clamp(min=1e-30), torch.ones_like(max_logits))
     if bool((gamma >= 1).all()):
@@ -170,15 +171,13 @@ def qk_clip_(attn: Attention, max_logits: torch.Tensor, tau: float) -> torch.Ten
         attn.q_norm_weight.mul_(factor)
         attn.k_norm_weight.mul_(factor)
         return gamma
-    q_scale = gamma.sqrt().to(attn.q_proj.weight.dtype).repeat_interleave(hd)              # (H*hd,)
-    k_gamma = gamma.view(kv_heads, heads // kv_heads).amin(dim=1)
-    k_scale = k_gamma.sqrt().to(attn.k_proj.weight.dtype).repeat_interleave(hd)           # (Hkv*hd,)
-    attn.q_proj.weight.mul_(q_scale[:, None])
-    attn.k_proj.weight.mul_(k_scale[:, None])
-    if attn.q_proj.bias is not None:
-        attn.q_proj.bias.mul_(q_scale)
-    if attn.k_proj.bias is not None:
-        attn.k_proj.bias.mul_(k_scale)
+    # a shared key head (GQA) is left alone: its query heads take all of gamma_h
+    scales = [(attn.q_proj, gamma)] if kv_heads < heads else [(attn.q_proj, gamma.sqrt()), (attn.k_proj, gamma.sqrt())]
+    for proj, factor in scales:
+        scale = factor.to(proj.weight.dtype).repeat_interleave(hd)       # (heads*hd,)
+        proj.weight.mul_(scale[:, None])
+        if proj.bias is not None:
+            proj.bias.mul_(scale)
     return gamma
 
 
