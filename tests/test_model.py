@@ -99,6 +99,82 @@ def test_placement_formulas_and_structure(placement):
     assert GPT(tiny(layers=8, norm_placement="mix", mix_alpha=0.5)).blocks[4].placement == "pre"
 
 
+def _independent_forward(model, tokens, placement, norm):
+    """Written from the weights with plain torch ops: causal softmax attention without positions, QKV-norm for
+    the hybrid placements (per head over head_dim), the placement formulas, the final norm."""
+    cfg = model.config
+    heads, dim = cfg.heads, cfg.dim
+    d = dim // heads
+
+    def model_norm(x, module):
+        if norm == "rms":
+            return F.rms_norm(x, (dim,), module.weight, module.eps)
+        return F.layer_norm(x, (dim,), module.weight, module.bias, module.eps)
+
+    def head_norm(t, weight, eps):     # t (B, H, L, d)
+        if norm == "rms":
+            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+        else:
+            t = (t - t.mean(-1, keepdim=True)) / torch.sqrt(t.var(-1, unbiased=False, keepdim=True) + eps)
+        return t if weight is None else t * weight
+
+    def mha(h, attn, qkv_norm):
+        b, length, _ = h.shape
+        q, k, v = (F.linear(h, m.weight).view(b, length, heads, d).transpose(1, 2)
+                   for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        if qkv_norm:
+            eps = attn.spec.qk_norm_eps
+            q, k = head_norm(q, attn.q_norm_weight, eps), head_norm(k, attn.k_norm_weight, eps)
+            v = head_norm(v, attn.v_proj.norm_weight, eps)
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        s = s.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        y = (s.softmax(-1) @ v).transpose(1, 2).reshape(b, length, dim)
+        return F.linear(y, attn.o_proj.weight)
+
+    def ffn(h, mlp):
+        return F.linear(F.gelu(F.linear(h, mlp.fc.weight)), mlp.proj.weight)
+
+    x = model.embed.weight[tokens]
+    post_layers = math.ceil(cfg.mix_alpha * cfg.layers)
+    for i, block in enumerate(model.blocks):
+        a, m = block.attn, block.mlp
+        kind = placement
+        if placement == "mix":
+            kind = "post" if i < post_layers else "pre"
+        if kind == "pre":
+            x = x + mha(model_norm(x, block.norm1), a, False)
+            x = x + ffn(model_norm(x, block.norm2), m)
+        elif kind == "post":
+            x = model_norm(x + mha(x, a, False), block.norm1)
+            x = model_norm(x + ffn(x, m), block.norm2)
+        elif kind == "peri":
+            x = x + model_norm(mha(model_norm(x, block.norm1), a, False), block.norm1_out)
+            x = x + model_norm(ffn(model_norm(x, block.norm2), m), block.norm2_out)
+        else:   # HybridNorm: y = x + MHA(x) with QKV-norm (HybridNorm*: block 0 pre-norms x); x' = FFN(N(y)) + N(y)
+            first = placement == "hybrid_star" and i == 0
+            y = x + mha(model_norm(x, block.norm1) if first else x, a, True)
+            z = model_norm(y, block.norm2)
+            x = ffn(z, m) + z
+    if placement != "post":
+        x = model_norm(x, model.final_norm)
+    return x @ model.embed.weight.T
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("placement", ["pre", "post", "peri", "hybrid", "hybrid_star", "mix"])
+def test_placements_equal_an_independent_forward(placement, norm):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=13, dim=16, layers=3, heads=2, mlp_ratio=2.0, attention="nope", norm=norm,
+                          norm_placement=placement, mlp="gelu")).double()
+    with torch.no_grad():      # non-trivial norm weights and biases
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    tokens = torch.randint(13, (2, 9))
+    torch.testing.assert_close(model(tokens), _independent_forward(model, tokens, placement, norm),
+                               atol=1e-10, rtol=1e-10)
+
+
 def test_per_layer_specs_every_rule_layers_rule_and_list():
     cfg = tiny(layers=8, attention={"window": 16},
                layer_attention=[{"every": 4, "offset": 3, "spec": "nope"}, {"layers": [0, -1], "spec": "l2"}])
