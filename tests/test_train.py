@@ -171,6 +171,13 @@ def test_staged_lengths_keep_tokens_per_step(tmp_path):
     assert [r["length"] for r in records] == [8, 8, 16, 16, 32, 32]
     assert {r["batch_size"] * r["length"] for r in records} == {256}
     assert records[-1]["tokens"] == 6 * 256
+    assert not [n for n in cfg.unused([8, 16, 32]) if "tokens per step" in n]
+    # a length that does not divide tokens_per_step trains fewer tokens per step: said, not silent
+    uneven = config("train.tokens_per_step=200", "train.stages=[[0, 8], [2, 16], [4, 32]]", "train.steps=6")
+    assert [uneven.batch_size_at(s) * uneven.length_at(s) for s in (0, 2, 4)] == [200, 192, 192]
+    assert [n for n in uneven.unused([8, 16, 32]) if "tokens per step" in n] == [
+        "train.tokens_per_step = 200 tokens per step is not a multiple of every training length: steps train "
+        "12 x 16 = 192, 6 x 32 = 192 tokens (batch = tokens_per_step // length), not 200"]
 
 
 

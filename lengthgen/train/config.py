@@ -201,9 +201,16 @@ class RunConfig:
     def unused(self, lengths: list[int]) -> list[str]:
         """`TrainConfig.unused`, `GPTConfig.unused`, sliding windows that hide no key at ``lengths`` (those the
         command trains and evaluates at; `GPTConfig.idle_windows`), document masking on a task (its sequences
-        are one document each), and the lm head's z-loss and logit soft-cap with a task's regress or classify
-        head."""
+        are one document each), the lm head's z-loss and logit soft-cap with a task's regress or classify
+        head, and training lengths that do not divide the tokens per step (their steps train fewer)."""
         notes = self.train.unused() + self.model.unused() + self.model.idle_windows(lengths)
+        tokens = self.tokens_per_step
+        uneven = [f"{tokens // length} x {length} = {tokens // length * length}" for length in self.lengths()
+                  if tokens % length]
+        if uneven:
+            key = "train.batch_size x data.length" if self.train.tokens_per_step is None else "train.tokens_per_step"
+            notes.append(f"{key} = {tokens} tokens per step is not a multiple of every training length: steps train "
+                         f"{', '.join(uneven)} tokens (batch = tokens_per_step // length), not {tokens}")
         head = self.model.head or (TASKS[self.data.task].head if self.data.kind == "task" else "lm")
         for key in ("z_loss", "logit_cap"):
             if head != "lm" and getattr(self.model, key):
