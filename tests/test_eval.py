@@ -68,6 +68,27 @@ def test_diagnostics_equal_dense_weights(spec):
     torch.testing.assert_close(stats["participation"], dist.pow(2).sum(-1).mean(0).float(), rtol=1e-5, atol=1e-5)
 
 
+def test_diagnostics_in_query_blocks_equal_formulas_written_out(monkeypatch):
+    """Blocks of 4 queries (each against its window's keys only), p = 2, ALiBi, log_n scaling, a window and
+    documents; the distribution pi = softmax(logit) written out with F ops (not the library's dense oracle)."""
+    from lengthgen.eval import diagnostics
+    monkeypatch.setattr(diagnostics, "_query_block", lambda batch, heads, length: 4)
+    torch.manual_seed(0)
+    spec = AttentionSpec(softmax_p=2.0, distance="alibi", query_scaling="log_n", window=5, doc_masking=True)
+    q, k, v = torch.randn(2, 2, 23, 8), torch.randn(2, 2, 23, 8), torch.randn(2, 2, 23, 8)
+    doc = torch.tensor([[0] * 9 + [1] * 14, [0] * 20 + [1] * 3])
+    stats = attention_stats(q, k, v, spec, doc_ids=doc)
+    i, j = torch.arange(23)[:, None], torch.arange(23)[None]
+    visible = (j <= i) & (i - j < 5) & (doc[:, None, :, None] == doc[:, None, None, :])      # (B, 1, L, L)
+    slopes = torch.tensor([2.0 ** -4, 2.0 ** -8])[:, None, None]                             # 2^(-8(h+1)/H)
+    logit = visible.sum(-1, keepdim=True).log() * (q @ k.transpose(-1, -2)).double() / math.sqrt(8) - slopes * (i - j)
+    pi = logit.masked_fill(~visible, float("-inf")).softmax(-1)
+    expected = {"inv_wmax": 1 / pi.amax(-1), "entropy": -(pi * pi.clamp_min(1e-300).log()).sum(-1),
+                "participation": pi.pow(2).sum(-1)}
+    for name, value in expected.items():
+        torch.testing.assert_close(stats[name], value.mean(0).float(), rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_model_diagnostics_records_every_layer_and_out_norm_rms():
     torch.manual_seed(0)
     layers = torch.nn.ModuleList([Attention(16, 2, "avnorm", layer_index=i) for i in range(2)])
