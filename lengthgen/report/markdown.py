@@ -10,7 +10,7 @@ from collections import Counter
 from typing import Any
 
 from lengthgen.config import counted, differences
-from lengthgen.eval.results import Comparison, RunEval
+from lengthgen.eval.results import Comparison, Provenance, RunEval
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
 from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, at_length, chance_level, conclusion, groups,
@@ -105,7 +105,6 @@ def setup(results: Comparison) -> list[str]:
     tokens_per_step = train.get("tokens_per_step") or train.get("batch_size", 0) * results.train_length
     seeds = sorted({run.seed for run in runs if run.seed is not None})
     lengths = results.eval_lengths
-    commit = results.provenance.git_commit
     protocol = results.retrofit or {}
     trained = (f"per finetuning run; each base pretrained {counted(protocol['pretrain_steps'], 'step')} per seed first"
                if "pretrain_steps" in protocol else "the finetuning; before: its own run" if protocol else "per run")
@@ -124,19 +123,20 @@ def setup(results: Comparison) -> list[str]:
              f"{counted(train.get('warmup_steps'), 'warmup step')}",
              f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
              f"- **Evaluation**: lengths {', '.join(length_label(n, results.train_length) for n in lengths)}; "
-             f"{_batches(runs[0], lengths)}",
-             f"- **Compute**: {results.provenance.device}; per run {_seconds([r.train_seconds for r in runs])} "
-             f"training, {_seconds([r.eval_seconds for r in runs])} evaluation",
-             f"- **Code**: lengthgen {results.provenance.lengthgen}"
-             + (f" (git {commit[:10]})" if commit else "") + f", torch {results.provenance.torch}, "
-             f"{results.provenance.date}"]
+             f"{_batches(runs[0], lengths)}"]
+    per_run = (f"per run {_seconds([r.train_seconds for r in runs])} training, "
+               f"{_seconds([r.eval_seconds for r in runs])} evaluation")
     origins = _origins(results)
     if len(origins) > 1:        # merged (or resumed) results computed apart: the first's origin is not all runs'
-        lines[-2:] = [f"- **Compute**: per run {_seconds([r.train_seconds for r in runs])} training, "
-                      f"{_seconds([r.eval_seconds for r in runs])} evaluation",
-                      "- **Code and device**: they differ between the runs' evaluations",
-                      *(f"  - {line}" for line in origins)]
-    return lines
+        return lines + [f"- **Compute**: {per_run}", "- **Code and device**: they differ between the runs' evaluations",
+                        *(f"  - {line}" for line in origins)]
+    p = results.provenance
+    return lines + [f"- **Compute**: {p.device}; {per_run}", f"- **Code**: {_code(p)}, {p.date}"]
+
+
+def _code(p: Provenance) -> str:
+    """``lengthgen VERSION (git COMMIT), torch VERSION`` of a provenance."""
+    return f"lengthgen {p.lengthgen}" + (f" (git {p.git_commit[:10]})" if p.git_commit else "") + f", torch {p.torch}"
 
 
 def _origins(results: Comparison) -> list[str]:
@@ -145,9 +145,7 @@ def _origins(results: Comparison) -> list[str]:
     seeds: dict[str, dict[str, list]] = {}
     for name, variant_runs in results.variants.items():
         for run in variant_runs:
-            p = run.provenance
-            origin = (f"{p.device}, lengthgen {p.lengthgen}" + (f" (git {p.git_commit[:10]})" if p.git_commit else "")
-                      + f", torch {p.torch}")
+            origin = f"{run.provenance.device}, {_code(run.provenance)}"
             seeds.setdefault(origin, {}).setdefault(name, []).append(run.seed)
     return [f"{origin}: " + ", ".join(f"{name} ({'seeds' if len(s) > 1 else 'seed'} {', '.join(map(str, s))})"
                                       for name, s in by_variant.items()) for origin, by_variant in seeds.items()]
