@@ -61,23 +61,22 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
     adam_mul = by_pattern("train.adam_lr_mul", adam_names, tc.adam_lr_mul, 1.0, "AdamW parameter")
     adam_betas = by_pattern("train.adam_betas", adam_names, tc.adam_betas, tuple(tc.betas), "AdamW parameter")
     decay_mul = by_pattern("train.weight_decay_mul", adam_names, tc.weight_decay_mul, 1.0, "AdamW parameter")
-    if tc.weight_decay_on == "matrices":
-        for pattern, (matched, _) in zip(tc.weight_decay_mul, pattern_matches(
-                "train.weight_decay_mul", tc.weight_decay_mul, adam_names, "AdamW parameter")):
-            if all(params[name].ndim < 2 for name in matched):
-                raise ConfigError(f"train.weight_decay_mul: pattern {pattern!r} matches only parameters that are not "
-                                  "2-D (norms, biases, scalars), which AdamW does not decay with "
-                                  "train.weight_decay_on='matrices': no effect; remove it or set "
-                                  "train.weight_decay_on='all'", "train.weight_decay_mul")
+    decayed = {name: p.ndim >= 2 or tc.weight_decay_on == "all" for name, p in params.items()}
+    for pattern, (matched, _) in zip(tc.weight_decay_mul, pattern_matches(
+            "train.weight_decay_mul", tc.weight_decay_mul, adam_names, "AdamW parameter")):
+        if not any(decayed[name] for name in matched):
+            raise ConfigError(f"train.weight_decay_mul: pattern {pattern!r} matches only parameters that are not "
+                              "2-D (norms, biases, scalars), which AdamW does not decay with "
+                              "train.weight_decay_on='matrices': no effect; remove it or set "
+                              "train.weight_decay_on='all'", "train.weight_decay_mul")
     muon_groups: dict[float, list[nn.Parameter]] = {}
     adam_groups: dict[tuple, list[nn.Parameter]] = {}
     for name, p in params.items():
         if name in muon_mul:
             muon_groups.setdefault(muon_mul[name], []).append(p)
         else:
-            decayed = p.ndim >= 2 or tc.weight_decay_on == "all"
-            decay = tc.weight_decay * decay_mul[name] if decayed else 0.0
-            adam_groups.setdefault((decayed, decay, adam_mul[name], tuple(adam_betas[name])), []).append(p)
+            decay = tc.weight_decay * decay_mul[name] if decayed[name] else 0.0
+            adam_groups.setdefault((decayed[name], decay, adam_mul[name], tuple(adam_betas[name])), []).append(p)
     optimizers: list[torch.optim.Optimizer] = []
     if muon_groups:
         groups = [{"params": ps, "lr": tc.muon_lr * mul, "lr_mul": mul} for mul, ps in muon_groups.items()]
