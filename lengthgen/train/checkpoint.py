@@ -181,6 +181,12 @@ def read_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
+def data_change(trained_on: str, now: str) -> str:
+    """How a checkpoint's training-data digest (``data_digest``) and the data's here (``now``) differ, for the
+    messages of a refused resume and of an evaluation on changed text."""
+    return (f"token digest {trained_on[:12]}, now {now[:12]}: the corpus files changed, or how this lengthgen "
+            "orders, splits or tokenizes them")
+
 def saved_config(data: Any, where: Path) -> RunConfig:
     """The `RunConfig` saved as ``data`` in ``where`` (a checkpoint's state.json, a run's config.json)."""
     try:

@@ -203,10 +203,9 @@ class Trainer:
         self.extended = check_resume(ckpt_io.saved_config(state["config"], where), self.config, where,
                                      step=state["step"], extend=extend, same_data=same)
         if trained_on is not None and trained_on != now:
-            raise ConfigError(f"cannot resume {ckpt}: its training data differ from the data here (token digest "
-                              f"{trained_on[:12]}, now {now[:12]}: the corpus files changed, or how this lengthgen "
-                              "orders, splits or tokenizes them); resume with the data it trained on, or start over "
-                              "with --overwrite or another --out", "data")
+            raise ConfigError(f"cannot resume {ckpt}: its training data differ from the data here "
+                              f"({ckpt_io.data_change(trained_on, now)}); resume with the data it trained on, or start "
+                              "over with --overwrite or another --out", "data")
         with torch.random.fork_rng(devices=[]):      # building the copy must not move the run's RNG
             full = GPT(self.config.model)
         ckpt_io.load_weights(full, ckpt)

@@ -107,9 +107,9 @@ def check_trained_data(path: str | Path, source: Any) -> None:
     trained_on = load_newest(path, ckpt_io.read_state)[1].get("data_digest")
     now = source.digest() if hasattr(source, "digest") else None
     if trained_on is not None and now is not None and trained_on != now:
-        warnings.warn(f"{path} was trained on other text than data.text reads here (token digest {trained_on[:12]}, "
-                      f"now {now[:12]}: the corpus files changed, or how this lengthgen orders, splits or tokenizes "
-                      "them): documents it trained on may be evaluated as held out", ConfigWarning, stacklevel=2)
+        warnings.warn(f"{path} was trained on other text than data.text reads here "
+                      f"({ckpt_io.data_change(trained_on, now)}): documents it trained on may be evaluated as held out",
+                      ConfigWarning, stacklevel=2)
 
 
 __all__ = ["check_trained_data", "load_initial_weights", "load_run"]
