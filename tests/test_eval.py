@@ -337,6 +337,25 @@ def test_long_documents_prefer_the_first_split_with_a_long_document():
                                        f"270 tokens: {JOINED}; its 270 tokens repeat within each row)")
 
 
+def test_a_length_evaluated_on_the_training_split_is_warned_once_when_it_is_sampled():
+    """A length whose only long enough documents were in the training split fell back to them with no word on the
+    console (only the results' label said so): now one `ConfigWarning` per length, none for the val split's."""
+    import warnings
+
+    from lengthgen.config import ConfigWarning
+
+    val, train = FakeText([40, 10]), FakeText([100, 90, 80])
+    source = LongDocuments([("val split", val), ("train split", train)], train, trained_on=train)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for length in (32, 64, 128):
+                source.sample(4, length, torch.Generator().manual_seed(0))
+    assert [(w.category, str(w.message)) for w in caught] == [(ConfigWarning, (
+        "no document of the val split has 64 tokens: length 64 is evaluated on 3 long documents (train split, "
+        "which the run trained on; all there are, the same for every seed)"))]
+
+
 def test_an_eval_length_beyond_the_whole_text_is_one_warning_line_about_the_text_it_evaluates(tmp_path, capsys):
     """Packed rows longer than the whole text repeat it: that was a two-line Python warning, a second one about
     the training split (check_length's probe, not what is evaluated), and the results said nothing about it."""

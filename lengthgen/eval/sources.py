@@ -2,8 +2,8 @@
 
 Text data is trained on packed rows (documents back to back), but loss by position needs position p to have
 p tokens of context: `LongDocuments` gives rows that are each *one* document (BOS + its first L tokens), from
-the validation split first, then the training split (its label says the run trained on it), and packed rows only
-where no document is that long (of the validation split when there is one).
+the validation split first, then the training split (its label says the run trained on it; a warning too), and
+packed rows only where no document is that long (of the validation split when there is one).
 Synthetic tasks generate any length, so they are evaluated on themselves (`eval_source`).
 """
 
@@ -25,7 +25,8 @@ class LongDocuments:
 
     ``candidates``: (label, TextData) tried in order; the first with at least one document of ``length``
     tokens gives ``min(count, available)`` rows. ``fallback`` (one of the candidates' TextData, packed rows) is
-    sampled when none has one. `describe` says which, and when it is ``trained_on``, the text the run trained on.
+    sampled when none has one. `describe` says which, and when it is ``trained_on``, the text the run trained on;
+    `sample` warns once per length when it takes ``trained_on`` for want of a long enough document in the first.
     """
 
     head = "lm"
@@ -36,6 +37,7 @@ class LongDocuments:
 
     def __init__(self, candidates: list[tuple[str, Any]], fallback: Any, trained_on: Any = None) -> None:
         self.candidates, self.fallback, self.trained_on = candidates, fallback, trained_on
+        self._warned: set[int] = set()
         self.vocab_size = fallback.vocab_size
         self.name = getattr(fallback, "name", "text")
 
@@ -81,6 +83,11 @@ class LongDocuments:
         if picked is None:
             return self.fallback.sample(count, length, torch.Generator().manual_seed(seed))
         _, data, rows, _ = picked
+        first, held_out = self.candidates[0]
+        if data is self.trained_on and data is not held_out and length not in self._warned:
+            self._warned.add(length)
+            warnings.warn(f"no document of the {first} has {length} tokens: length {length} is evaluated on "
+                          f"{self.describe(count, length)}", ConfigWarning, stacklevel=2)
         return data.long_batch(length, rows, seed)
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
