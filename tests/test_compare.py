@@ -142,6 +142,8 @@ def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "accuracy at length L" in text
+    # one name for the run on every line: its steps said [l2-seed0] (its folder), the rest [l2 seed 0]
+    assert {line.partition("]")[0] for line in text.splitlines() if line.startswith("[")} == {"[l2 seed 0"}
     assert main(["eval", str(tmp_path / "runs" / "l2-seed0"), "--lengths", "16,32", "--tokens", "64",
                  "--out", str(tmp_path / "eval.json")]) == 0
     rows = RunEval.load(tmp_path / "eval.json").lengths

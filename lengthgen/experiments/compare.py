@@ -262,7 +262,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
             check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
         jobs = [Job(runs.config(name, seed, pretrained.get((runs.runs[name][0], seed))), out / "runs" / folder,
-                    f"[{name} seed {seed}]", name, tuple(eval_lengths), cc.eval_tokens, metric,
+                    f"{name} seed {seed}", name, tuple(eval_lengths), cc.eval_tokens, metric,
                     tuple(cc.needle_depths), cc.needle_samples, resume, progress)
                 for (name, seed), folder in folders.items()]
         results: dict[str, list[RunEval]] = {}
@@ -334,7 +334,7 @@ def _pretrain_folders(runs: Plan, out: Path) -> dict[tuple, Path]:
 def _pretrain(runs: Plan, out: Path, resume: bool, progress: bool, runner: Runner) -> dict[tuple, Path]:
     """Seed 000's pretraining: one run per (base, seed) of ``pretrain_steps`` steps; their folders."""
     folders = _pretrain_folders(runs, out)
-    runner.run([Job(runs.pretrain_config(base, seed), folder, f"[pretrain {base or 'base'} seed {seed}]",
+    runner.run([Job(runs.pretrain_config(base, seed), folder, f"pretrain {base or 'base'} seed {seed}",
                     resume=resume, progress=progress) for (base, seed), folder in folders.items()])
     return folders
 

@@ -38,10 +38,10 @@ class WorkerLost(Exception):
 
 @dataclass(frozen=True)
 class Job:
-    """One run: its config and folder, its label in the log and, unless it is only trained (a pretraining
-    run: ``name`` None), the variant name its evaluations are filed under, the evaluation lengths, tokens per
-    length, the metric its log line shows and the retrieval map's needle depths (none: no map) and samples
-    per cell."""
+    """One run: its config and folder, its label in the log (``l2 seed 0``: its lines, its training steps' too,
+    start ``[l2 seed 0]``) and, unless it is only trained (a pretraining run: ``name`` None), the variant name its
+    evaluations are filed under, the evaluation lengths, tokens per length, the metric its log line shows and the
+    retrieval map's needle depths (none: no map) and samples per cell."""
     config: RunConfig
     run_dir: Path
     label: str
@@ -79,7 +79,7 @@ class Runner:
                 evaluations, lines = future.result()
             except BrokenProcessPool:
                 raise WorkerLost(f"a worker process ended abruptly (killed by a signal, e.g. by the system when out "
-                                 f"of memory) while {job.label} or a run beside it trained or was evaluated; the "
+                                 f"of memory) while [{job.label}] or a run beside it trained or was evaluated; the "
                                  "checkpoints on disk are intact: --resume continues the comparison") from None
             for line in lines:
                 self.log(line)
@@ -139,16 +139,16 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
     evaluate it (`evaluate_run`) with its training seconds (summed over the sessions that trained it) and tokens
     recorded. ``sources``: `evaluate_run`'s."""
     steps = job.config.train.steps
-    log(f"{job.label} training {counted(steps, 'step')} at length {max(job.config.lengths())}"
+    log(f"[{job.label}] training {counted(steps, 'step')} at length {max(job.config.lengths())}"
         + (" (resuming)" if job.resume else ""))
     start = time.perf_counter()
-    trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume)
+    trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume, name=job.label)
     started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
     if started:
-        log(f"{job.label} {'reused the finished run' if started == steps else f'resumed at step {started}'} "
+        log(f"[{job.label}] {'reused the finished run' if started == steps else f'resumed at step {started}'} "
             f"{job.run_dir}")
     else:
-        log(f"{job.label} trained in {seconds:.0f} s")
+        log(f"[{job.label}] trained in {seconds:.0f} s")
     if job.name is None:
         return []
     start = time.perf_counter()

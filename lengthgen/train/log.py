@@ -45,10 +45,10 @@ class RunLog:
     entries, `close` it at the end. Does nothing when not ``enabled`` (DDP ranks other than 0)."""
 
     def __init__(self, run_dir: Path, *, total: int, start: int, lr: float, enabled: bool = True,
-                 progress: bool = True) -> None:
+                 progress: bool = True, name: str | None = None) -> None:
         self.run_dir, self.total, self.first, self.lr, self.enabled = Path(run_dir), total, start, lr, enabled
         self.path = self.run_dir / "metrics.jsonl"
-        self.name = self.run_dir.name
+        self.name = name or self.run_dir.name
         self.trackers: Trackers | None = None
         self.bar = None
         if enabled and progress and sys.stdout.isatty():

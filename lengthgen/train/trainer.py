@@ -93,14 +93,15 @@ class Trainer:
     """
 
     def __init__(self, config: RunConfig | dict | str | Path, out_dir: str | Path, *, progress: bool = True,
-                 resume: bool = False, overwrite: bool = False, extend: bool = False) -> None:
+                 resume: bool = False, overwrite: bool = False, extend: bool = False, name: str | None = None
+                 ) -> None:
         if resume and overwrite:
             raise ValueError("resume or overwrite a run folder, not both")
         cfg, self.source = resolve(config)
         self.config, tc = cfg, cfg.train
         if cfg.data.kind == "text" and cfg.data.text.get("val_corpus") is not None:
             _ = self.eval_source      # a validation corpus of its own is read now: a bad one fails before training
-        self.run_dir = Path(out_dir)
+        self.run_dir, self.name = Path(out_dir), name
         kind = device_type(tc)
         self.rank, self.world, local_rank = distributed.env_world()
         if self.world > 1:      # before joining the process group: rank 0 alone reports a bad config
@@ -485,7 +486,7 @@ class Trainer:
         cfg = self.config
         active = self.is_main and (self.step < end or self._unlogged_eval)
         log = RunLog(self.run_dir, total=cfg.train.steps, start=self.step, lr=cfg.train.lr, enabled=active,
-                     progress=self.progress)
+                     progress=self.progress, name=self.name)
         if active:
             provenance = Provenance.capture(self.device)
             parameters = sum(p.numel() for p in self.model.parameters())
@@ -547,21 +548,22 @@ class Trainer:
 
 
 def train(config: RunConfig | dict | str | Path, out_dir: str | Path, *, progress: bool = True,
-          resume: bool = False, overwrite: bool = False, extend: bool = False, stop_at: int | None = None
-          ) -> TrainResult:
+          resume: bool = False, overwrite: bool = False, extend: bool = False, stop_at: int | None = None,
+          name: str | None = None) -> TrainResult:
     """Train a run described by ``config`` (a `RunConfig`, its dict, or a TOML path) into ``out_dir``.
 
     ``out_dir`` must be empty unless ``overwrite`` (delete the run there first) or ``resume``: continue from the
     folder's newest readable checkpoint (from step 0 if there is none), refused if the config changes the
     training trajectory; ``extend`` lets it change ``train.steps`` (recorded in ``metrics.jsonl``).
     ``progress``: a progress bar when stdout is a terminal, else (and with ``progress=False``) a plain line
-    every ``train.log_every`` steps.
+    every ``train.log_every`` steps, each starting with ``[name]`` (default: the folder's name).
     ``stop_at`` ends after that many steps with a checkpoint, as if interrupted (the schedule still
     spans ``train.steps``). Raises `ConfigError` before training for a bad config, `RunFolderError` for a folder
     in use or holding another run, and `NonFiniteLossError` (naming the step and the last good checkpoint) when
     the loss turns NaN or infinite.
     """
-    trainer = Trainer(config, out_dir, progress=progress, resume=resume, overwrite=overwrite, extend=extend)
+    trainer = Trainer(config, out_dir, progress=progress, resume=resume, overwrite=overwrite, extend=extend,
+                      name=name)
     try:
         return trainer.fit(stop_at=stop_at)
     finally:
