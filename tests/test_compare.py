@@ -84,7 +84,11 @@ def test_report_command_rebuilds_the_report(tiny_compare, tmp_path, capsys):
     assert main(["report", str(out), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "report.md").read_text() == markdown_report(results)
     assert (tmp_path / "diagnostics.png").is_file()
-    assert "abs_error at length L" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "abs_error at length L" in text
+    # what it wrote, as compare's last line says it (it named report.md alone)
+    assert text.splitlines()[-1] == (f"report: {tmp_path / 'report.md'} (plots diagnostics.png, extrapolation.png; "
+                                     "raw results.json)")
 
 
 def test_report_command_missing_results_is_a_clear_error(tmp_path, capsys):

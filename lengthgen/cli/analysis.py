@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, non_negative_float,
-                                  positive_int, seed_int, writing)
+                                  positive_int, report_written, seed_int, writing)
 
 HF_TOKENIZER_HELP = "with --hf: byte, gpt2, tiktoken:ENCODING or hf:PATH (default: the folder's tokenizer.json)"
 
@@ -64,7 +64,7 @@ def report_command(args: argparse.Namespace) -> int:
             merged.save(out / "results.json")
         write_report(merged, out)
     print(terminal_table(merged))
-    print(f"report: {out / 'report.md'}")
+    print(report_written(out))
     return 0
 
 

@@ -149,6 +149,12 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 0,0.5,1") from None
 
 
+def report_written(out: Path, extra: str = "") -> str:
+    """The last line of compare, retrofit and report: the report in ``out``, its plots and its results."""
+    plots = ", ".join(sorted(path.name for path in out.glob("*.png")))
+    return f"report: {out / 'report.md'} (plots {plots}; raw results.json{extra})"
+
+
 def check_writable(path: Path) -> None:
     """Refuse an --out where nothing can be written (a read-only or forbidden folder) before the work, not
     after it: a file is created and removed in the nearest existing folder on the way to ``path``."""

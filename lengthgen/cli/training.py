@@ -14,6 +14,7 @@ from lengthgen.cli.common import (
     int_list,
     flag_overrides,
     positive_int,
+    report_written,
     warn_unused,
 )
 from lengthgen.config import counted
@@ -138,8 +139,7 @@ def compare_command(args: argparse.Namespace) -> int:
         print(f"lengthgen compare: error: {err}", file=sys.stderr)
         return 1
     print(terminal_table(results))
-    plots = ", ".join(sorted(path.name for path in Path(args.out).glob("*.png")))
-    print(f"report: {Path(args.out) / 'report.md'} (plots {plots}; raw results.json)")
+    print(report_written(Path(args.out)))
     return 0
 
 
@@ -169,6 +169,6 @@ def retrofit_command(args: argparse.Namespace) -> int:
                            eval_lengths=args.eval_lengths, eval_tokens=args.eval_tokens,
                            progress=not args.no_progress, overwrite=args.overwrite)
     print(terminal_table(results))
-    print(f"report: {Path(args.out) / 'report.md'} (plots extrapolation.png, diagnostics.png; raw results.json; "
-          f"finetuning runs {Path(args.out) / 'finetune'} and the control {Path(args.out) / 'control'})")
+    out = Path(args.out)
+    print(report_written(out, f"; finetuning runs {out / 'finetune'} and the control {out / 'control'}"))
     return 0
