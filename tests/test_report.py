@@ -201,6 +201,17 @@ def test_an_undefined_metric_says_why_and_never_prints_nan():
     assert not re.search(r"\bnan", text + terminal + summary)
 
 
+def test_a_run_summary_prints_the_all_positions_mean_only_where_it_reads_differently():
+    """Two different means that agree to 4 digits printed as 'loss 4.054 (4.054)', as if one value twice."""
+    run = comparison({"a": [0.9]}).variants["a"][0]
+    r = run.at(64)
+    r.at_length["loss"], r.mean["loss"] = 4.05401, 4.05399
+    r.at_length["accuracy"], r.mean["accuracy"] = 0.5, 0.25
+    summary = run_summary(run, "accuracy")
+    assert "length 64: accuracy 0.5 (0.25) [chance 0.1], loss 4.054" in summary.splitlines()
+    assert "in parentheses, where it differs: mean over all positions [0, L)" in summary
+
+
 def test_one_sampled_sequence_is_singular_and_still_summarized_by_tokens():
     """evaluate at one sequence per length wrote "1 sampled sequences", in eval's summary and the report."""
     task = make_task("counting")

@@ -271,16 +271,17 @@ def position_table(rows: list[LengthEval], metric: str = "loss", *, train_length
 
 
 def _summary_value(r: LengthEval, name: str) -> str:
-    """``name 0.5 (0.4)``: at length L and, where it differs, over all positions; ``name undefined: why`` for NaN."""
-    v = r.at_length[name]
-    overall = not math.isnan(v) and name in r.mean and not same(r.mean[name], v)
-    return f"{name} {r.value_text(name)}" + (f" ({r.mean[name]:.4g})" if overall else "")
+    """``name 0.5 (0.4)``: at length L and, where it prints differently, over all positions; ``name undefined: why``
+    for NaN."""
+    shown = r.value_text(name)
+    overall = f"{r.mean[name]:.4g}" if name in r.mean and not math.isnan(r.at_length[name]) else shown
+    return f"{name} {shown}" + (f" ({overall})" if overall != shown else "")
 
 
 def run_summary(run: RunEval, metric: str = "loss", *, train_length: int | None = None) -> str:
     """Every value at each evaluated length (at length L and over all positions, each defined), then
     `position_table` of the loss (and of ``metric`` when it is another per-position quantity)."""
-    lines = [f"values {AT_LENGTH}; in parentheses: {ALL_POSITIONS}"]
+    lines = [f"values {AT_LENGTH}; in parentheses, where it differs: {ALL_POSITIONS}"]
     for r in run.lengths:
         values = ", ".join(_summary_value(r, k) + (f" [chance {r.chance[k]:.4g}]" if k in r.chance else "")
                            for k in r.at_length)
