@@ -585,6 +585,17 @@ def test_a_damaged_checkpoint_falls_back_to_the_older_one(tmp_path, stopped, dam
     assert (run / "checkpoints" / "step_00000003.corrupt" / damaged).is_file()
 
 
+def test_eval_of_a_run_with_a_damaged_checkpoint_warns_once(tmp_path, stopped, capsys):
+    """lengthgen eval (and needle) looked for the newest checkpoint twice, for the weights and again for the
+    training data's digest (check_trained_data of the run folder), so the damaged one was warned about twice."""
+    run = copy(stopped[0], tmp_path)
+    DAMAGE["state.json"](run / "checkpoints" / "step_00000003" / "state.json")
+    assert main(["eval", str(run), "--lengths", "8", "--tokens", "8"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if ": warning: " in line]
+    assert len(warned) == 1 and re.fullmatch(r"lengthgen eval: warning: .*step_00000003/state.json is unreadable "
+                                             r"\(.*\); using the older checkpoint step_00000002", warned[0]), warned
+
+
 def test_a_checkpoint_missing_its_started_bema_falls_back_to_the_older_one(tmp_path):
     """BEMA restarted silently from the current weights when bema.safetensors was gone."""
     bema = ("train.bema.enabled=true", "train.checkpoint_every=1")

@@ -9,6 +9,7 @@ from typing import Any
 from lengthgen.config import MAX_SIZE, check_value
 from lengthgen.eval import MULTIPLES, RunEval, eval_source, evaluate
 from lengthgen.train import load_run
+from lengthgen.train.run_folder import load_newest
 from lengthgen.train.weights import check_trained_data
 from lengthgen.train.config import RunConfig
 from lengthgen.data.config import make_source
@@ -39,10 +40,10 @@ def eval_run(path: str | Path, *, lengths: list[int] | None = None, tokens: int 
     ``train.eval_batch_size`` x training length tokens as the trainer's and compare's evaluations; text runs on single
     long documents. A bad length or token count is a `ConfigError`, checked before the model is run."""
     tokens = check_value("tokens", tokens, int, ge=1, le=MAX_SIZE)
-    cfg, model = load_run(path, bema=bema)
+    ckpt, (cfg, model) = load_newest(path, lambda c: load_run(c, bema=bema))
     model, kind = for_inference(model, cfg.train)
     data = make_source(cfg.data)
-    check_trained_data(path, data)
+    check_trained_data(ckpt, data)
     lengths = checked_lengths(cfg, data, lengths)
     source = eval_source(cfg.data, data)
     with run_threads(cfg.train):

@@ -15,6 +15,7 @@ from lengthgen.eval import NeedleMap
 from lengthgen.eval import DEPTHS, check_needles, needle_map, validation_text
 from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.train import load_run
+from lengthgen.train.run_folder import load_newest
 from lengthgen.train.weights import check_trained_data
 from lengthgen.train.config import RunConfig
 from lengthgen.train.setup import autocast_dtype, for_inference, run_threads
@@ -46,10 +47,10 @@ def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: li
     (default: `checked_lengths`') and ``depths``, on the run's device, autocast (`for_inference`) and CPU threads
     (`run_threads`). Bad lengths, depths or needle counts, and a run without needles, are `ConfigError` before the model
     runs."""
-    cfg, model = load_run(path, bema=bema)
+    ckpt, (cfg, model) = load_newest(path, lambda c: load_run(c, bema=bema))
     model, kind = for_inference(model, cfg.train)
     data = make_source(cfg.data)
-    check_trained_data(path, data)
+    check_trained_data(ckpt, data)
     source = needle_filler(cfg.data, data)
     lengths = checked_lengths(cfg, source, lengths)
     check_needles(source, lengths, list(depths), needles)

@@ -103,7 +103,8 @@ def _load_checkpoint(ckpt: Path, bema: bool, device: str | torch.device) -> tupl
 def check_trained_data(path: str | Path, source: Any) -> None:
     """A `ConfigWarning` when ``source`` (the run's training data built here) is not the text the newest checkpoint
     at ``path`` trained on (its token digest): a corpus's split is drawn per document, so the documents evaluated as
-    held out may then be text the run trained on (a resume refuses such data)."""
+    held out may then be text the run trained on (a resume refuses such data). Give the checkpoint whose weights
+    were loaded (`load_newest`'s), not its run folder: that one is not looked for, nor warned about, twice."""
     trained_on = load_newest(path, ckpt_io.read_state)[1].get("data_digest")
     now = source.digest() if hasattr(source, "digest") else None
     if trained_on is not None and now is not None and trained_on != now:
