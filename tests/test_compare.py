@@ -157,6 +157,24 @@ def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
     assert [r.at_length for r in rows] == [r.at_length for r in compared]
 
 
+def test_a_workers_warnings_are_the_commands_one_line_warnings(tmp_path, capsys):
+    """With compare.workers > 1 a run's warnings were printed by its worker process as two-line Python warnings
+    ('.../trainer.py:311: ConfigWarning: ...' and the source line) that the command never saw."""
+    import json
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(40)))
+    text = f'data.text={{corpus="{corpus}", tokenizer="byte", split="val", val_fraction=0.5, cache=false}}'
+    sets = [s for s in TINY if not s.startswith("data.task=")] + ["data.kind=text", text, "data.length=16",
+                                                                   "train.threads=1"]
+    assert main(["compare", "--variants", "baseline", "--seeds", "2", "--workers", "2", "--eval-lengths", "16",
+                 "--eval-tokens", "32", "--out", str(tmp_path / "out"), "--no-progress"]
+                + [x for s in sets for x in ("--set", s)]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "validation split" in line] == 2 * [
+        "lengthgen compare: warning: the run trains on the validation split (data.text.split='val'): long documents "
+        "are evaluated on the text it trained on"]
+
+
 def test_compare_evaluates_under_the_runs_autocast(tmp_path, monkeypatch):
     import torch
 

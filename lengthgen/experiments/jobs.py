@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ class Runner:
 
     def run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
         """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
-        processes: without progress bars, each job's log lines logged when it ends."""
+        processes: without progress bars, each job's warnings issued here (so the command shows them as its own)
+        and its log lines logged when it ends."""
         if self.pool is None:
             return [run_job(job, self.log, self.sources) for job in jobs]
         with _sigint_ignored():         # the workers, spawned by submit, inherit it
@@ -76,11 +78,13 @@ class Runner:
         results = []
         for job, future in zip(jobs, futures):
             try:
-                evaluations, lines = future.result()
+                evaluations, lines, caught = future.result()
             except BrokenProcessPool:
                 raise WorkerLost(f"a worker process ended abruptly (killed by a signal, e.g. by the system when out "
                                  f"of memory) while [{job.label}] or a run beside it trained or was evaluated; the "
                                  "checkpoints on disk are intact: --resume continues the comparison") from None
+            for message, category, filename, lineno in caught:     # each as the worker saw it: no dedup
+                warnings.warn_explicit(message, category, filename, lineno)
             for line in lines:
                 self.log(line)
             results.append(evaluations)
@@ -129,9 +133,12 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str]]:
+def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str], list[tuple[str, type, str, int]]]:
+    """`run_job`'s evaluations, log lines and warnings (message, category, file, line: picklable)."""
     lines: list[str] = []
-    return run_job(job, lines.append, {}), lines
+    with warnings.catch_warnings(record=True) as caught:
+        evaluations = run_job(job, lines.append, {})
+    return evaluations, lines, [(str(w.message), w.category, w.filename, w.lineno) for w in caught]
 
 
 def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
