@@ -246,3 +246,40 @@ def test_each_variant_is_warned_once_about_what_its_run_never_reaches_before_any
                     "prope",
                     "variants muon, both: train.muon_momentum_warmup=3: no effect with train.optimizer='adamw' "
                     "(Muon's momentum only)"]
+
+
+def test_a_variant_that_diverges_in_one_seed_is_reported_as_diverged_and_the_comparison_finishes(tmp_path,
+                                                                                                 monkeypatch):
+    """A run whose loss turned NaN ended the whole comparison (NonFiniteLossError): the other variants' runs were
+    thrown away, --resume diverged again, and leaving the variant out was refused (its run folder was kept). Now it
+    counts as the worst value at every length, is never named best, and the report says it diverged."""
+    import torch
+
+    from lengthgen.model import GPT
+
+    original = GPT.loss
+
+    def loss(self, output, batch):      # variant bad, seed 1 only (the trainer seeds torch with train.seed)
+        value, per = original(self, output, batch)
+        return (value * float("nan"), per) if self.config.mlp_ratio == 3.0 and torch.initial_seed() == 1 else \
+            (value, per)
+
+    monkeypatch.setattr(GPT, "loss", loss)
+    cfg = base_config(None, TINY + ["data.length=8", "compare.seeds=[0, 1]", "compare.eval_tokens=32",
+                                    "compare.eval_lengths=[8, 16]",
+                                    "compare.variants={good = {}, bad = {model.mlp_ratio = 3.0}}"])
+    lines: list[str] = []
+    results = run_compare(cfg, tmp_path, progress=False, log=lines.append)
+    good, bad = results.variants["good"], results.variants["bad"]
+    assert [run.diverged for run in good + bad] == [None, None, None, "training loss is nan at step 0"]
+    assert all(bad[1].at(n).at_length["loss"] == float("inf") for n in (8, 16))
+    assert all(bad[0].at(n).at_length["loss"] < float("inf") for n in (8, 16))
+    assert "[bad seed 1] diverged (training loss is nan at step 0)" in "\n".join(lines)
+    assert all(found.best != "bad" for found in verdicts(results).values())
+    text = (tmp_path / "report.md").read_text()
+    assert "bad seed 1 (training loss is nan at step 0)" in text and "| bad | 1 |" in text
+    assert Comparison.load(tmp_path / "results.json").variants["bad"][1].diverged == bad[1].diverged
+    again = run_compare(cfg, tmp_path, progress=False, log=lambda _: None, resume=True)
+    assert again.variants["bad"][1].diverged == bad[1].diverged
+    assert [r.at_length for run in again.variants["good"] for r in run.lengths] == \
+        [r.at_length for run in good for r in run.lengths]

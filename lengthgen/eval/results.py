@@ -198,6 +198,7 @@ class RunEval:
     parameters: int | None = None                          # the evaluated model's parameter count
     train_tokens: int | None = None                        # tokens the run trained on (None: not known)
     needle: NeedleMap | None = None                        # its retrieval map (compare.needle_depths)
+    diverged: str | None = None     # why its training stopped (a non-finite loss): its values are the worst (+-inf)
 
     def at(self, length: int) -> LengthEval:
         """The evaluation at ``length`` (KeyError naming the evaluated lengths if there is none)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -22,12 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from lengthgen.config import counted, to_plain
-from lengthgen.eval import RunEval, evaluate
+from lengthgen.eval import RunEval, eval_source, evaluate
 from lengthgen.experiments.needle import needle_filler, run_map
-from lengthgen.train import train
+from lengthgen.model import GPT
+from lengthgen.train import NonFiniteLossError, train
 from lengthgen.train.config import RunConfig
-from lengthgen.train.setup import run_threads
+from lengthgen.train.setup import autocast_dtype, device_type, resolve, run_threads
 
 Log = Callable[[str], None]
 
@@ -149,7 +153,14 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
     log(f"[{job.label}] training {counted(steps, 'step')} at length {max(job.config.lengths())}"
         + (" (resuming)" if job.resume else ""))
     start = time.perf_counter()
-    trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume, name=job.label)
+    try:
+        trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume, name=job.label)
+    except NonFiniteLossError as err:
+        if job.name is None:        # a pretraining run: its variants have no weights to start from
+            raise
+        why = str(err).split("; ")[0]
+        log(f"[{job.label}] diverged ({why}): it counts as the worst value at every length")
+        return diverged_run(job, why, sources)
     started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
     if started:
         log(f"[{job.label}] {'reused the finished run' if started == steps else f'resumed at step {started}'} "
@@ -175,22 +186,13 @@ def evaluate_run(trained, job: Job, sources: dict[str, Any]) -> list[tuple[str, 
     forward passes of the run's ``eval_batch_size`` x training length tokens; with ``job.needle_depths`` also its
     retrieval map. ``sources``: data config JSON -> what it is evaluated on (text: single long validation
     documents) and its needles' filler, filled as needed."""
-    cfg, trainer, lengths = trained.config, trained.trainer, list(job.lengths)
-    key = json.dumps(to_plain(cfg.data), sort_keys=True)
-    if key not in sources:
-        sources[key] = (trainer.eval_source,      # built once already: the run's checkpoints keep its digest
-                        needle_filler(cfg.data, trainer.source) if job.needle_depths else None)
+    cfg, trainer = trained.config, trained.trainer
+    evaluated = _sources(cfg, job, sources, lambda: (trainer.eval_source, trainer.source))
 
     def one(bema: bool) -> RunEval:
-        with run_threads(cfg.train):
-            evaluation = evaluate(trained.model, sources[key][0], lengths, tokens_per_length=job.tokens,
-                                  seed=cfg.train.seed, autocast=trainer.autocast_dtype,
-                                  forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
-            if job.needle_depths:
-                evaluation.needle = run_map(trained.model, cfg, sources[key][1], lengths, list(job.needle_depths),
-                                            samples=job.needle_samples, autocast=trainer.autocast_dtype)
-        return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed, bema=bema,
-                                   run_dir=str(trained.run_dir), final_train_loss=trained.history[-1])
+        evaluation = _evaluate(trained.model, cfg, job, evaluated, trainer.autocast_dtype)
+        return dataclasses.replace(evaluation, bema=bema, run_dir=str(trained.run_dir),
+                                   final_train_loss=trained.history[-1])
 
     out = [(job.name, one(False))]
     if trainer.bema is not None and trainer.bema.started:
@@ -199,4 +201,50 @@ def evaluate_run(trained, job: Job, sources: dict[str, Any]) -> list[tuple[str, 
     return out
 
 
-__all__ = ["Job", "Runner", "WorkerLost", "evaluate_run", "run_job"]
+def diverged_run(job: Job, why: str, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
+    """The evaluations of a run whose training diverged (``why``: the trainer's message): its weights are not
+    finite, so it is evaluated as a model whose output is not finite anywhere, every scored position taking the
+    evaluator's worst value (+inf loss, -inf for higher-is-better metrics), never a number that could be named best;
+    `RunEval.diverged` says why. With BEMA on, as ``name+bema`` too, so that every variant keeps a run per seed."""
+    cfg, source = resolve(job.config)
+    evaluated = _sources(cfg, job, sources, lambda: (eval_source(cfg.data, source), source))
+    kind = device_type(cfg.train)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():    # the caller's RNG stays as it was
+        model = GPT(cfg.model).to(kind)
+        for parameter in model.parameters():
+            parameter.fill_(math.nan)
+    with warnings.catch_warnings():     # each length's "output is not finite" warning: the log says it diverged
+        warnings.simplefilter("ignore")
+        evaluation = dataclasses.replace(_evaluate(model, cfg, job, evaluated, autocast_dtype(cfg.train, kind)),
+                                         run_dir=str(job.run_dir), diverged=why)
+    bema = [(f"{job.name}+bema", dataclasses.replace(evaluation, bema=True))] if cfg.train.bema.enabled else []
+    return [(job.name, evaluation), *bema]
+
+
+def _sources(cfg: RunConfig, job: Job, sources: dict[str, Any], make: Callable[[], tuple[Any, Any]]
+             ) -> tuple[Any, Any]:
+    """(what a run of ``cfg`` is evaluated on, its needles' filler or None), from ``sources`` (data config JSON ->
+    that pair), filled from ``make()`` -> (evaluation source, training source) when it lacks them."""
+    key = json.dumps(to_plain(cfg.data), sort_keys=True)
+    if key not in sources:
+        evaluated, trained_on = make()
+        sources[key] = (evaluated, needle_filler(cfg.data, trained_on) if job.needle_depths else None)
+    return sources[key]
+
+
+def _evaluate(model: GPT, cfg: RunConfig, job: Job, evaluated: tuple[Any, Any], autocast: torch.dtype | None
+              ) -> RunEval:
+    """``model`` evaluated at ``job``'s lengths with the one evaluator under ``autocast`` and the run's CPU threads,
+    seeded with its seed, in forward passes of its ``eval_batch_size`` x training length tokens (and its retrieval
+    map with ``job.needle_depths``); ``evaluated``: `_sources`."""
+    lengths = list(job.lengths)
+    with run_threads(cfg.train):
+        evaluation = evaluate(model, evaluated[0], lengths, tokens_per_length=job.tokens, seed=cfg.train.seed,
+                              autocast=autocast, forward_tokens=cfg.train.eval_batch_size * max(cfg.lengths()))
+        if job.needle_depths:
+            evaluation.needle = run_map(model, cfg, evaluated[1], lengths, list(job.needle_depths),
+                                        samples=job.needle_samples, autocast=autocast)
+    return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed)
+
+
+__all__ = ["Job", "Runner", "WorkerLost", "diverged_run", "evaluate_run", "run_job"]

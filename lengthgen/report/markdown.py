@@ -265,7 +265,8 @@ def runs_table(results: Comparison) -> list[str]:
     rows = [["variant", "seed", "parameters", "final train loss", "train s", "eval s"]]
     for variant, runs in results.variants.items():
         for run in runs:
-            rows.append([variant, _or_na(run.seed), _or_na(run.parameters, ","), _or_na(run.final_train_loss, ".4g"),
+            final = f"diverged: {run.diverged}" if run.diverged else _or_na(run.final_train_loss, ".4g")
+            rows.append([variant, _or_na(run.seed), _or_na(run.parameters, ","), final,
                          _or_na(run.train_seconds, ".1f"), _or_na(run.eval_seconds, ".1f")])
     return ["## Runs", "", *table(rows)]
 

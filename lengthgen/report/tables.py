@@ -180,8 +180,16 @@ def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: 
 def conclusion(results: Comparison) -> str:
     """What the rule concludes at the longest length, with every variant's mean there; per base when the
     variants have bases (`groups`)."""
-    return " ".join(_conclusion(results, names, f"Among the {group}/ variants, at" if group else "At")
-                    for group, names in groups(results).items())
+    return " ".join([*(_conclusion(results, names, f"Among the {group}/ variants, at" if group else "At")
+                       for group, names in groups(results).items()), *diverged(results)])
+
+
+def diverged(results: Comparison) -> list[str]:
+    """A sentence naming the runs whose training diverged and why (`RunEval.diverged`), if any."""
+    runs = [f"{name} seed {run.seed} ({run.diverged})" for name, variant_runs in results.variants.items()
+            for run in variant_runs if run.diverged]
+    return [f"Diverged in training, so counted as the worst value (+-inf) at every length: {', '.join(runs)}."
+            ] if runs else []
 
 
 def _conclusion(results: Comparison, names: list[str], prefix: str) -> str:
