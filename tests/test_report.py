@@ -700,3 +700,16 @@ def test_separation_rate_without_a_difference_is_at_most_p(seed_sd):
         assert abs(rate - 0.1) < 4 * sd, rate
     else:
         assert rate < 0.1 - 4 * sd, rate
+
+
+def test_a_variant_no_panel_can_draw_says_so_in_the_legend():
+    """A diverged run's attention diagnostics are NaN: its variant stood in the diagnostics legend with nothing
+    drawn and no word why. Crosses (infinite values) count as drawn."""
+    results = comparison({"a": [0.8, 0.9], "b": [-math.inf, -math.inf]})
+    for run in results.variants["b"]:
+        for layer in run.at(64).diagnostics:
+            for stat, buckets in layer.items():
+                layer[stat] = [dataclasses.replace(b, mean=math.nan) for b in buckets]
+    legend = lambda fig: [t.get_text() for t in fig.legends[0].get_texts()][:2]  # noqa: E731
+    assert legend(diagnostics_figure(results)) == ["a", "b (not drawn: no finite value)"]
+    assert legend(extrapolation_figure(results)) == ["a", "b"]

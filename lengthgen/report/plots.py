@@ -101,7 +101,13 @@ def _suptitle(fig, text: str) -> None:
 
 
 def _legend(fig, results: Comparison, styles: dict[str, dict], extra: list) -> None:
-    handles = [Line2D([], [], **style, label=name) for name, style in styles.items()] + extra
+    """The figure's legend outside its axes: each variant (``not drawn: no finite value`` when no panel shows it,
+    e.g. a diverged run's NaN diagnostics), ``extra``, the infinite values' cross and the seed band when used."""
+    lines = [line for ax in fig.axes for line in ax.get_lines()]
+    shown = {line.get_gid().split("/", 1)[-1] for line in lines if line.get_gid()} | {
+        line.get_color() for line in lines if line.get_gid() == "infinite"}
+    handles = [Line2D([], [], **style, label=name if {name, style["color"]} & shown
+                      else f"{name} (not drawn: no finite value)") for name, style in styles.items()] + extra
     if any(line.get_gid() == "infinite" for ax in fig.axes for line in ax.get_lines()):
         handles.append(Line2D([], [], **{**INF_STYLE, "color": "black"}, label="a seed's value is infinite"))
     seeds = max(len(runs) for runs in results.variants.values())
