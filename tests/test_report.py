@@ -713,3 +713,21 @@ def test_a_variant_no_panel_can_draw_says_so_in_the_legend():
     legend = lambda fig: [t.get_text() for t in fig.legends[0].get_texts()][:2]  # noqa: E731
     assert legend(diagnostics_figure(results)) == ["a", "b (not drawn: no finite value)"]
     assert legend(extrapolation_figure(results)) == ["a", "b"]
+
+
+def test_the_setup_describes_what_the_runs_trained_with():
+    """The setup's lines read the comparison's base config: a lone variant (or base) that changes train.lr or
+    model.norm_placement was reported with the base's values, every run having trained with its own."""
+    results = comparison({"a": [0.8, 0.9]})
+    results.config = {"model": {"dim": 8, "norm_placement": "pre"}, "train": {"steps": 2, "optimizer": "adamw",
+                                                                              "lr": 0.003}}
+    for run in results.variants["a"]:
+        run.config["model"]["norm_placement"] = "post"
+        run.config["train"].update(optimizer="adamw", lr=1e6)
+    text = markdown_report(results)
+    assert "width 8" in text and "(post)" in text and "adamw lr 1000000.0" in text and "0.003" not in text
+    results.variants["b"] = [dataclasses.replace(run, config={**run.config, "train": {**run.config["train"],
+                                                                                      "lr": 0.1}})
+                             for run in results.variants["a"]]
+    text = markdown_report(results)             # the runs differ: the base's value, the table shows theirs
+    assert "adamw lr 0.003" in text and "| a | 1000000.0 |" in text and "| b | 0.1 |" in text

@@ -98,7 +98,8 @@ def _span(values: list[float], spec: str = ",") -> str:
 
 def setup(results: Comparison) -> list[str]:
     """Bullets: task, model, variants, training, evaluation, compute and code."""
-    cfg, runs = results.config, _runs(results)
+    runs = _runs(results)
+    cfg = _agreed(results.config, [run.config for run in runs if run.config])
     model, train, data = cfg.get("model", {}), cfg.get("train", {}), cfg.get("data", {})
     kwargs = ", ".join(f"{k}={v}" for k, v in (data.get("task_kwargs") or {}).items())
     chance = chance_level(results, results.metric, results.eval_lengths[-1])
@@ -132,6 +133,17 @@ def setup(results: Comparison) -> list[str]:
                         *(f"  - {line}" for line in origins)]
     p = results.provenance
     return lines + [f"- **Compute**: {p.device}; {per_run}", f"- **Code**: {_code(p)}, {p.date}"]
+
+
+def _agreed(base: Any, configs: list[Any]) -> Any:
+    """What the setup describes: the runs' own value of each config key where every run has the same (a key that
+    every variant or the one base changes, e.g. a single variant's ``train.lr``), else the comparison's ``base``
+    (the variants table shows the keys in which the runs differ)."""
+    if configs and all(isinstance(c, dict) for c in configs):
+        base = base if isinstance(base, dict) else {}
+        keys = dict.fromkeys([*base, *(k for c in configs for k in c)])
+        return {k: _agreed(base.get(k), [c.get(k) for c in configs]) for k in keys}
+    return configs[0] if configs and configs[0] is not None and all(c == configs[0] for c in configs) else base
 
 
 def _code(p: Provenance) -> str:
