@@ -283,3 +283,16 @@ def test_a_variant_that_diverges_in_one_seed_is_reported_as_diverged_and_the_com
     assert again.variants["bad"][1].diverged == bad[1].diverged
     assert [r.at_length for run in again.variants["good"] for r in run.lengths] == \
         [r.at_length for run in good for r in run.lengths]
+
+
+@pytest.mark.parametrize("tau, names", [(0, ["v", "v+bema"]), (5, ["v"])])
+def test_a_diverged_run_with_bema_has_a_bema_run_where_its_finished_seeds_have_one(tmp_path, tau, names):
+    """Its finished seeds have a ``+bema`` evaluation once BEMA started (train.steps >= tau): so has the diverged
+    one, each variant keeping a run per seed, and no ``+bema`` variant of the diverged run alone otherwise."""
+    from lengthgen.experiments.jobs import Job, diverged_run
+
+    cfg = base_config(None, TINY + ["data.length=8", "train.bema.enabled=true", f"train.bema.tau={tau}"])
+    out = diverged_run(Job(cfg, tmp_path, "[v]", "v", (8, 16), 32), "training loss is nan at step 1", {})
+    assert [name for name, _ in out] == names and all(run.diverged for _, run in out)
+    assert [run.bema for _, run in out] == [False, True][:len(names)]
+    assert all(run.at(n).at_length["loss"] == float("inf") for _, run in out for n in (8, 16))

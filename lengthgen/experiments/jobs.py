@@ -205,7 +205,8 @@ def diverged_run(job: Job, why: str, sources: dict[str, Any]) -> list[tuple[str,
     """The evaluations of a run whose training diverged (``why``: the trainer's message): its weights are not
     finite, so it is evaluated as a model whose output is not finite anywhere, every scored position taking the
     evaluator's worst value (+inf loss, -inf for higher-is-better metrics), never a number that could be named best;
-    `RunEval.diverged` says why. With BEMA on, as ``name+bema`` too, so that every variant keeps a run per seed."""
+    `RunEval.diverged` says why. With BEMA on (started by ``train.steps``), as ``name+bema`` too, so that every variant
+    keeps a run per seed."""
     cfg, source = resolve(job.config)
     evaluated = _sources(cfg, job, sources, lambda: (eval_source(cfg.data, source), source))
     kind = device_type(cfg.train)
@@ -217,7 +218,8 @@ def diverged_run(job: Job, why: str, sources: dict[str, Any]) -> list[tuple[str,
         warnings.simplefilter("ignore")
         evaluation = dataclasses.replace(_evaluate(model, cfg, job, evaluated, autocast_dtype(cfg.train, kind)),
                                          run_dir=str(job.run_dir), diverged=why)
-    bema = [(f"{job.name}+bema", dataclasses.replace(evaluation, bema=True))] if cfg.train.bema.enabled else []
+    started = cfg.train.bema.enabled and cfg.train.steps >= cfg.train.bema.tau     # as its finished seeds' BEMA
+    bema = [(f"{job.name}+bema", dataclasses.replace(evaluation, bema=True))] if started else []
     return [(job.name, evaluation), *bema]
 
 
