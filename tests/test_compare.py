@@ -157,6 +157,19 @@ def test_compare_command_tiny_run_and_eval_command(tmp_path, capsys):
     assert [r.at_length for r in rows] == [r.at_length for r in compared]
 
 
+def test_too_few_seeds_for_a_winner_are_warned_before_training(tmp_path, capsys):
+    """3 seeds can never name a variant best (p >= 2 / C(6, 3) = 0.1 > 0.05): the comparison says so at its start,
+    not only in its report; 4 seeds can (p = 0.029) and are not warned about."""
+    sets = [x for s in TINY for x in ("--set", s)] + ["--set", "train.steps=1", "--eval-lengths", "16",
+                                                      "--eval-tokens", "16", "--no-progress",
+                                                      "--variants", "baseline,l2"]
+    assert main(["compare", "--seeds", "3", "--out", str(tmp_path / "three"), *sets]) == 0
+    assert ("lengthgen compare: warning: compare.seeds: no variant can be named best: 3 seeds separate two variants at "
+            "p = 0.1 at best (2 / C(6, 3)), above 0.05; run 4 seeds or more") in capsys.readouterr().err
+    assert main(["compare", "--seeds", "4", "--out", str(tmp_path / "four"), *sets]) == 0
+    assert "compare.seeds" not in capsys.readouterr().err
+
+
 def test_a_workers_warnings_are_the_commands_one_line_warnings(tmp_path, capsys):
     """With compare.workers > 1 a run's warnings were printed by its worker process as two-line Python warnings
     ('.../trainer.py:311: ConfigWarning: ...' and the source line) that the command never saw."""

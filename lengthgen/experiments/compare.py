@@ -41,6 +41,7 @@ from lengthgen.experiments.needle import needle_filler
 from lengthgen.experiments.retrofit import finetune_config
 from lengthgen.model import GPT
 from lengthgen.report import write_report
+from lengthgen.report.stats import ALPHA, smallest_p
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.optim import build_optimizers
 from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, checkpoints_at, lock, saved_run_config
@@ -250,6 +251,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric, higher_is_better = check_metric(source, cc.metric)
     _warn_unused(cfg, runs, sorted({train_length, *eval_lengths}))
+    _warn_seeds(runs, cfg.train.bema.enabled)
     folders = {(name, seed): f"{name}-seed{seed}" for name in runs.runs for seed in cc.seeds}   # under out/runs
     with lock(out), Runner(cc.workers, log) as runner:
         if resume:
@@ -299,6 +301,17 @@ def _warn_unused(cfg: RunConfig, runs: Plan, lengths: list[int]) -> None:
     for note, names in having.items():
         warnings.warn(f"variant{'s' if len(names) > 1 else ''} {', '.join(names)}: {note}", ConfigWarning,
                       stacklevel=2)
+
+
+def _warn_seeds(runs: Plan, bema: bool) -> None:
+    """A `ConfigWarning` when the comparison has too few seeds for the rule (`lengthgen.report.stats`) ever to name
+    a variant best: said before the training, not only in the report."""
+    seeds, smallest = len(runs.compare.seeds), smallest_p(len(runs.compare.seeds))
+    if (len(runs.runs) > len(runs.bases) or bema) and (smallest is None or smallest > ALPHA):
+        why = ("one seed has no spread" if smallest is None else
+               f"{seeds} seeds separate two variants at p = {smallest:.2g} at best (2 / C({2 * seeds}, {seeds}))")
+        warnings.warn(f"compare.seeds: no variant can be named best: {why}, above {ALPHA}; run 4 seeds or more "
+                      "(--seeds 4) for the rule to name one", ConfigWarning, stacklevel=2)
 
 
 def _check_kept(folder: Path, planned: set[str]) -> None:

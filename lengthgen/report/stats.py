@@ -13,16 +13,22 @@ one evaluated length, given each variant's headline values (one per seed) and th
 3. Otherwise no winner is named, and the verdict says why: one seed, NaN seeds, at chance, not separated (means
    tied up to float rounding are named together), or too few seeds (separated, but p > `ALPHA`).
 
-p is the exact permutation probability that the rule would find *some* separated variant if no variant differed
-(all N runs exchangeable): variant i's n_i seeds are the best n_i of the N runs with probability 1 / C(N, n_i),
-and these events exclude each other, so p = sum_i 1 / C(N, n_i). With 3 seeds each that is 2/20 = 0.1 for 2
-variants (too few: run 4 seeds, 2/70 = 0.029), 3/84 = 0.036 for 3 and 5/455 = 0.011 for 5. Runs that share a
-seed's batches are not independent: what the batches add to every run of a seed (x = b_seed + e) makes a
-separation rarer when no variant differs (the variant's worst seed must beat the others' runs of a luckier seed),
-so p is then an upper bound. Simulated with Gaussian or t(3) noise, 2-5 variants x 2-5 seeds, 2e5 trials: 0.97-1.0x
-the independent p with a seed effect of 0.3 noise sd, 0.2-0.8x with 1 sd, 0-0.3x with 3 sd. Each length, and each
-base of a comparison with bases, is a test of its own, not corrected for the several lengths and bases of a table;
-a report's conclusion reads the longest length.
+p bounds the probability of naming a winner that is not better than every other variant. Naming the best is
+wrong as soon as one other variant does as well, whatever the rest do, so p is taken against each other variant j
+alone: if the best b and j did not differ (their n_b + n_j runs exchangeable), the seeds of one of the two would
+all beat the other's with probability 1 / C(n_b + n_j, n_b) + 1 / C(n_b + n_j, n_j) (either could be the better
+mean), and p is the largest over j (an intersection-union test). It is exact when one variant ties with the best
+and every other is far worse, and an upper bound otherwise (several tied: 3 / C(9, 3) = 0.036 < 0.1 with 3
+seeds). With n seeds each p = 2 / C(2n, n): 0.33 for 2 seeds, 0.1 for 3, 0.029 for 4, 0.0079 for 5, whatever the
+number of variants, so a winner needs 4 seeds or more (`smallest_p`). (The probability under "no variant differs"
+alone, sum_i 1 / C(N, n_i), is smaller -- 0.011 for 5 variants x 3 seeds -- but it is not the probability of a
+wrong winner: with 2 of 5 variants tied and 3 far worse a winner would be named 10% of the time.) Runs that share
+a seed's batches are not independent: what the batches add to every run of a seed (x = b_seed + e) makes a
+separation rarer when the variants do not differ (the variant's worst seed must beat the others' runs of a
+luckier seed), so p is then an upper bound. Simulated for two alike variants with Gaussian or t(3) noise, 2-5
+seeds, 2e5 trials: 0.79-0.97x p with a seed effect of 0.3 noise sd, 0.20-0.77x with 1 sd, 0.01-0.40x with 3 sd.
+Each length, and each base of a comparison with bases, is a test of its own, not corrected for the several
+lengths and bases of a table; a report's conclusion reads the longest length.
 """
 
 from __future__ import annotations
@@ -35,12 +41,12 @@ ALPHA = 0.05
 #: the rule in one sentence, for reports
 RULE = ("a variant is named best at a length only when every variant has at least two seeds, each with a value, "
         "every seed of it is better than the chance level, and its worst seed beats every seed of every other "
-        "variant (non-overlapping min-max ranges over seeds) with p <= 0.05, p being the exact probability that "
-        "the seeds of some variant would beat all the others' if no variant differed (sum over the variants of "
-        "1 / C(N, n), N runs in all, n of the variant: with 3 seeds each 0.1 for 2 variants, 0.036 for 3, 0.011 "
-        "for 5; exact for independent runs, an upper bound where the variants' runs of one seed share its batches, "
-        "which makes a separation rarer); each length and each base is tested on its own, without a correction for "
-        "the others")
+        "variant (non-overlapping min-max ranges over seeds) with p <= 0.05, p being the largest over the other "
+        "variants of the exact probability that, if it and the best did not differ, the seeds of one of the two "
+        "would all beat the other's (1 / C(n + m, n) + 1 / C(n + m, m) for n and m seeds: 0.1 with 3 seeds each, "
+        "0.029 with 4, whatever the number of variants; exact for independent runs, an upper bound where the "
+        "variants' runs of one seed share its batches, which makes a separation rarer); each length and each base "
+        "is tested on its own, without a correction for the others")
 
 
 @dataclass
@@ -48,8 +54,8 @@ class Verdict:
     """The rule's outcome at one length. ``status``: ``separated`` (a winner is named), ``one seed``,
     ``NaN seeds``, ``at chance``, ``not separated``, ``too few seeds``, ``one variant`` or ``no value``; ``best``:
     the variant with the best mean among those finite in every seed; ``winner``: ``best`` when separated;
-    ``reason``: one sentence; ``p``: the probability of a separation if no variant differed (module docstring), when
-    the seeds are separated; ``at_chance``: the variants whose seeds with a value are not all above chance."""
+    ``reason``: one sentence; ``p``: the bound on naming a wrong winner (module docstring), when the seeds are
+    separated; ``at_chance``: the variants whose seeds with a value are not all above chance."""
     status: str
     best: str | None
     reason: str
@@ -61,7 +67,9 @@ class Verdict:
         return self.best if self.status == "separated" else None
 
     def short(self) -> str:
-        """A table cell: the winner and p, or the status."""
+        """A table cell: the winner and p, the separated best and p with too few seeds, or the status."""
+        if self.status == "too few seeds":
+            return f"too few seeds ({self.best}, p = {self.p:.2g})"
         return f"{self.best} (p = {self.p:.2g})" if self.winner else self.status
 
 
@@ -74,6 +82,17 @@ def above_chance(values: list[float], chance: float | None, higher_is_better: bo
     """Every value is finite and strictly better than ``chance`` (None: no chance level, only finiteness)."""
     finite = bool(values) and all(math.isfinite(v) for v in values)
     return finite and (chance is None or all(better(v, chance, higher_is_better) for v in values))
+
+
+def pair_p(n: int, m: int) -> float:
+    """The exact probability that, of two variants with ``n`` and ``m`` seeds that do not differ (n + m exchangeable
+    runs), the seeds of one would all beat the other's: 1 / C(n + m, n) + 1 / C(n + m, m)."""
+    return 1 / math.comb(n + m, n) + 1 / math.comb(n + m, m)
+
+
+def smallest_p(seeds: int) -> float | None:
+    """The smallest p the rule can give with ``seeds`` seeds per variant (None: one seed, no p at all)."""
+    return pair_p(seeds, seeds) if seeds >= 2 else None
 
 
 def verdict(values: dict[str, list[float]], higher_is_better: bool,
@@ -118,15 +137,14 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool,
     if overlapping:
         return Verdict("not separated", best, f"{best} has the best mean, but its seeds overlap those of "
                        f"{', '.join(overlapping)}", at_chance=at_chance)
-    runs = sum(len(v) for v in values.values())
-    p = sum(1 / math.comb(runs, len(v)) for v in values.values())
-    separated = (f"every seed of {best} beats every seed of every other variant (p = {p:.2g}, the probability "
-                 f"that some variant's seeds would beat all the others' if none of the {len(values)} variants "
-                 "differed")
+    p = max(pair_p(len(values[best]), len(v)) for name, v in values.items() if name != best)
+    separated = (f"every seed of {best} beats every seed of every other variant (p = {p:.2g}, the largest over them "
+                 f"of the probability that, were {best} and that variant alike, the seeds of one of the two would all "
+                 "beat the other's")
     if p > ALPHA:
         return Verdict("too few seeds", best, f"{separated}; above {ALPHA}: too few seeds to tell)",
                        p=p, at_chance=at_chance)
     return Verdict("separated", best, f"{separated})", p=p, at_chance=at_chance)
 
 
-__all__ = ["ALPHA", "RULE", "Verdict", "above_chance", "better", "verdict"]
+__all__ = ["ALPHA", "RULE", "Verdict", "above_chance", "better", "pair_p", "smallest_p", "verdict"]
