@@ -304,13 +304,12 @@ def _warn_unused(cfg: RunConfig, runs: Plan, lengths: list[int]) -> None:
 
 
 def _warn_seeds(runs: Plan, bema: bool) -> None:
-    """A `ConfigWarning` when the comparison has too few seeds for the rule (`lengthgen.report.stats`) ever to name
-    a variant best: said before the training, not only in the report."""
+    """A `ConfigWarning` when the comparison has several seeds but too few for the rule (`lengthgen.report.stats`)
+    ever to name a variant best: said before the training, not only in the report (one seed: the report says why)."""
     seeds, smallest = len(runs.compare.seeds), smallest_p(len(runs.compare.seeds))
-    if (len(runs.runs) > len(runs.bases) or bema) and (smallest is None or smallest > ALPHA):
-        why = ("one seed has no spread" if smallest is None else
-               f"{seeds} seeds separate two variants at p = {smallest:.2g} at best (2 / C({2 * seeds}, {seeds}))")
-        warnings.warn(f"compare.seeds: no variant can be named best: {why}, above {ALPHA}; run 4 seeds or more "
+    if (len(runs.runs) > len(runs.bases) or bema) and smallest is not None and smallest > ALPHA:
+        warnings.warn(f"compare.seeds: no variant can be named best: {seeds} seeds separate two variants at p = "
+                      f"{smallest:.2g} at best (2 / C({2 * seeds}, {seeds})), above {ALPHA}; run 4 seeds or more "
                       "(--seeds 4) for the rule to name one", ConfigWarning, stacklevel=2)
 
 
