@@ -76,6 +76,26 @@ def setup(device_type: str) -> tuple[int, int, int]:
     return rank, world, local
 
 
+def check_same(what: dict[str, Any], ignore: frozenset[str] = frozenset()) -> None:
+    """Collective: `ConfigError` on every rank (rank 0 reports it) naming each key whose value in ``what`` (the
+    resolved config and the run's options) differs between ranks, but for the dotted keys in ``ignore``; else the
+    ranks would train apart without a word (another seed or learning rate) or wait for each other forever (another
+    ``train.steps``)."""
+    if not active():
+        return
+    from lengthgen.config import differences
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, what)
+    changed = [f"{key}: rank 0 {a!r}, rank {rank} {b!r}" for rank, other in enumerate(every)
+               for key, a, b in differences(every[0], other) if key not in ignore]
+    if changed:
+        err = ConfigError(f"the ranks differ: {'; '.join(changed)}; launch every rank with the same command, config "
+                          "files and environment")
+        err.every_rank = True       # type: ignore[attr-defined]
+        raise err
+
+
 def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -284,6 +304,6 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "cleanup", "env_world", "gather_full",
-           "gradient_sync", "is_sharded", "leave_report", "linger", "load_full", "lost_peer", "on_main", "parallelize",
-           "reported_by_rank0", "setup"]
+__all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "check_same", "cleanup", "env_world",
+           "gather_full", "gradient_sync", "is_sharded", "leave_report", "linger", "load_full", "lost_peer", "on_main",
+           "parallelize", "reported_by_rank0", "setup"]

@@ -54,7 +54,7 @@ from lengthgen.train.log import RunLog
 from lengthgen.train.optim import (build_optimizers, capture_logits, captured_max_logits, clip_logits, set_lr,
                                    set_muon_momentum)
 from lengthgen.train.schedule import lr_multiplier, momentum_at
-from lengthgen.train.setup import (autocast_dtype, check_backend, check_resume, check_world, device_type,
+from lengthgen.train.setup import (DATA_LOCATION, autocast_dtype, check_backend, check_resume, check_world, device_type,
                                    resolve, run_threads, split_batch_notes)
 from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
 from lengthgen.train.weights import load_initial_weights
@@ -107,6 +107,9 @@ class Trainer:
         if self.world > 1:      # before joining the process group: rank 0 alone reports a bad config
             check_world(cfg, self.world)
         distributed.setup(kind)
+        # the same config and options on every rank; the text it trains on by its tokens, wherever each rank reads it
+        distributed.check_same({**cfg.to_dict(), "data digest": self.source.digest(), "--out": str(out_dir),
+                                "--resume": resume, "--overwrite": overwrite, "--extend": extend}, ignore=DATA_LOCATION)
         self.is_main = self.rank == 0
         self.progress = progress and self.is_main
         self.device = torch.device(f"cuda:{local_rank}" if kind == "cuda" and self.world > 1 else kind)
