@@ -4,7 +4,8 @@ The test launches this file with ``torchrun --standalone --nproc_per_node=2``; r
 tiny counting runs under DDP: A through `train` (2 micro-batches per rank: DDP's no_sync path), B through
 ``lengthgen train`` (with QK-clip active every step; its max logit is all-reduced over ranks, though at this
 size the ranks' own maxima are so close that the losses would not tell the difference). Run A also evaluates every
-2 steps: rank 0 alone evaluates, and the other rank gets its results (each rank counts its evaluations).
+2 steps: rank 0 alone evaluates, and the other rank gets its results (each rank counts its evaluations). First it
+resumes on 2 ranks a batch-norm run stopped in one process, which warns that its trajectory changes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from helpers import logged_losses, torchrun_two
 
 RUN_A = BASE + ["train.grad_accum=2", "train.eval_every=2"]
 RUN_B = BASE + ["train.qk_clip=0.03"]
+#: batch norm: per-rank statistics, so a resume on another number of ranks leaves the trajectory (it warns)
+RUN_BN = BASE + ["model.norm=batch"]
 
 
 def test_two_processes_match_one(tmp_path, monkeypatch):
@@ -28,7 +31,11 @@ def test_two_processes_match_one(tmp_path, monkeypatch):
     from lengthgen.eval import RunEval
     from lengthgen.train import train
 
+    train(RunConfig().override(*RUN_BN), tmp_path / "bn", progress=False, stop_at=3)     # in one process
     proc = torchrun_two(__file__, tmp_path)
+    # resumed on 2 ranks: before, the steps from there changed without a word (batch norm over 4 rows, not 8)
+    assert proc.stderr.count("the checkpoint was written on 1 rank, this run has 2 ranks: with model.norm='batch' "
+                             "(statistics per rank) the steps from here differ") == 1, proc.stderr
     evaluations = _count_evaluations(monkeypatch.setattr)
     for name, overrides in (("a", RUN_A), ("b", RUN_B)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
@@ -86,6 +93,7 @@ def _worker(out: Path) -> None:
     from lengthgen.train.config import RunConfig
     from lengthgen.train import train
 
+    train(RunConfig().override(*RUN_BN), out / "bn", progress=False, resume=True)
     evaluations = _count_evaluations()
     train(RunConfig().override(*RUN_A), out / "ddp-a", progress=False)
     args = ["train"] + [a for o in RUN_B for a in ("--set", o)] + ["--out", str(out / "ddp-b"), "--no-progress"]

@@ -9,7 +9,7 @@ A run folder::
         model.safetensors  weights (shared/tied tensors stored once: safetensors.torch.save_model)
         bema.safetensors   BEMA state (theta0.*, ema.*, bema.*), when BEMA is on
         optimizer.pt       optimizer states (torch.save)
-        state.json         config, step, RNG states (torch, CUDA, data seed scheme), loss history, tokens
+        state.json         config, step, RNG states (torch, CUDA, data seed scheme), loss history, tokens, ranks
         digests.json       each file's digest, checked when it is read
 
 Every file is written to a temporary name, flushed to disk and moved with ``os.replace``; a checkpoint folder is

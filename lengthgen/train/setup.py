@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lengthgen.config import ConfigError, differences
+from lengthgen.config import ConfigError, counted, differences
 from lengthgen.data.config import make_source
 from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.train.config import RunConfig, load_config
@@ -118,6 +118,23 @@ def split_batch_notes(cfg: RunConfig, world: int) -> list[str]:
         notes.append("train.parallel='fsdp' has no effect in one process (WORLD_SIZE=1): nothing is sharded; launch "
                      "with torchrun --nproc_per_node=N to shard across N ranks")
     return notes
+
+
+def world_change_note(cfg: RunConfig, saved: int | None, world: int) -> str | None:
+    """What resuming on ``world`` ranks a checkpoint written on ``saved`` (None: not recorded) changes beyond float
+    rounding (another reduction order): batch norm's per-rank statistics and dropout's per-rank masks
+    (`split_batch_notes`); None when nothing does."""
+    if saved is None or saved == world:
+        return None
+    what = [text for text, on in (("model.norm='batch' (statistics per rank)", cfg.model.norm == "batch"),
+                                  (f"model.dropout={cfg.model.dropout} (the same masks on every rank)",
+                                   cfg.model.dropout > 0)) if on]
+    if not what:
+        return None
+    again = f"under torchrun --nproc_per_node={saved}" if saved > 1 else "in one process"
+    return (f"the checkpoint was written on {counted(saved, 'rank')}, this run has {counted(world, 'rank')}: with "
+            f"{' and '.join(what)} the steps from here differ from an uninterrupted run's; resume {again} to continue "
+            "it exactly")
 
 
 def check_backend(model: torch.nn.Module, cfg: RunConfig, device: torch.device) -> None:
@@ -245,4 +262,4 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
 
 __all__ = ["DATA_LOCATION", "MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths",
            "check_memory", "check_resume", "check_world", "device_type", "fill_model_from_source", "for_inference",
-           "inference_device", "resolve", "run_threads"]
+           "inference_device", "resolve", "run_threads", "world_change_note"]

@@ -6,8 +6,8 @@ optimizers and a new warmup), forward/backward it in ``grad_accum`` micro-batche
 run's autocast, stop on a non-finite loss, clip the gradient norm, set the scheduled learning rate, step AdamW
 (and Muon), apply QK-clip, update BEMA; `fit` then logs, checkpoints and evaluates (in that order: an evaluation
 that fails or is interrupted loses no step, and the resumed run evaluates that step first). On CPU a resumed run
-reproduces the losses of an uninterrupted run exactly (with the same ``train.threads``: another count sums matrix
-products in another order).
+reproduces the losses of an uninterrupted run exactly (with the same ``train.threads`` and number of ranks: another
+count sums in another order; with batch norm or dropout, per rank, another number of ranks changes the steps: it warns).
 
 `Trainer.evaluate` is `lengthgen.eval.evaluate` under the training device and autocast: every
 ``train.eval_every`` steps and at the end it logs the mean loss and metrics at each eval length; when
@@ -55,7 +55,7 @@ from lengthgen.train.optim import (build_optimizers, capture_logits, captured_ma
                                    set_muon_momentum)
 from lengthgen.train.schedule import lr_multiplier, momentum_at
 from lengthgen.train.setup import (DATA_LOCATION, autocast_dtype, check_backend, check_resume, check_world, device_type,
-                                   resolve, run_threads, split_batch_notes)
+                                   resolve, run_threads, split_batch_notes, world_change_note)
 from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
 from lengthgen.train.weights import load_initial_weights
 
@@ -222,6 +222,9 @@ class Trainer:
         optimizer and BEMA states, step, history and RNG state."""
         state, weights, optimizer_states, bema_tensors = self._read
         self._read = None
+        note = world_change_note(self.config, state.get("world"), self.world)
+        if note is not None and self.is_main:
+            warnings.warn(note, ConfigWarning, stacklevel=2)
         if distributed.is_sharded(self.model):
             distributed.load_full(self.model, self.optimizers, weights, optimizer_states)
         else:
@@ -264,6 +267,7 @@ class Trainer:
                          "seed": self.config.train.seed, "next_step": self.step},
             "history": self.history,
             "tokens": self.tokens,
+            "world": self.world,
             "train_seconds": self.train_seconds,
             "data_digest": self.source.digest(),
             "eval_digest": self._eval_digest(),
