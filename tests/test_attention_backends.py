@@ -172,6 +172,17 @@ def test_cpu_flash_support_is_what_it_claims():
     assert "CPU only" in cpu_flash.unsupported(AttentionSpec(), torch.empty(1, device="meta"), False)
 
 
+def test_cpu_flash_refuses_a_score_mod_that_multiplies(monkeypatch):
+    """A distance term that scales the score (a_t != 1) but that `cpu_flash.unsupported` does not name (a new
+    mechanism) was run with its bias only, a_t dropped: plain softmax attention, silently. It is refused."""
+    spec = AttentionSpec(distance="log_bias")           # supported by name; its mod replaced by a multiplying one
+    assert cpu_flash.unsupported(spec, torch.empty(1), False) is None
+    monkeypatch.setattr(mods, "score_mod_for", lambda *args, **kwargs: mods.scale_invariant(2.0))
+    q, k, v = make_inputs()
+    with pytest.raises(ValueError, match=r"cpu_flash' cannot run distance='log_bias': its score mod multiplies"):
+        run_cpu_flash(q, k, v, spec)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, F64), (torch.float32, F32)], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", CPU_FLASH_OPTIONS)
 def test_cpu_flash_matches_dense(name, dtype, tol):

@@ -76,8 +76,12 @@ class _Blocks:
         grid = mods.grids(1, 1, rows, zero)
         visible = mods.mask_mod_for(spec, lq, lk)(*grid)
         score_mod = mods.score_mod_for(spec, heads, lq, lk, device, dtype)
-        bias = torch.zeros((), dtype=dtype, device=device) if score_mod is None else \
-            mods.affine_terms(score_mod, heads, rows, zero, dtype)[1]
+        a, bias = (None, torch.zeros((), dtype=dtype, device=device)) if score_mod is None else \
+            mods.affine_terms(score_mod, heads, rows, zero, dtype)
+        if a is not None:           # a term `unsupported` does not know yet: never drop a_t silently
+            raise ValueError(f"backend 'cpu_flash' cannot run distance={spec.distance!r}: its score mod multiplies "
+                             "the score (a_t != 1), which an additive mask cannot; refuse it in "
+                             "cpu_flash.unsupported, as scale_invariant, or use tiled")
         values = torch.where(visible, bias, torch.tensor(float("-inf"), dtype=dtype, device=device))
         return values[..., 0].unfold(-1, self.width, 1).flip(-1).contiguous()  # values[r - c + W - 1]
 
