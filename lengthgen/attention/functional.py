@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from lengthgen.attention import mods
-from lengthgen.attention.spec import AttentionSpec
+from lengthgen.attention.spec import ABC_SCALINGS, AttentionSpec
 
 # ---------------------------------------------------------------------------------------------------
 # query-length scaling g_i
@@ -68,7 +68,7 @@ def _combine(f: torch.Tensor, spec: AttentionSpec, multiplier: torch.Tensor | fl
     m = spec.scaling_init if multiplier is None else multiplier
     if isinstance(m, torch.Tensor):
         m = m.reshape(1, -1, 1, 1)
-    a = spec.scaling_a if spec.query_scaling in ("log_bn", "sqrt_log_n") else 0.0
+    a = spec.scaling_a if spec.query_scaling in ABC_SCALINGS else 0.0
     g = f * (m * base)
     return g + a * base if a else g
 

@@ -25,6 +25,8 @@ Position = Literal["nope", "rope", "prope"]
 OutNorm = Literal["none", "head_layer", "head_rms", "global_layer", "global_rms"]
 Gate = Literal["none", "head", "elementwise"]
 GateAct = Literal["sigmoid", "2sigmoid"]
+#: the query scalings of ``log(b n + c)``, which read the constants scaling_a, scaling_b, scaling_c
+ABC_SCALINGS = ("log_bn", "sqrt_log_n")
 
 
 @documented
@@ -83,7 +85,7 @@ class AttentionSpec:
             raise ConfigError("AttentionSpec.learnable_scaling="
                               f"{self.learnable_scaling!r} needs query_scaling log_n, log_bn or sqrt_log_n, got "
                               "'none'", "AttentionSpec.learnable_scaling")
-        if self.query_scaling in ("log_bn", "sqrt_log_n"):
+        if self.query_scaling in ABC_SCALINGS:
             low, why = (1, "> 0") if self.query_scaling == "sqrt_log_n" else (0, "is defined")
             if self.scaling_b < 0 or self.scaling_b + self.scaling_c <= low:
                 raise ConfigError(f"AttentionSpec.scaling_b={self.scaling_b}, scaling_c={self.scaling_c} are not "
@@ -148,10 +150,10 @@ def _check_names(changes: dict[Any, Any]) -> None:
 
 BASE = AttentionSpec()
 
-_SCALED = ("log_bn", "sqrt_log_n")
 #: field -> (whether a spec reads it, the choices it needs): the fields that only refine another choice
 USED_WITH: dict[str, tuple[Any, str]] = {
-    **{f"scaling_{x}": (lambda s: s.query_scaling in _SCALED, "query_scaling log_bn or sqrt_log_n") for x in "abc"},
+    **{f"scaling_{x}": (lambda s: s.query_scaling in ABC_SCALINGS, f"query_scaling {' or '.join(ABC_SCALINGS)}")
+       for x in "abc"},
     "scaling_init": (lambda s: s.query_scaling != "none", "a query_scaling"),
     "tau": (lambda s: s.distance in ("scale_invariant", "log_bias"), "distance scale_invariant or log_bias"),
     "log_bias_lambda": (lambda s: s.distance == "log_bias", "distance log_bias"),
@@ -202,4 +204,4 @@ def resolve_spec(spec: "AttentionSpec | str | dict[str, Any] | None") -> Attenti
     raise ConfigError(f"attention spec must be an AttentionSpec, a preset name or a dict, got {type(spec).__name__}")
 
 
-__all__ = ["AttentionSpec", "PRESETS", "FIELDS", "resolve_spec"]
+__all__ = ["ABC_SCALINGS", "AttentionSpec", "PRESETS", "FIELDS", "resolve_spec"]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lengthgen.attention import PRESETS, AttentionSpec, resolve_spec
+from lengthgen.attention.spec import ABC_SCALINGS
 from lengthgen.config import (MAX_SIZE, ConfigError, build, check, check_value, documented, invalid, option,
                               to_plain, unknown_key)
 from lengthgen.model.norms import Norm
@@ -152,7 +153,7 @@ class GPTConfig:
                 # one multiplier m of one gain g = a + m f(n) (`functional.query_gain`): the same f, and for log_bn /
                 # sqrt_log_n (f of log(b n + c)) the same a, b, c
                 fields = ("query_scaling", "scaling_init")
-                if shared.query_scaling in ("log_bn", "sqrt_log_n"):
+                if shared.query_scaling in ABC_SCALINGS:
                     fields += ("scaling_a", "scaling_b", "scaling_c")
                 for field in fields:
                     if getattr(spec, field) != getattr(shared, field):
