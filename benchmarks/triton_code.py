@@ -28,7 +28,6 @@ import bench_args  # noqa: E402
 from lengthgen.atomic import atomic_write_text  # noqa: E402
 
 KERNELS = ("fwd", "dq", "dkdv")
-DISTANCES = ("none", "scale_invariant", "alibi", "log_bias")
 #: kernel argument names by type; every other argument is an int32 scalar
 TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 FP32_POINTERS = {"M", "LSP", "LSE1", "SLOPES", "DELTA", "GAIN", "DGAIN"}
@@ -96,11 +95,14 @@ def table(arch: int, dtype: str, head_dims, distances, p: float, gain: bool = Fa
 
 
 def main(argv: list[str] | None = None) -> None:
+    from lengthgen.attention.backends.triton_psoftmax import DISTANCE_CODES       # the kernel's distance terms
+
     ap = bench_args.Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=int, choices=(80, 90), default=90, help="compute capability x 10 (default 90)")
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--head-dims", type=bench_args.ints, default=(64, 128))
-    ap.add_argument("--distances", type=bench_args.names(DISTANCES), default=("none", "scale_invariant", "alibi"))
+    ap.add_argument("--distances", type=bench_args.names(tuple(DISTANCE_CODES)),
+                    default=("none", "scale_invariant", "alibi"))
     ap.add_argument("--p", type=bench_args.positive_float, default=1.0, help="softmax p (default 1)")
     ap.add_argument("--gain", action="store_true", help="with query gains (sqrt_log_n, ssmax) and their gradient")
     ap.add_argument("--out", help="also write the table to this markdown file")
