@@ -7,6 +7,7 @@ documents crossing blocks are exercised; `sdpa` and `cpu_flash` run wherever the
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from lengthgen.attention import AttentionSpec, attend
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.attention.backends import cpu_flash, sdpa, tiled
+from lengthgen.attention.spec import Distance
 
 F64 = dict(rtol=1e-10, atol=1e-10)
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -351,7 +353,7 @@ def test_default_blocks_long_input_matches_dense():
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(p=st.sampled_from([0.5, 1.0, 2.0, 3.0]), scaling=st.sampled_from(["none", "log_n", "sqrt_log_n"]),
-       distance=st.sampled_from(["none", "scale_invariant", "alibi", "log_bias"]),
+       distance=st.sampled_from(typing.get_args(Distance)),
        window=st.one_of(st.none(), st.integers(1, 12)), doc=st.booleans(), hkv=st.sampled_from([1, 2, 4]),
        lq=st.integers(1, 11), q_block=st.integers(1, 6), k_block=st.integers(1, 6), seed=st.integers(0, 1000))
 def test_random_combinations(p, scaling, distance, window, doc, hkv, lq, q_block, k_block, seed):

@@ -14,6 +14,8 @@ fails), full-mode ones of chosen combinations are in test_attention_backends.py.
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 import torch
 from test_attention_backends import OPTIONS
@@ -68,6 +70,19 @@ def multiplier(option: str, per_head: torch.Tensor, dtype: torch.dtype = torch.f
     if AttentionSpec(**OPTIONS[option]).query_scaling == "none" or option in FIXED_MULTIPLIER:
         return None
     return (per_head.new_tensor(0.8) if option in SCALAR_MULTIPLIER else per_head).to(dtype)
+
+
+def test_the_options_use_every_choice():
+    """A choice of an `AttentionSpec` field that no option uses (a new distance term or query scaling) fails here,
+    until an entry of OPTIONS (what `attend` reads: every backend's cells) or MODULE_OPTIONS (the layer's) uses it;
+    the cells below then run it."""
+    core, layer = ({(f, v) for changes in options for f, v in changes.items()} for options in
+                   (OPTIONS.values(), LAYER_OPTIONS.values()))
+    missing = [f"{field}={choice!r}" for field, hint in typing.get_type_hints(AttentionSpec).items()
+               if typing.get_origin(hint) is typing.Literal for choice in typing.get_args(hint)
+               if choice != getattr(AttentionSpec(), field)
+               and (field, choice) not in (core if field in ("query_scaling", "distance") else core | layer)]
+    assert not missing, f"no option of the matrix uses {', '.join(missing)}"
 
 
 @pytest.mark.parametrize("option, backend", cells(TRAINING, training=True))

@@ -4,6 +4,7 @@ the mask mods, the explicit-mask path of `attend`, and the one meaning of ``retu
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ from lengthgen.attention import AttentionSpec, attend, backends
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.attention.backends import cpu_flash, dense, flex, tiled
+from lengthgen.attention.spec import Distance
 
 F64 = dict(rtol=1e-10, atol=1e-10)
+#: every distance term: a new choice of `AttentionSpec.distance` is held to the score-mod contract below untold
+DISTANCES = [d for d in typing.get_args(Distance) if d != "none"]
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -80,7 +84,7 @@ def test_score_mods_are_their_formulas():
                                **F64)
 
 
-@pytest.mark.parametrize("distance", ["scale_invariant", "alibi", "log_bias"])
+@pytest.mark.parametrize("distance", DISTANCES)
 def test_score_mods_stay_finite_on_masked_pairs(distance):
     """Masked pairs (t < 0) are clamped to t = 0: finite logits and a finite (zero) gradient through the mask."""
     spec = AttentionSpec(distance=distance, tau=0.5, softmax_p=2.0)
@@ -106,14 +110,15 @@ def test_builders_add_the_query_offset_once():
     torch.testing.assert_close(rows, absolute, **F64)
 
 
-@pytest.mark.parametrize("distance", ["scale_invariant", "alibi", "log_bias"])
+@pytest.mark.parametrize("distance", DISTANCES)
 def test_affine_terms_are_the_mod_and_depend_on_distance_only(distance):
-    """What tiled and cpu_flash rely on: each score mod is ``a_t s + bias_t`` (a_t None when it is 1), and the
-    terms depend on the head and on t = i - j only (blocks at the same distances share them)."""
+    """What tiled and cpu_flash rely on: each score mod is ``a_t s + bias_t`` (a_t None when it is 1; cpu_flash,
+    which only adds, supports exactly those), and the terms depend on the head and on t = i - j only (blocks at the
+    same distances share them)."""
     spec = AttentionSpec(distance=distance, tau=3.0, log_bias_lambda=0.7)
     score = mods.score_mod_for(spec, 4, 12, 12, dtype=torch.float64)
     a, bias = mods.affine_terms(score, 4, torch.arange(12), torch.arange(12), torch.float64)
-    assert (a is None) == (distance != "scale_invariant") and bias.shape[-2:] == (12, 12)
+    assert (a is None) == (cpu_flash.unsupported(spec, torch.empty(1), False) is None) and bias.shape[-2:] == (12, 12)
     s = randn(1, 4, 12, 12, seed=5) * 10
     grid = mods.grids(1, 4, torch.arange(12), torch.arange(12))
     torch.testing.assert_close(score(s, *grid), s * (1 if a is None else a) + bias, **F64)
