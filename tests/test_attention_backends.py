@@ -161,11 +161,13 @@ CPU_FLASH_OPTIONS = [n for n in OPTIONS if cpu_flash.unsupported(AttentionSpec(*
 
 def test_cpu_flash_support_is_what_it_claims():
     """p = 1 and distance terms that only add to the logits: the score mod's a_t is 1 (`mods.affine_terms`)."""
-    assert set(CPU_FLASH_OPTIONS) == set(SDPA_OPTIONS) | {"alibi", "log_bias", "log_bias_lambda"}
-    for name in ("alibi", "log_bias", "scale_invariant"):
-        score = mods.score_mod_for(AttentionSpec(**OPTIONS[name]), 4, 9, 9, dtype=torch.float64)
-        additive = mods.affine_terms(score, 4, torch.arange(9), torch.arange(9), torch.float64)[0] is None
-        assert additive == (name in CPU_FLASH_OPTIONS), name
+    def additive(spec):
+        score = mods.score_mod_for(spec, 4, 9, 9, dtype=torch.float64)
+        return score is None or mods.affine_terms(score, 4, torch.arange(9), torch.arange(9), torch.float64)[0] is None
+
+    assert set(CPU_FLASH_OPTIONS) == {n for n in OPTIONS if (spec := AttentionSpec(**OPTIONS[n])).softmax_p == 1
+                                      and additive(spec)}
+    assert {"alibi", "log_bias", "log_bias_lambda"} <= set(CPU_FLASH_OPTIONS) - set(SDPA_OPTIONS)
     q, k, v = make_inputs()
     with pytest.raises(ValueError, match="softmax_p=2.0"):
         attend(q, k, v, AttentionSpec(softmax_p=2.0), backend="cpu_flash")
