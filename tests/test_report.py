@@ -105,6 +105,27 @@ def test_p_bounds_the_rate_of_a_wrong_winner(variants, seeds):
             assert rate < exact - 4 * math.sqrt(exact * (1 - exact) / trials), (rate, exact)
 
 
+def test_with_unequal_seeds_the_fewest_set_p_and_bound_the_rate():
+    """Seeds 5, 3, 3, the first two alike and the third far worse (the module docstring's example): each of the two
+    is separated 1 / C(8, 3) = 1.8% of the time; the first is named at p = 2 / C(8, 3) = 0.036, against a 3-seed
+    variant, and the second never (p = 0.1), so wrong winners come at 1.8%, below p. A p taken against the other
+    variants' largest seed count (0.036 for the second too) named both, at 3.6%."""
+    rng = random.Random(1)
+    trials, named, separated = 10000, {"v0": 0, "v1": 0}, 0
+    for _ in range(trials):
+        outcome = verdict({"v0": [rng.random() for _ in range(5)], "v1": [rng.random() for _ in range(3)],
+                           "v2": [rng.random() - 10 for _ in range(3)]}, True)
+        separated += outcome.status in ("separated", "too few seeds")
+        if outcome.winner:
+            named[outcome.winner] += 1
+            assert outcome.p == pytest.approx(2 / 56)
+        elif outcome.status == "too few seeds":
+            assert outcome.best == "v1" and outcome.p == pytest.approx(0.1)
+    exact = 1 / 56
+    assert abs(separated / trials - 2 * exact) <= 4 * math.sqrt(2 * exact / trials)
+    assert named["v1"] == 0 and abs(named["v0"] / trials - exact) <= 4 * math.sqrt(exact / trials), named
+
+
 def test_overlapping_seeds_name_no_winner():
     found = verdict({"a": [0.60, 0.95], "b": [0.70, 0.80]}, True, chance=0.1)
     assert found.status == "not separated" and found.winner is None and found.best == "a"

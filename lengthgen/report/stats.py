@@ -13,22 +13,26 @@ one evaluated length, given each variant's headline values (one per seed) and th
 3. Otherwise no winner is named, and the verdict says why: one seed, NaN seeds, at chance, not separated (means
    tied up to float rounding are named together), or too few seeds (separated, but p > `ALPHA`).
 
-p bounds the probability of naming a winner that is not better than every other variant. Naming the best is
-wrong as soon as one other variant does as well, whatever the rest do, so p is taken against each other variant j
-alone: if the best b and j did not differ (their n_b + n_j runs exchangeable), the seeds of one of the two would
-all beat the other's with probability 1 / C(n_b + n_j, n_b) + 1 / C(n_b + n_j, n_j) (either could be the better
-mean), and p is the largest over j (an intersection-union test). It is exact when one variant ties with the best
-and every other is far worse, and an upper bound otherwise (several tied: 3 / C(9, 3) = 0.036 < 0.1 with 3
-seeds). With n seeds each p = 2 / C(2n, n): 0.33 for 2 seeds, 0.1 for 3, 0.029 for 4, 0.0079 for 5, whatever the
+p bounds the probability of naming a winner that is not better than every other variant. Naming the best is wrong as
+soon as one other variant does as well, whatever the rest do, so p is taken against each other variant j alone: if
+the best b and j did not differ (their n_b + n_j runs exchangeable), the seeds of one of the two would all beat the
+other's with probability 1 / C(n_b + n_j, n_b) + 1 / C(n_b + n_j, n_j) (either could be the better mean), and p is
+the largest over j (an intersection-union test). It is exact with equal seed counts when one variant ties with the
+best and every other is far worse, and an upper bound otherwise: several tied (3 / C(9, 3) = 0.036 < 0.1 with 3
+seeds), others closer, values that can tie, or unequal counts, where the fewest seeds set p (seeds 5, 3, 3, the
+first two alike and the third far worse: the first is named 1.8% of the time at p = 0.036, the second, at p = 0.1,
+never). With n seeds each p = 2 / C(2n, n): 0.33 for 2 seeds, 0.1 for 3, 0.029 for 4, 0.0079 for 5, whatever the
 number of variants, so a winner needs 4 seeds or more (`smallest_p`). (The probability under "no variant differs"
-alone, sum_i 1 / C(N, n_i), is smaller -- 0.011 for 5 variants x 3 seeds -- but it is not the probability of a
-wrong winner: with 2 of 5 variants tied and 3 far worse a winner would be named 10% of the time.) Runs that share
-a seed's batches are not independent: what the batches add to every run of a seed (x = b_seed + e) makes a
-separation rarer when the variants do not differ (the variant's worst seed must beat the others' runs of a
-luckier seed), so p is then an upper bound. Simulated for two alike variants with Gaussian or t(3) noise, 2-5
-seeds, 2e5 trials: 0.79-0.97x p with a seed effect of 0.3 noise sd, 0.20-0.77x with 1 sd, 0.01-0.40x with 3 sd.
-Each length, and each base of a comparison with bases, is a test of its own, not corrected for the several
-lengths and bases of a table; a report's conclusion reads the longest length.
+alone, sum_i 1 / C(N, n_i), is smaller -- 0.011 for 5 variants x 3 seeds -- but it is not the probability of a wrong
+winner: with 2 of 5 variants tied and 3 far worse a winner would be named 10% of the time.) "Does as well" means
+alike or better in distribution: p does not bound naming one of two variants of equal means but different spreads
+(Gaussian, 4 seeds each, one sd 3x or 10x the other's: a winner 4.9% or 9.0% of the time at p = 0.029; 2^(1 - n) =
+0.125 in the limit). Runs that share a seed's batches are not independent: what the batches add to every run of a
+seed (x = b_seed + e) makes a separation rarer when the variants do not differ (the variant's worst seed must beat
+the others' runs of a luckier seed), so p is then an upper bound. Simulated for two alike variants with Gaussian or
+t(3) noise, 2-5 seeds, 2e5 trials: 0.79-0.97x p with a seed effect of 0.3 noise sd, 0.20-0.77x with 1 sd, 0.01-0.40x
+with 3 sd. Each length, and each base of a comparison with bases, is a test of its own, not corrected for the
+several lengths and bases of a table; a report's conclusion reads the longest length.
 """
 
 from __future__ import annotations
