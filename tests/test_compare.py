@@ -309,3 +309,16 @@ def test_a_diverged_run_with_bema_has_a_bema_run_where_its_finished_seeds_have_o
     assert [name for name, _ in out] == names and all(run.diverged for _, run in out)
     assert [run.bema for _, run in out] == [False, True][:len(names)]
     assert all(run.at(n).at_length["loss"] == float("inf") for _, run in out for n in (8, 16))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_diverged_pretraining_run_is_named_in_the_error_line(tmp_path, capsys, workers):
+    """A pretraining run (compare.pretrain_steps) that diverges still ends the comparison (its variants have no
+    weights to start from), but its error line said only 'gradient norm is nan at step 1; ...', not which run: with
+    several workers its log lines never came back. It now names the run as the log does."""
+    sets = TINY + ["data.length=8", "train.lr=1e30", "train.threads=1"]
+    code = main(["compare", "--variants", "baseline", "--seeds", "2", "--pretrain-steps", "2", "--workers",
+                 str(workers), "--eval-lengths", "8", "--eval-tokens", "32", "--out", str(tmp_path / "c"),
+                 "--no-progress"] + [x for s in sets for x in ("--set", s)])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert code == 1 and err.startswith("lengthgen compare: error: [pretrain base seed 0] ") and "nan" in err, err

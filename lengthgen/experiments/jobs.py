@@ -157,7 +157,7 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
         trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume, name=job.label)
     except NonFiniteLossError as err:
         if job.name is None:        # a pretraining run: its variants have no weights to start from
-            raise
+            raise NonFiniteLossError(f"[{job.label}] {err}") from None     # named as the log names it
         why = str(err).split("; ")[0]
         log(f"[{job.label}] diverged ({why}): it counts as the worst value at every length")
         return diverged_run(job, why, sources)
