@@ -151,3 +151,32 @@ def test_retrofit_evaluates_in_forward_passes_no_larger_than_the_trainers(checkp
                            log=lambda _: None)
     assert [r.batch_size for r in results.variants["before"][0].lengths] == [32, 16]
     assert rows and max(n * length for n, length in rows) <= 4 * 16
+
+
+def test_a_retrofit_whose_finetuning_diverges_is_reported_as_diverged(checkpoint, tmp_path, capsys, monkeypatch):
+    """`after` diverging ended the retrofit with status 1 and no report, losing `before`'s and the control's
+    evaluations, where compare records a diverged run as the worst value and finishes. It is now evaluated as
+    compare's diverged runs are: +inf loss at every length, the report saying why, the added parameters named."""
+    original = GPT.loss
+
+    def loss(self, output, batch):      # the retrofitted model only
+        value, per = original(self, output, batch)
+        return (value * float("nan"), per) if self.config.attention.out_norm != "none" else (value, per)
+
+    monkeypatch.setattr(GPT, "loss", loss)
+    out = tmp_path / "retrofit"
+    code = main(["retrofit", str(checkpoint), "--set", "model.attention.out_norm=head_layer",
+                 "--set", "model.attention.out_norm_affine=true", "--steps", "2", "--eval-lengths", "16,32",
+                 "--eval-tokens", "64", "--out", str(out), "--no-progress"])
+    assert code == 0
+    results = Comparison.load(out / "results.json")
+    (before,), (control,), (after,) = results.variants.values()
+    assert after.diverged == "training loss is nan at step 0" and control.diverged is None
+    assert all(after.at(n).at_length["loss"] == float("inf") > control.at(n).at_length["loss"] for n in (16, 32))
+    assert after.config["model"]["attention"]["out_norm"] == "head_layer" and after.train_seconds is None
+    assert results.retrofit["added_parameters"] == [f"blocks.{i}.attn.{p}" for i in range(2)
+                                                    for p in ("out_norm.weight", "out_norm.bias")]
+    report = (out / "report.md").read_text()
+    assert "after seed 0 (training loss is nan at step 0)" in report and "| abs_error: after - control (the change) " \
+        "| +inf | +inf |" in report
+    assert "[after] diverged (training loss is nan at step 0)" in capsys.readouterr().out

@@ -158,9 +158,7 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
     except NonFiniteLossError as err:
         if job.name is None:        # a pretraining run: its variants have no weights to start from
             raise NonFiniteLossError(f"[{job.label}] {err}") from None     # named as the log names it
-        why = str(err).split("; ")[0]
-        log(f"[{job.label}] diverged ({why}): it counts as the worst value at every length")
-        return diverged_run(job, why, sources)
+        return diverged_run(job, diverged(err, job.label, log), sources)
     started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
     if started:
         log(f"[{job.label}] {'reused the finished run' if started == steps else f'resumed at step {started}'} "
@@ -209,18 +207,33 @@ def diverged_run(job: Job, why: str, sources: dict[str, Any]) -> list[tuple[str,
     keeps a run per seed."""
     cfg, source = resolve(job.config)
     evaluated = _sources(cfg, job, sources, lambda: (eval_source(cfg.data, source), source))
-    kind = device_type(cfg.train)
+    autocast = autocast_dtype(cfg.train, device_type(cfg.train))
+    evaluation = evaluate_diverged(cfg, lambda model: _evaluate(model, cfg, job, evaluated, autocast), why)
+    evaluation = dataclasses.replace(evaluation, run_dir=str(job.run_dir))
+    started = cfg.train.bema.enabled and cfg.train.steps >= cfg.train.bema.tau     # as its finished seeds' BEMA
+    bema = [(f"{job.name}+bema", dataclasses.replace(evaluation, bema=True))] if started else []
+    return [(job.name, evaluation), *bema]
+
+
+def diverged(err: NonFiniteLossError, label: str, log: Log) -> str:
+    """Why a run's training diverged, for its report (the trainer's message up to its first ``;``: ``training loss
+    is nan at step 3``), said in the log under ``label``."""
+    why = str(err).split("; ")[0]
+    log(f"[{label}] diverged ({why}): it counts as the worst value at every length")
+    return why
+
+
+def evaluate_diverged(cfg: RunConfig, evaluate: Callable[[GPT], RunEval], why: str) -> RunEval:
+    """``evaluate`` (an evaluator of a model of the resolved ``cfg``) of a diverged run: a model of ``cfg`` on its
+    device whose every weight is NaN, so that its output is not finite anywhere and every scored position takes the
+    evaluator's worst value; `RunEval.diverged` is ``why``."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():    # the caller's RNG stays as it was
-        model = GPT(cfg.model).to(kind)
+        model = GPT(cfg.model).to(device_type(cfg.train))
         for parameter in model.parameters():
             parameter.fill_(math.nan)
     with warnings.catch_warnings():     # each length's "output is not finite" warning: the log says it diverged
         warnings.simplefilter("ignore")
-        evaluation = dataclasses.replace(_evaluate(model, cfg, job, evaluated, autocast_dtype(cfg.train, kind)),
-                                         run_dir=str(job.run_dir), diverged=why)
-    started = cfg.train.bema.enabled and cfg.train.steps >= cfg.train.bema.tau     # as its finished seeds' BEMA
-    bema = [(f"{job.name}+bema", dataclasses.replace(evaluation, bema=True))] if started else []
-    return [(job.name, evaluation), *bema]
+        return dataclasses.replace(evaluate(model), diverged=why)
 
 
 def _sources(cfg: RunConfig, job: Job, sources: dict[str, Any], make: Callable[[], tuple[Any, Any]]
@@ -249,4 +262,4 @@ def _evaluate(model: GPT, cfg: RunConfig, job: Job, evaluated: tuple[Any, Any], 
     return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed)
 
 
-__all__ = ["Job", "Runner", "WorkerLost", "diverged_run", "evaluate_run", "run_job"]
+__all__ = ["Job", "Runner", "WorkerLost", "diverged", "diverged_run", "evaluate_diverged", "evaluate_run", "run_job"]

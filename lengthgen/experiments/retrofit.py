@@ -11,6 +11,8 @@ the training length. Three variants separate the effect of the change from the e
   schedule, ``train.*`` overrides and data seeds as ``after``;
 * ``after``: the retrofitted model, finetuned.
 
+A finetuning that diverges counts, as in ``lengthgen compare``, as the worst value at every length.
+
 The report folder has the layout of ``lengthgen compare`` (``results.json``, ``report.md``,
 ``extrapolation.png``, ``diagnostics.png``) plus the run folders ``finetune/`` (after) and ``control/``. Each
 finetuning run is an ordinary `lengthgen.train.train` run with ``train.init_from`` set to the checkpoint, at the
@@ -29,10 +31,11 @@ import torch
 from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted
 from lengthgen.eval import Comparison, RunEval, eval_source, evaluate
 from lengthgen.experiments.eval_run import checked_lengths
+from lengthgen.experiments.jobs import diverged, evaluate_diverged
 from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train import checkpoint as ckpt_io
-from lengthgen.train import load_run, train
+from lengthgen.train import NonFiniteLossError, load_run, train
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.train.config import RunConfig
 from lengthgen.train.optim import build_optimizers
@@ -82,7 +85,7 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
     # optimizer keys that do not apply to the control's or the retrofitted model
     torch.manual_seed(cfg.train.seed)
     retrofitted = GPT(cfg.model)
-    load_initial_weights(retrofitted, ckpt)
+    added = load_initial_weights(retrofitted, ckpt)["added"]
     build_optimizers(retrofitted, cfg.train)
     build_optimizers(before_model, control_cfg.train)
     train_length = max(cfg.lengths())
@@ -105,9 +108,9 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
         before = dataclasses.replace(evaluate_model(before_model.to(kind)), config=base_cfg.to_dict(),
                                      seed=base_cfg.train.seed, run_dir=str(ckpt), train_tokens=state.get("tokens"),
                                      final_train_loss=history[-1] if history else None)
-        control, _ = _finetune("control", control_cfg, out / "control", evaluate_model, progress, log)
+        control = _finetune("control", control_cfg, out / "control", evaluate_model, progress, log)
         log(f"[after] retrofitting with {', '.join(overrides) if overrides else 'the same config'}")
-        after, added = _finetune("after", cfg, out / "finetune", evaluate_model, progress, log)
+        after = _finetune("after", cfg, out / "finetune", evaluate_model, progress, log)
         name = getattr(source, "name", cfg.data.task)
         attention = {"before": base_cfg.model.attention, "control": base_cfg.model.attention,
                      "after": cfg.model.attention}
@@ -128,18 +131,23 @@ def run_retrofit(checkpoint: str | Path, out: str | Path, *, overrides: list[str
 
 
 def _finetune(name: str, cfg: RunConfig, run_dir: Path, evaluate_model: Callable[[torch.nn.Module], RunEval],
-              progress: bool, log: Callable[[str], None]) -> tuple[RunEval, list[str]]:
-    """Train ``cfg`` (a finetuning config) into ``run_dir`` and evaluate the result; returns the evaluation and
-    the parameters the checkpoint did not have."""
+              progress: bool, log: Callable[[str], None]) -> RunEval:
+    """Train ``cfg`` (a finetuning config) into ``run_dir`` and evaluate the result; a run whose training diverges
+    is evaluated as compare's are (`jobs.evaluate_diverged`: the worst value at every length)."""
     log(f"[{name}] finetuning {counted(cfg.train.steps, 'step')} at length {max(cfg.lengths())}")
-    trained = train(cfg, run_dir, progress=progress)
+    try:
+        trained = train(cfg, run_dir, progress=progress)
+    except NonFiniteLossError as err:
+        resolved = resolve(cfg)[0]
+        return dataclasses.replace(evaluate_diverged(resolved, evaluate_model, diverged(err, name, log)),
+                                   config=resolved.to_dict(), seed=cfg.train.seed, run_dir=str(run_dir))
     trainer = trained.trainer
     added = (trainer.initialized_from or {}).get("added", [])
     log(f"[{name}] new parameters ({len(added)}): {', '.join(added) if added else 'none'}; evaluating")
     return dataclasses.replace(evaluate_model(trained.model), config=trained.config.to_dict(), seed=cfg.train.seed,
                                run_dir=str(trained.run_dir), train_seconds=trainer.train_seconds,
                                train_tokens=trainer.tokens,
-                               final_train_loss=trained.history[-1] if trained.history else None), added
+                               final_train_loss=trained.history[-1] if trained.history else None)
 
 
 def _description(ckpt: Path, overrides, steps: int, train_length: int, added: list[str]) -> str:
