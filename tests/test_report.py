@@ -692,6 +692,27 @@ def test_variants_infinite_at_one_length_each_have_a_cross_in_sight():
     assert crosses == {"b": [1.0], "c": [0.95], "d": [0.0]}         # -inf at the bottom: nothing there before
 
 
+def test_a_finite_blow_up_is_off_the_scale_not_a_point_that_flattens_the_others():
+    """A variant whose loss blew up to a finite 1e9 was drawn on the linear y axis, flattening every other curve
+    onto one line at the bottom. A lower-is-better value above OFF_SCALE x the chance level is now a triangle at the
+    top edge (stacked with the crosses of infinite values) with its legend entry; the axis spans the rest."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 1e9], "c": [math.inf, 0.6]})
+    results.higher_is_better = False
+    fig = extrapolation_figure(results)
+    colors = {style["color"]: name for name, style in variant_styles(results.variants).items()}
+    for ax in fig.axes:                                       # by length and by position at the longest length
+        marks = {(line.get_gid(), colors[line.get_color()]): set(line.get_ydata()) for line in ax.get_lines()
+                 if line.get_gid() in ("infinite", "off-scale")}
+        assert marks == {("off-scale", "b"): {1.0}, ("infinite", "c"): {0.95}}       # b drawn first
+        assert ax.get_ylim()[1] < 2
+    assert math.isnan(dict(zip(*_lines(fig)["b"][0].get_data()))[64])
+    assert "a seed's value is off the scale (> 100 x chance; see the tables)" in [
+        t.get_text() for t in fig.legends[0].get_texts()]
+    _assert_readable(fig)
+    results.higher_is_better = True                           # an accuracy does not blow up: its values as they are
+    assert not [line for line in extrapolation_figure(results).axes[0].get_lines() if line.get_gid() == "off-scale"]
+
+
 def test_a_length_without_a_value_breaks_the_curve():
     """A length where every seed's value is NaN (a metric undefined there) was skipped and the curve drawn straight
     from the length before to the one after, as if measured in between."""

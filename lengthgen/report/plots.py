@@ -4,7 +4,8 @@
 Every figure of a report draws a variant in one style (`variant_styles`: colour and hollow marker; earlier
 variants are drawn wider, so that a curve covered by a later one still shows on both sides), the spread over
 seeds as a min-max band when there are several, the chance level as a dashed black line, the training length
-as a dotted grey line, and one legend outside the axes. With bases (``base/variant`` runs, `tables.groups`)
+as a dotted grey line, a seed's infinite value as a cross at the edge and an off-scale one (`OFF_SCALE`) as a
+triangle, and one legend outside the axes. With bases (``base/variant`` runs, `tables.groups`)
 each base has its own panels, on shared y axes, and a variant has the same style in every base."""
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ TRAIN_STYLE = {"color": "grey", "linestyle": ":", "linewidth": 1.5}
 #: each further variant infinite at that length `INF_STEP` (a fraction of the panel's height) further in
 INF_STYLE = {"marker": "x", "linestyle": "none", "markersize": 8, "markeredgewidth": 2, "gid": "infinite"}
 INF_STEP = 0.05
+#: a finite value of a lower-is-better headline above OFF_SCALE x the largest chance level of its figure (a blow-up,
+#: e.g. a loss of 1e9, whose linear y axis flattened every other curve) is off the scale: a triangle at the top edge
+#: (stacked with the crosses), with a legend entry; the tables keep its number
+OFF_SCALE = 100
+OFF_STYLE = {**INF_STYLE, "marker": "^", "markeredgewidth": 1.5, "gid": "off-scale"}
+EDGE_GIDS = (INF_STYLE["gid"], OFF_STYLE["gid"])
 
 
 def variant_styles(variants) -> dict[str, dict]:
@@ -46,23 +53,28 @@ def variant_styles(variants) -> dict[str, dict]:
             for i, name in enumerate(names)}
 
 
-def _draw(ax, xs: list[float], per_x: list[list[float]], style: dict, **extra) -> None:
+def _draw(ax, xs: list[float], per_x: list[list[float]], style: dict, top: float | None = None, **extra) -> None:
     """Mean over seeds at each x, and the min-max band when there are several seeds (NaN values dropped); where a
     seed's value is infinite (a model whose output was not finite), no mean but a cross at the top edge (at the
-    bottom edge for -inf, a higher-is-better metric's worst; `INF_STYLE`), inside the crosses that variants drawn
-    before have there (`INF_STEP`), rather than over them; the line and band break where there is no mean, rather
-    than join its neighbours across it (a mean between two breaks has its band as a bar); ``extra``: more line
-    properties (``gid`` names the curve)."""
+    bottom edge for -inf, a higher-is-better metric's worst; `INF_STYLE`), and where it is finite but above ``top``
+    (off the scale, `OFF_SCALE`) a triangle there, inside the marks that variants drawn before have there
+    (`INF_STEP`), rather than over them; the line and band break where there is no mean, rather than join its
+    neighbours across it (a mean between two breaks has its band as a bar); ``extra``: more line properties
+    (``gid`` names the curve)."""
     points = [(x, [v for v in vs if not math.isnan(v)]) for x, vs in zip(xs, per_x)]
-    infinite = [x for x, vs in points if any(math.isinf(v) for v in vs)]
-    if infinite:                        # +inf at the top edge, -inf (a higher-is-better metric's worst) at the bottom
-        bottom = [min(vs) == -math.inf for x, vs in points if x in infinite]
-        drawn = [(x, y < 0.5) for line in ax.get_lines() if line.get_gid() == "infinite"
-                 for x, y in zip(*line.get_data())]          # the crosses of the variants drawn before: stack on them
-        ax.plot(infinite, [INF_STEP * drawn.count((x, b)) if b else 1 - INF_STEP * drawn.count((x, b))
-                           for x, b in zip(infinite, bottom)],
-                **{**INF_STYLE, "color": style["color"]}, transform=ax.get_xaxis_transform(), clip_on=False)
-    shown = [vs if x not in infinite else [] for x, vs in points]
+    edge = {x: INF_STYLE if any(math.isinf(v) for v in vs) else OFF_STYLE for x, vs in points
+            if any(math.isinf(v) or (top is not None and v > top) for v in vs)}
+    for marker in (INF_STYLE, OFF_STYLE):
+        at = [x for x, m in edge.items() if m is marker]
+        if not at:
+            continue
+        bottom = [min(vs) == -math.inf for x, vs in points if x in at]    # -inf: a higher-is-better metric's worst
+        drawn = [(x, y < 0.5) for line in ax.get_lines() if line.get_gid() in EDGE_GIDS
+                 for x, y in zip(*line.get_data())]          # the marks of the variants drawn before: stack on them
+        ax.plot(at, [INF_STEP * drawn.count((x, b)) if b else 1 - INF_STEP * drawn.count((x, b))
+                     for x, b in zip(at, bottom)],
+                **{**marker, "color": style["color"]}, transform=ax.get_xaxis_transform(), clip_on=False)
+    shown = [vs if x not in edge else [] for x, vs in points]
     if not any(shown):
         return
     x = [p[0] for p in points]
@@ -102,14 +114,19 @@ def _suptitle(fig, text: str) -> None:
 
 def _legend(fig, results: Comparison, styles: dict[str, dict], extra: list) -> None:
     """The figure's legend outside its axes: each variant (``not drawn: no finite value`` when no panel shows it,
-    e.g. a diverged run's NaN diagnostics), ``extra``, the infinite values' cross and the seed band when used."""
+    e.g. a diverged run's NaN diagnostics), ``extra``, the infinite and off-scale values' marks and the seed band
+    when used."""
     lines = [line for ax in fig.axes for line in ax.get_lines()]
     shown = {line.get_gid().split("/", 1)[-1] for line in lines if line.get_gid()} | {
-        line.get_color() for line in lines if line.get_gid() == "infinite"}
+        line.get_color() for line in lines if line.get_gid() in EDGE_GIDS}
     handles = [Line2D([], [], **style, label=name if {name, style["color"]} & shown
                       else f"{name} (not drawn: no finite value)") for name, style in styles.items()] + extra
-    if any(line.get_gid() == "infinite" for ax in fig.axes for line in ax.get_lines()):
+    marks = {line.get_gid() for line in lines}
+    if INF_STYLE["gid"] in marks:
         handles.append(Line2D([], [], **{**INF_STYLE, "color": "black"}, label="a seed's value is infinite"))
+    if OFF_STYLE["gid"] in marks:
+        handles.append(Line2D([], [], **{**OFF_STYLE, "color": "black"},
+                              label=f"a seed's value is off the scale (> {OFF_SCALE} x chance; see the tables)"))
     seeds = max(len(runs) for runs in results.variants.values())
     if seeds > 1:
         handles.append(Patch(color="grey", alpha=0.3, label=f"min-max over seeds (up to {seeds})"))
@@ -158,13 +175,15 @@ def extrapolation_figure(results: Comparison):
     for ax in (ax for row in panels[len(grouped):] for ax in row):      # the last row's empty slots
         ax.set_visible(False)
     chance = [chance_level(results, metric, n) for n in lengths]
+    levels = [c for c in chance if c is not None and c > 0]
+    top = None if results.higher_is_better or not levels else OFF_SCALE * max(levels)    # above: off the scale
     over = averaged_over(results, metric)
     for (group, names), row in zip(grouped.items(), panels):
         ax = row[0]
         for variant in names:
             runs = results.variants[variant]
             _draw(ax, lengths, [[run.at(n).at_length.get(metric, math.nan) for run in runs] for n in lengths],
-                  styles[variant], gid=variant)
+                  styles[variant], top, gid=variant)
         if len(lengths) == 1 and chance[0] is not None:     # a line through one point: across the panel instead
             ax.axhline(chance[0], **CHANCE_STYLE)
             ax.autoscale(axis="y")                  # axhline keeps the y limits it finds when they hold the line
@@ -180,7 +199,7 @@ def extrapolation_figure(results: Comparison):
             ax = row[1]
             for variant in names:
                 runs = results.variants[variant]
-                _draw(ax, *_by_bucket([run.at(longest).buckets[metric] for run in runs]), styles[variant],
+                _draw(ax, *_by_bucket([run.at(longest).buckets[metric] for run in runs]), styles[variant], top,
                       gid=variant)
             chance_rows = results.variants[names[0]][0].at(longest).chance_buckets.get(metric)
             if chance_rows and chance[-1] is not None:      # None: the variants' chance levels differ
