@@ -322,3 +322,24 @@ def test_a_diverged_pretraining_run_is_named_in_the_error_line(tmp_path, capsys,
                  "--no-progress"] + [x for s in sets for x in ("--set", s)])
     err = capsys.readouterr().err.splitlines()[-1]
     assert code == 1 and err.startswith("lengthgen compare: error: [pretrain base seed 0] ") and "nan" in err, err
+
+
+def test_a_diverged_runs_evaluation_silences_only_its_not_finite_warnings(tmp_path):
+    """The evaluation of a diverged run ignored every warning, not only each length's 'output is not finite': a
+    text comparison whose first run diverged lost the once-per-length warning that a length is evaluated on the
+    training split (`LongDocuments.sample` marks it warned), for every run after it too."""
+    from lengthgen.eval import evaluate
+    from lengthgen.experiments.jobs import evaluate_diverged
+    from lengthgen.train.setup import resolve
+
+    cfg, source = resolve(base_config(None, TINY + ["data.length=8"]))
+
+    def evaluator(model):
+        warnings.warn("a warning of the evaluation's own", ConfigWarning)
+        return evaluate(model, source, [8], tokens_per_length=32, seed=0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = evaluate_diverged(cfg, evaluator, "training loss is nan at step 1")
+    assert run.at(8).at_length["loss"] == float("inf")
+    assert [str(w.message) for w in caught] == ["a warning of the evaluation's own"]

@@ -231,8 +231,8 @@ def evaluate_diverged(cfg: RunConfig, evaluate: Callable[[GPT], RunEval], why: s
         model = GPT(cfg.model).to(device_type(cfg.train))
         for parameter in model.parameters():
             parameter.fill_(math.nan)
-    with warnings.catch_warnings():     # each length's "output is not finite" warning: the log says it diverged
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings():     # each length's "output is not finite" warning (the log says it diverged);
+        warnings.filterwarnings("ignore", r".*the model's output is not finite")    # the source's own still warn
         return dataclasses.replace(evaluate(model), diverged=why)
 
 
