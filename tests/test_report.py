@@ -769,6 +769,10 @@ def test_a_variant_no_panel_can_draw_says_so_in_the_legend():
     legend = lambda fig: [t.get_text() for t in fig.legends[0].get_texts()][:2]  # noqa: E731
     assert legend(diagnostics_figure(results)) == ["a", "b (not drawn: no finite value)"]
     assert legend(extrapolation_figure(results)) == ["a", "b"]
+    # a name with a slash: one base (compare --bases post) keeps 'post/a' in the legend, which was read as 'a'
+    for names in (["post/a", "post/b"], ["x/y", "z"]):
+        drawn = comparison({name: [0.8, 0.9] for name in names})
+        assert legend(extrapolation_figure(drawn)) == legend(diagnostics_figure(drawn)) == names
 
 
 def test_the_setup_describes_what_the_runs_trained_with():

@@ -97,10 +97,15 @@ def _by_bucket(rows: list[list[Bucket]]) -> tuple[list[int], list[list[float]]]:
 def _styles(results: Comparison) -> tuple[dict[str, list[str]], dict[str, dict], dict[str, dict]]:
     """(groups of variants, style of each variant, style of each legend entry): with bases, a variant's style
     and legend entry are those of its name without the base (``x`` for ``a/x`` and ``b/x``)."""
-    grouped = groups(results)
-    short = {name: name.split("/", 1)[1] if len(grouped) > 1 else name for name in results.variants}
+    grouped, short = groups(results), _legend_names(results)
     legend = variant_styles(dict.fromkeys(short.values()))
     return grouped, {name: legend[short[name]] for name in results.variants}, legend
+
+
+def _legend_names(results: Comparison) -> dict[str, str]:
+    """Variant -> its legend entry: its name without the base with several bases (``x`` for ``a/x`` and ``b/x``)."""
+    several = len(groups(results)) > 1
+    return {name: name.split("/", 1)[1] if several else name for name in results.variants}
 
 
 def _titled(group: str, title: str) -> str:
@@ -117,7 +122,8 @@ def _legend(fig, results: Comparison, styles: dict[str, dict], extra: list) -> N
     e.g. a diverged run's NaN diagnostics), ``extra``, the infinite and off-scale values' marks and the seed band
     when used."""
     lines = [line for ax in fig.axes for line in ax.get_lines()]
-    shown = {line.get_gid().split("/", 1)[-1] for line in lines if line.get_gid()} | {
+    short = _legend_names(results)      # a curve's gid is its variant's name
+    shown = {short[line.get_gid()] for line in lines if line.get_gid() in short} | {
         line.get_color() for line in lines if line.get_gid() in EDGE_GIDS}
     handles = [Line2D([], [], **style, label=name if {name, style["color"]} & shown
                       else f"{name} (not drawn: no finite value)") for name, style in styles.items()] + extra
