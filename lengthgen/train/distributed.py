@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lengthgen.config import ConfigError
+from lengthgen.config import ConfigError, differences
 
 #: long enough for rank 0's periodic evaluation or checkpoint while the others wait in a collective
 TIMEOUT = datetime.timedelta(hours=2)
@@ -83,8 +83,6 @@ def check_same(what: dict[str, Any], ignore: frozenset[str] = frozenset()) -> No
     ``train.steps``)."""
     if not active():
         return
-    from lengthgen.config import differences
-
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, what)
     changed = [f"{key}: rank 0 {a!r}, rank {rank} {b!r}" for rank, other in enumerate(every)
