@@ -791,3 +791,28 @@ def test_the_setup_describes_what_the_runs_trained_with():
                              for run in results.variants["a"]]
     text = markdown_report(results)             # the runs differ: the base's value, the table shows theirs
     assert "adamw lr 0.003" in text and "| a | 1000000.0 |" in text and "| b | 0.1 |" in text
+
+
+def test_a_blown_up_runs_rms_leaves_the_other_curves_readable():
+    """A run whose training blew up (lr 300: finite losses of 1e7) had an attention-output RMS of about 4e7, drawn
+    on a linear y axis that flattened every other variant's RMS onto one line at the bottom (no chance level to
+    set an off-scale rule by). The diagnostics panels' y axes are logarithmic: a 2x change of the other variant's
+    RMS over positions spans a visible part of the panel, and the blown-up curve stays drawn inside it."""
+    results = comparison({"a": [0.8, 0.9], "c": [0.5, 0.6]})
+    for name, scale in (("a", 1.0), ("c", 4e7)):
+        for run in results.variants[name]:
+            for layer in run.at(64).diagnostics:
+                layer["rms_pre"] = [dataclasses.replace(b, mean=scale * (0.5 + 0.5 * i / 6))
+                                    for i, b in enumerate(layer["rms_pre"])]
+    fig = diagnostics_figure(results)
+    fig.canvas.draw()
+    rms = fig.axes[1]
+    assert rms.get_ylabel() == "attention output RMS per head"
+    height = {}
+    for line in rms.get_lines():
+        if line.get_gid() in ("a", "c"):
+            y = rms.transAxes.inverted().transform(rms.transData.transform(line.get_xydata()))[:, 1]
+            assert 0 <= y.min() and y.max() <= 1                       # drawn, inside the panel
+            height[line.get_gid()] = y.max() - y.min()
+    assert height["a"] > 0.02 and height["c"] > 0.02                   # linear: a's 2x spanned 1e-8 of the height
+    _assert_readable(fig)

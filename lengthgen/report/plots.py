@@ -235,7 +235,8 @@ def _layer_mean(row: LengthEval, stat: str) -> list[Bucket]:
 def diagnostics_figure(results: Comparison):
     """1/w_max of the softmax distribution (effective number of attended keys; before p-softmax's rescaling) and
     the RMS of the attention output before (solid) and after (dashed) out-norm by query position, averaged over
-    layers and heads, at the longest evaluated length; a row per base with bases."""
+    layers and heads, at the longest evaluated length, on log y axes (a blown-up run's RMS, finite but 1e7 times
+    the others', flattened them on a linear one); a row per base with bases."""
     longest = results.eval_lengths[-1]
     grouped, styles, legend_styles = _styles(results)
     fig, axes = plt.subplots(len(grouped), 2, figsize=(11, 4.2 * len(grouped)), squeeze=False, sharey="col")
@@ -258,7 +259,7 @@ def diagnostics_figure(results: Comparison):
                                                  "(each bucket [lo, hi) drawn at hi)")
             ax.set_ylabel(label)
             ax.set_title(_titled(group, label.split(" (")[0] + " by position"))
-        row[0].set_yscale("log")
+            ax.set_yscale("log")        # positive quantities: a blown-up run's RMS (1e7) leaves the others readable
     _suptitle(fig, f"{results.source}: attention diagnostics at length {longest} (mean over layers and heads)")
     extra = [Line2D([], [], **TRAIN_STYLE, label=f"training length {results.train_length}")]
     if out_norm:
