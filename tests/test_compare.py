@@ -343,3 +343,32 @@ def test_a_diverged_runs_evaluation_silences_only_its_not_finite_warnings(tmp_pa
         run = evaluate_diverged(cfg, evaluator, "training loss is nan at step 1")
     assert run.at(8).at_length["loss"] == float("inf")
     assert [str(w.message) for w in caught] == ["a warning of the evaluation's own"]
+
+
+def test_an_error_a_run_raises_in_a_worker_names_the_run(tmp_path):
+    """With compare.workers > 1 an error that ends the comparison (a config error found only when a run starts,
+    a damaged checkpoint on --resume, out of memory) came back from the worker naming no run, its log lines (which
+    name it) lost. `Runner.run` now gives it the run's label as ``run_label``, its type and message kept."""
+    from lengthgen.config import ConfigError
+    from lengthgen.experiments.jobs import Job, Runner
+
+    cfg = base_config(None, TINY + ["data.length=8", "train.threads=1"])
+    jobs = [Job(cfg, tmp_path / "good", "good seed 0", "good", (8,), 32, progress=False),
+            Job(cfg.override("model.vocab_size=2"), tmp_path / "bad", "bad seed 0", "bad", (8,), 32, progress=False)]
+    with pytest.raises(ConfigError, match="^model.vocab_size=2 ") as caught, Runner(2, lambda line: None) as runner:
+        runner.run(jobs)
+    assert caught.value.run_label == "bad seed 0"
+
+
+def test_the_error_line_names_the_run_it_came_from(tmp_path, capsys, monkeypatch):
+    """The one-line error shows `Runner.run`'s ``run_label`` for errors the CLI words itself too (out of memory:
+    ``error: out of memory (...)`` named no run)."""
+    from lengthgen.experiments import jobs
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+    monkeypatch.setattr(jobs, "train", out_of_memory)
+    code = main(["compare", "--variants", "baseline", "--seeds", "1", "--eval-lengths", "16", "--eval-tokens", "32",
+                 "--out", str(tmp_path / "c"), "--no-progress"] + [x for s in TINY for x in ("--set", s)])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert code == 1 and err.startswith("lengthgen compare: error: [baseline seed 0] out of memory (MemoryError)"), err

@@ -76,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     which first guards its imports against Ctrl-C). User errors (arguments, configs, results files, run folders,
     checkpoints, missing optional packages, paths that are files where folders belong or the reverse) exit with
     status 2 and a one-line message, a diverged run (non-finite loss) with status 1 and one line, Ctrl-C with 130
-    and one line, running out of memory or disk space with status 1 and one line; run folder and config warnings
-    are one line too. Under torchrun a line that every rank would print alike is printed by rank 0 alone
-    (`distributed.reported_by_rank0`); the process group is left at the end."""
+    and one line, running out of memory or disk space with status 1 and one line (``error: [l2 seed 0] ...`` when
+    it came from a comparison's run); run folder and config warnings are one line too. Under torchrun a line that
+    every rank would print alike is printed by rank 0 alone (`distributed.reported_by_rank0`); the process group is
+    left at the end."""
     try:
         from lengthgen.config import ConfigError, ConfigWarning
         from lengthgen.eval import ResultsError
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = one_line
 
         def report(err: BaseException, message: str) -> None:
+            run = getattr(err, "run_label", None)       # the run of a comparison it came from (`Runner.run`)
+            if run is not None and message.startswith("error: "):
+                message = f"error: [{run}] {message.removeprefix('error: ')}"
             if not distributed.reported_by_rank0(err):
                 print(f"lengthgen {args.command}: {message}", file=sys.stderr)
             elif not isinstance(err, KeyboardInterrupt):    # (torchrun stops every rank on Ctrl-C)

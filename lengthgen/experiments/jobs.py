@@ -8,6 +8,7 @@ cores instead of each taking all of them), and it writes only its own folder, un
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -74,15 +75,21 @@ class Runner:
     def run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
         """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
         processes: without progress bars, each job's warnings issued here (so the command shows them as its own)
-        and its log lines logged when it ends."""
+        and its log lines logged when it ends. An error a job raises comes back as it was raised, with the job's
+        label as its ``run_label`` (`_named`), which the command's one-line error shows."""
         if self.pool is None:
-            return [run_job(job, self.log, self.sources) for job in jobs]
+            results = []
+            for job in jobs:
+                with _named(job):
+                    results.append(run_job(job, self.log, self.sources))
+            return results
         with _sigint_ignored():         # the workers, spawned by submit, inherit it
             futures = [self.pool.submit(_in_worker, dataclasses.replace(job, progress=False)) for job in jobs]
         results = []
         for job, future in zip(jobs, futures):
             try:
-                evaluations, lines, caught = future.result()
+                with _named(job):
+                    evaluations, lines, caught = future.result()
             except BrokenProcessPool:
                 raise WorkerLost(f"a worker process ended abruptly (killed by a signal, e.g. by the system when out "
                                  f"of memory) while [{job.label}] or a run beside it trained or was evaluated; the "
@@ -108,6 +115,18 @@ class Runner:
 
     def __exit__(self, kind: object, *exc: object) -> None:
         self.close(abort=kind is not None)
+
+
+@contextlib.contextmanager
+def _named(job: Job):
+    """Set ``run_label`` to ``job``'s label on an error raised inside, its type and message kept: with several
+    workers the run's log lines, which name it, never came back, and the error line named no run (the command's
+    one-line error shows it: ``error: [l2 seed 0] out of memory ...``)."""
+    try:
+        yield
+    except Exception as err:
+        err.run_label = job.label
+        raise
 
 
 class _sigint_ignored:
@@ -156,8 +175,8 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
     try:
         trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume, name=job.label)
     except NonFiniteLossError as err:
-        if job.name is None:        # a pretraining run: its variants have no weights to start from
-            raise NonFiniteLossError(f"[{job.label}] {err}") from None     # named as the log names it
+        if job.name is None:        # a pretraining run: its variants have no weights to start from (named by
+            raise                   # `Runner.run`, as every error of a run)
         return diverged_run(job, diverged(err, job.label, log), sources)
     started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
     if started:
