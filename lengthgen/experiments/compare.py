@@ -89,7 +89,8 @@ class CompareConfig:
     def __post_init__(self) -> None:
         check(self)
         if not self.seeds or len(set(self.seeds)) < len(self.seeds):
-            raise invalid("CompareConfig.seeds", self.seeds, "one or more different seeds, e.g. [0, 1, 2]")
+            raise invalid("CompareConfig.seeds", self.seeds,
+                          "one or more different seeds, e.g. [0, 1, 2, 3] (4 or more let the rule name a winner)")
         for key in ("variants", "bases"):
             for name, changes in getattr(self, key).items():
                 if not isinstance(changes, dict) or not folder_name(name):
