@@ -107,9 +107,10 @@ class Trainer:
         if self.world > 1:      # before joining the process group: rank 0 alone reports a bad config
             check_world(cfg, self.world)
         distributed.setup(kind)
-        # the same config and options on every rank; the text it trains on by its tokens, wherever each rank reads it
-        distributed.check_same({**cfg.to_dict(), "data digest": self.source.digest(), "--out": str(out_dir),
-                                "--resume": resume, "--overwrite": overwrite, "--extend": extend}, ignore=DATA_LOCATION)
+        if self.world > 1:      # the same config and options on every rank; the text by its tokens, wherever read
+            distributed.check_same({**cfg.to_dict(), "data digest": self.source.digest(), "--out": str(out_dir),
+                                    "--resume": resume, "--overwrite": overwrite, "--extend": extend},
+                                   ignore=DATA_LOCATION)
         self.is_main = self.rank == 0
         self.progress = progress and self.is_main
         self.device = torch.device(f"cuda:{local_rank}" if kind == "cuda" and self.world > 1 else kind)
