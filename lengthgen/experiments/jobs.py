@@ -177,7 +177,7 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
     except NonFiniteLossError as err:
         if job.name is None:        # a pretraining run: its variants have no weights to start from (named by
             raise                   # `Runner.run`, as every error of a run)
-        return diverged_run(job, diverged(err, job.label, log), sources)
+        return diverged_run(job, log_divergence(err, job.label, log), sources)
     started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
     if started:
         log(f"[{job.label}] {'reused the finished run' if started == steps else f'resumed at step {started}'} "
@@ -234,7 +234,7 @@ def diverged_run(job: Job, why: str, sources: dict[str, Any]) -> list[tuple[str,
     return [(job.name, evaluation), *bema]
 
 
-def diverged(err: NonFiniteLossError, label: str, log: Log) -> str:
+def log_divergence(err: NonFiniteLossError, label: str, log: Log) -> str:
     """Why a run's training diverged, for its report (the trainer's message up to its first ``;``: ``training loss
     is nan at step 3``), said in the log under ``label``."""
     why = str(err).split("; ")[0]
@@ -281,4 +281,5 @@ def _evaluate(model: GPT, cfg: RunConfig, job: Job, evaluated: tuple[Any, Any], 
     return dataclasses.replace(evaluation, config=cfg.to_dict(), seed=cfg.train.seed)
 
 
-__all__ = ["Job", "Runner", "WorkerLost", "diverged", "diverged_run", "evaluate_diverged", "evaluate_run", "run_job"]
+__all__ = ["Job", "Runner", "WorkerLost", "diverged_run", "evaluate_diverged", "evaluate_run", "log_divergence",
+           "run_job"]

@@ -31,7 +31,7 @@ import torch
 from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted
 from lengthgen.eval import Comparison, RunEval, eval_source, evaluate
 from lengthgen.experiments.eval_run import checked_lengths
-from lengthgen.experiments.jobs import diverged, evaluate_diverged
+from lengthgen.experiments.jobs import evaluate_diverged, log_divergence
 from lengthgen.model import GPT
 from lengthgen.report import write_report
 from lengthgen.train import checkpoint as ckpt_io
@@ -139,7 +139,7 @@ def _finetune(name: str, cfg: RunConfig, run_dir: Path, evaluate_model: Callable
         trained = train(cfg, run_dir, progress=progress)
     except NonFiniteLossError as err:
         resolved = resolve(cfg)[0]
-        return dataclasses.replace(evaluate_diverged(resolved, evaluate_model, diverged(err, name, log)),
+        return dataclasses.replace(evaluate_diverged(resolved, evaluate_model, log_divergence(err, name, log)),
                                    config=resolved.to_dict(), seed=cfg.train.seed, run_dir=str(run_dir))
     trainer = trained.trainer
     added = (trainer.initialized_from or {}).get("added", [])
