@@ -187,6 +187,7 @@ def data_change(trained_on: str, now: str) -> str:
     return (f"token digest {trained_on[:12]}, now {now[:12]}: the corpus files changed, or how this lengthgen "
             "orders, splits or tokenizes them")
 
+
 def saved_config(data: Any, where: Path) -> RunConfig:
     """The `RunConfig` saved as ``data`` in ``where`` (a checkpoint's state.json, a run's config.json)."""
     try:
