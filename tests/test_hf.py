@@ -17,6 +17,7 @@ import lengthgen.hf as lhf  # noqa: E402
 from lengthgen.attention import Attention, AttentionSpec, attend  # noqa: E402
 from lengthgen.attention import functional as fn  # noqa: E402
 from lengthgen.attention import mods  # noqa: E402
+from lengthgen.hf.model import CACHE_FIELD  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 MODELS = ["llama", "qwen3"]
@@ -213,7 +214,7 @@ def test_a_right_padded_batch_prefilled_in_chunks_equals_one_forward(kind):
     mask[0, 8:], mask[1, 10:] = 0, 0
     with torch.no_grad():
         first = model(input_ids=ids[:, :6], attention_mask=mask[:, :6], use_cache=True)
-        rest = model(input_ids=ids[:, 6:], attention_mask=mask, past_key_values=first.past_key_values)
+        rest = model(input_ids=ids[:, 6:], attention_mask=mask, **{CACHE_FIELD: first[CACHE_FIELD]})
     chunked = torch.cat([first.logits, rest.logits], dim=1)
     torch.testing.assert_close(chunked[mask.bool()], logits(model, ids, mask)[mask.bool()], **TOL)
 

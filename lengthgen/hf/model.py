@@ -18,6 +18,10 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from lengthgen.attention import KVCache
+
+# transformers 5.24 renamed the cache argument and output field ``past_key_values`` to ``cache``: the model takes
+# either name and answers under the installed version's.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 from lengthgen.attention.module import Attention
 from lengthgen.config import ConfigError
 from lengthgen.hf.registry import NAME
@@ -56,9 +60,9 @@ class LengthgenConfig(PretrainedConfig):
 class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
     """A lengthgen `GPT` with an ``lm`` head (``self.model``) as a transformers causal LM.
 
-    ``forward(input_ids, attention_mask=None, labels=None, doc_ids=None, past_key_values=None)``: logits
-    (B, L, V) of the wrapped GPT (``doc_ids``: its document masking; ``past_key_values``: a `KVCache`, input_ids
-    then being the positions after the cached ones); with ``labels``, transformers' shifted causal-LM
+    ``forward(input_ids, attention_mask=None, labels=None, doc_ids=None, cache=None)``: logits (B, L, V) of the
+    wrapped GPT (``doc_ids``: its document masking; ``cache`` or ``past_key_values``: a `KVCache`, input_ids then
+    being the positions after the cached ones); with ``labels``, transformers' shifted causal-LM
     cross-entropy (``GPTConfig.z_loss`` is a term of lengthgen's own training loss, not added here).
     """
 
@@ -123,7 +127,7 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                       past_key_values: KVCache | None = None, use_cache: bool = True,
-                                      **kwargs: Any) -> dict[str, Any]:
+                                      cache: KVCache | None = None, **kwargs: Any) -> dict[str, Any]:
         """A generation step's inputs: with ``use_cache`` the positions after those in the `KVCache` (a new one at
         the first step), without it the whole sequence. A model that masks documents gets ``doc_ids`` from the
         config's ``bos_token_id`` (a document starts at each BOS, as in training; `GPT.generate`'s ``bos_id``)."""
@@ -132,28 +136,32 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
             doc_ids = (input_ids == bos).long().cumsum(1)
         if not use_cache:
             return {"input_ids": input_ids, "attention_mask": attention_mask, "doc_ids": doc_ids}
-        cache = past_key_values if isinstance(past_key_values, KVCache) else KVCache()
+        cache = cache if cache is not None else past_key_values
+        cache = cache if isinstance(cache, KVCache) else KVCache()
         return {"input_ids": input_ids[:, cache.length:], "attention_mask": attention_mask,
-                "doc_ids": None if doc_ids is None else doc_ids[:, cache.length:], "past_key_values": cache}
+                "doc_ids": None if doc_ids is None else doc_ids[:, cache.length:], "cache": cache}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                past_key_values: KVCache | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
-        """Logits of ``input_ids`` (B, L), extending ``past_key_values`` if given; transformers' other arguments
-        (``use_cache``, ``return_dict``, ...) are accepted and ignored."""
+                past_key_values: KVCache | None = None, cache: KVCache | None = None,
+                **kwargs: Any) -> CausalLMOutputWithPast:
+        """Logits of ``input_ids`` (B, L), extending ``cache`` (or ``past_key_values``, its name before transformers
+        5.24) if given; transformers' other arguments (``use_cache``, ``return_dict``, ...) are accepted and
+        ignored."""
+        cache = cache if cache is not None else past_key_values
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("LengthgenForCausalLM has no padding: pass rows without padding (attention_mask all "
                              "ones)")
         for name in ("inputs_embeds", "position_ids"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"LengthgenForCausalLM does not take {name} (positions come from each layer's spec)")
-        if past_key_values is not None and not isinstance(past_key_values, KVCache):
+        if cache is not None and not isinstance(cache, KVCache):
             raise ValueError(f"LengthgenForCausalLM caches with lengthgen.attention.KVCache, not "
-                             f"{type(past_key_values).__name__}")
-        logits = self.model(input_ids, doc_ids=doc_ids, cache=past_key_values)
+                             f"{type(cache).__name__}")
+        logits = self.model(input_ids, doc_ids=doc_ids, cache=cache)
         loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
                                                               vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
 
 __all__ = ["LengthgenConfig", "LengthgenForCausalLM"]
