@@ -1,6 +1,6 @@
 # Two entry points: `make demo` (the main job) and `make test`. Each sets itself up on a fresh machine and
 # works when run again. The demo installs the package alone; the tests add the `dev` extras (pytest, triton,
-# transformers, wandb).
+# transformers, wandb); both at the versions in constraints.txt.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -9,14 +9,14 @@ DEV     := $(VENV)/.installed-dev
 
 .PHONY: demo test bench gpu-check setup clean
 
-$(CORE): pyproject.toml
+$(CORE): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e .
+	$(BIN)/pip install -c constraints.txt -e .
 	touch $(CORE)
 
 $(DEV): $(CORE)
-	$(BIN)/pip install -e ".[dev]"
+	$(BIN)/pip install -c constraints.txt -e ".[dev]"
 	touch $(DEV)
 
 setup: $(DEV)
