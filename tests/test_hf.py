@@ -448,6 +448,16 @@ def test_missing_transformers_gives_an_install_hint(monkeypatch):
         lhf.retrofit(torch.nn.Linear(2, 2), "baseline")
 
 
+def test_transformers_older_than_the_tested_minimum_is_refused(monkeypatch):
+    """transformers 5.0-5.3 ran a saved retrofit loaded with its own from_pretrained as the plain base model
+    (test_plain_transformers_load_of_a_retrofit_raises_instead_of_running_the_base_model failed on 5.3.0)."""
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    with pytest.raises(ImportError, match=r"needs transformers >= 5.4 \(installed: 5.3.0\): pip install -U"):
+        lhf.retrofit(torch.nn.Linear(2, 2), "baseline")
+    monkeypatch.setattr(transformers, "__version__", "5.4.0")
+    assert lhf.registry.require_transformers() is transformers
+
+
 def test_plan_mask_makes_no_tensor_wider_than_the_mask_in_bytes():
     """plan_mask found each row's last visible key through an int64 (B, Lq, Lk) table, eight times the boolean
     mask: planning a padded 8192-token mask took 451 MiB at its peak, 200 MiB without it (ru_maxrss)."""

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from lengthgen.optional import require
+from lengthgen.optional import MissingPackageError, require
 
 #: the attention implementation, mask and model type names lengthgen registers
 NAME = "lengthgen"
+#: the oldest transformers the integration is tested with: 5.0-5.3 load a saved retrofit with transformers' own
+#: ``from_pretrained`` as the plain base model (its ``attn_implementation="lengthgen"`` ignored), silently
+MIN_TRANSFORMERS = "5.4"
 
 
 def require_transformers() -> Any:
-    """The ``transformers`` module, or a `MissingPackageError` that says how to install it."""
-    return require("transformers", "lengthgen's Hugging Face integration", "'lengthgen[hf]'")
+    """The ``transformers`` module (at least `MIN_TRANSFORMERS`), or a `MissingPackageError` that says how to
+    install it."""
+    transformers = require("transformers", "lengthgen's Hugging Face integration", "'lengthgen[hf]'")
+    from packaging.version import Version      # a dependency of transformers
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise MissingPackageError(f"lengthgen's Hugging Face integration needs transformers >= {MIN_TRANSFORMERS} "
+                                  f"(installed: {transformers.__version__}): pip install -U 'lengthgen[hf]'")
+    return transformers
 
 
 def register() -> None:
@@ -37,4 +47,4 @@ def register() -> None:
     transformers.AutoModelForCausalLM.register(LengthgenConfig, LengthgenForCausalLM, exist_ok=True)
 
 
-__all__ = ["NAME", "register", "require_transformers"]
+__all__ = ["MIN_TRANSFORMERS", "NAME", "register", "require_transformers"]
