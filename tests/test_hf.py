@@ -451,7 +451,10 @@ def test_missing_transformers_gives_an_install_hint(monkeypatch):
 def test_transformers_older_than_the_tested_minimum_is_refused(monkeypatch):
     """transformers 5.0-5.3 ran a saved retrofit loaded with its own from_pretrained as the plain base model
     (test_plain_transformers_load_of_a_retrofit_raises_instead_of_running_the_base_model failed on 5.3.0)."""
-    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    import importlib
+
+    transformers = importlib.import_module("transformers")   # the module now in sys.modules: a from_pretrained
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")    # of 5.24 can replace the one imported above
     with pytest.raises(ImportError, match=r"needs transformers >= 5.4 \(installed: 5.3.0\): pip install -U"):
         lhf.retrofit(torch.nn.Linear(2, 2), "baseline")
     monkeypatch.setattr(transformers, "__version__", "5.4.0")
