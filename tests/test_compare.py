@@ -183,9 +183,33 @@ def test_a_workers_warnings_are_the_commands_one_line_warnings(tmp_path, capsys)
     assert main(["compare", "--variants", "baseline", "--seeds", "2", "--workers", "2", "--eval-lengths", "16",
                  "--eval-tokens", "32", "--out", str(tmp_path / "out"), "--no-progress"]
                 + [x for s in sets for x in ("--set", s)]) == 0
-    assert [line for line in capsys.readouterr().err.splitlines() if "validation split" in line] == 2 * [
+    assert [line for line in capsys.readouterr().err.splitlines() if "validation split" in line] == [
         "lengthgen compare: warning: the run trains on the validation split (data.text.split='val'): long documents "
-        "are evaluated on the text it trained on"]
+        "are evaluated on the text it trained on"]     # once: both runs' warnings say the same
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_once_per_length_warning_comes_once_with_workers_too(tmp_path, capsys, workers):
+    """The warning that a length is evaluated on the training text comes once per length (`LongDocuments`, shared
+    by the runs of a comparison); with compare.workers > 1 each run's worker had its own and the comparison's
+    terminal showed it once per run. A warning an earlier run showed alike is now not shown again."""
+    import json
+
+    from lengthgen.data.text.corpus import split_of
+
+    corpus = tmp_path / "docs.jsonl"        # the val split's documents are short, the train split's long
+    docs = [f"short {i}. " * 3 if split_of(f"docs.jsonl#{i}", 0.5) == "val" else f"long document {i}. " * 30
+            for i in range(60)]
+    corpus.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    text = f'data.text={{corpus="{corpus}", tokenizer="byte", val_fraction=0.5, cache=false}}'
+    sets = [s for s in TINY if not s.startswith("data.task=")] + ["data.kind=text", text, "data.length=16",
+                                                                   "train.threads=1"]
+    assert main(["compare", "--variants", "baseline", "--seeds", "2", "--workers", str(workers), "--eval-lengths",
+                 "16,128", "--eval-tokens", "256", "--out", str(tmp_path / "out"), "--no-progress"]
+                + [x for s in sets for x in ("--set", s)]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "no document" in line] == [
+        "lengthgen compare: warning: no document of the val split has 128 tokens: length 128 is evaluated on 2 long "
+        "documents (train split, which the run trained on)"]
 
 
 def test_compare_evaluates_under_the_runs_autocast(tmp_path, monkeypatch):

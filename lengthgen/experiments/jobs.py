@@ -68,15 +68,17 @@ class Runner:
     for their runs to finish (their checkpoints are atomic: ``--resume`` continues them)."""
 
     def __init__(self, workers: int, log: Log) -> None:
-        self.log, self.sources = log, {}
+        self.log, self.sources, self.shown = log, {}, set()
         self.pool = None if workers == 1 else ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent)
 
     def run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
         """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
-        processes: without progress bars, each job's warnings issued here (so the command shows them as its own)
-        and its log lines logged when it ends. An error a job raises comes back as it was raised, with the job's
-        label as its ``run_label`` (`_named`), which the command's one-line error shows."""
+        processes: without progress bars, each job's warnings issued here (so the command shows them as its own;
+        one that an earlier job's showed alike is not repeated: each worker's runs have their own evaluation
+        sources, whose once-per-length warnings would come once per run) and its log lines logged when it ends.
+        An error a job raises comes back as it was raised, with the job's label as its ``run_label`` (`_named`),
+        which the command's one-line error shows."""
         if self.pool is None:
             results = []
             for job in jobs:
@@ -94,12 +96,18 @@ class Runner:
                 raise WorkerLost(f"a worker process ended abruptly (killed by a signal, e.g. by the system when out "
                                  f"of memory) while [{job.label}] or a run beside it trained or was evaluated; the "
                                  "checkpoints on disk are intact: --resume continues the comparison") from None
-            for message, category, filename, lineno in caught:     # each as the worker saw it: no dedup
-                warnings.warn_explicit(message, category, filename, lineno)
-            for line in lines:
-                self.log(line)
+            self._replay(lines, caught)
             results.append(evaluations)
         return results
+
+    def _replay(self, lines: list[str], caught: list[tuple[str, type, str, int]]) -> None:
+        """A worker job's warnings (those not shown yet) and log lines, shown here."""
+        for warning in caught:
+            if warning not in self.shown:
+                self.shown.add(warning)
+                warnings.warn_explicit(*warning)
+        for line in lines:
+            self.log(line)
 
     def close(self, abort: bool = False) -> None:
         """Shut the workers down after their runs (``abort``: now, ending the runs they are in)."""
