@@ -1,5 +1,6 @@
 """`lengthgen compare` / `report` end to end on a tiny setting, and their errors."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -382,6 +383,32 @@ def test_an_error_a_run_raises_in_a_worker_names_the_run(tmp_path):
     with pytest.raises(ConfigError, match="^model.vocab_size=2 ") as caught, Runner(2, lambda line: None) as runner:
         runner.run(jobs)
     assert caught.value.run_label == "bad seed 0"
+
+
+def test_a_failed_worker_jobs_warnings_and_log_lines_come_before_its_error(tmp_path):
+    """With compare.workers > 1 the warnings and log lines of a run that raised were dropped (they came back only
+    with a result): the run's '[l2 seed 0] training ...' line and the warnings that may explain its error were
+    lost, where one worker shows them before the error. They now come with the error, before it."""
+    import json
+
+    from lengthgen.experiments.jobs import Job, Runner, run_job
+    from lengthgen.train.checkpoint import CheckpointError
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(40)))
+    text = f'data.text={{corpus="{corpus}", tokenizer="byte", split="val", val_fraction=0.5, cache=false}}'
+    cfg = base_config(None, [s for s in TINY if not s.startswith("data.task=")]
+                      + ["data.kind=text", text, "data.length=16", "train.threads=1"])
+    job = Job(cfg, tmp_path / "run", "l2 seed 0", "l2", (16,), 32, progress=False)
+    with warnings.catch_warnings(record=True):
+        run_job(job, lambda line: None, {})
+    next((tmp_path / "run").glob("checkpoints/*/model.safetensors")).write_bytes(b"damaged")
+    lines: list[str] = []
+    with pytest.raises(CheckpointError, match="no readable checkpoint") as caught, \
+            pytest.warns(ConfigWarning, match="the run trains on the validation split"), \
+            Runner(2, lines.append) as runner:
+        runner.run([dataclasses.replace(job, resume=True)])
+    assert caught.value.run_label == "l2 seed 0" and lines == ["[l2 seed 0] training 3 steps at length 16 (resuming)"]
 
 
 def test_the_error_line_names_the_run_it_came_from(tmp_path, capsys, monkeypatch):

@@ -76,9 +76,9 @@ class Runner:
         """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
         processes: without progress bars, each job's warnings issued here (so the command shows them as its own;
         one that an earlier job's showed alike is not repeated: each worker's runs have their own evaluation
-        sources, whose once-per-length warnings would come once per run) and its log lines logged when it ends.
-        An error a job raises comes back as it was raised, with the job's label as its ``run_label`` (`_named`),
-        which the command's one-line error shows."""
+        sources, whose once-per-length warnings would come once per run) and its log lines logged when it ends,
+        before its error when it raises one (`_in_worker`). An error a job raises comes back as it was raised,
+        with the job's label as its ``run_label`` (`_named`), which the command's one-line error shows."""
         if self.pool is None:
             results = []
             for job in jobs:
@@ -96,6 +96,9 @@ class Runner:
                 raise WorkerLost(f"a worker process ended abruptly (killed by a signal, e.g. by the system when out "
                                  f"of memory) while [{job.label}] or a run beside it trained or was evaluated; the "
                                  "checkpoints on disk are intact: --resume continues the comparison") from None
+            except Exception as err:
+                self._replay(*getattr(err, "worker_output", ([], [])))
+                raise
             self._replay(lines, caught)
             results.append(evaluations)
         return results
@@ -165,11 +168,17 @@ def _exit_with_parent() -> None:
 
 
 def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str], list[tuple[str, type, str, int]]]:
-    """`run_job`'s evaluations, log lines and warnings (message, category, file, line: picklable)."""
+    """`run_job`'s evaluations, log lines and warnings (message, category, file, line: picklable); an error it
+    raises carries the lines and warnings before it as ``worker_output``."""
     lines: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
-        evaluations = run_job(job, lines.append, {})
-    return evaluations, lines, [(str(w.message), w.category, w.filename, w.lineno) for w in caught]
+        output = lambda: (lines, [(str(w.message), w.category, w.filename, w.lineno) for w in caught])  # noqa: E731
+        try:
+            evaluations = run_job(job, lines.append, {})
+        except Exception as err:
+            err.worker_output = output()
+            raise
+    return evaluations, *output()
 
 
 def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
