@@ -411,6 +411,33 @@ def test_a_failed_worker_jobs_warnings_and_log_lines_come_before_its_error(tmp_p
     assert caught.value.run_label == "l2 seed 0" and lines == ["[l2 seed 0] training 3 steps at length 16 (resuming)"]
 
 
+class _TwoPartError(Exception):
+    """An error pickle cannot rebuild (its ``args`` are its message alone), as third-party ones may be."""
+
+    def __init__(self, what: str, why: str):
+        super().__init__(f"{what}: {why}")
+
+
+class _FailingConfig:
+    """A job's config whose reading in the worker raises `_TwoPartError` (importable there: a module-level class)."""
+
+    @property
+    def train(self):
+        raise _TwoPartError("tokenizer", "the download failed")
+
+
+def test_an_error_pickle_cannot_rebuild_is_not_taken_for_a_killed_worker(tmp_path):
+    """A run's error that pickle cannot rebuild broke the pool in the comparison's process: compare said a worker
+    was killed (by the system, out of memory?) and that --resume continues, the error itself lost. It now comes
+    back as a RuntimeError naming its type and message (its traceback shows it), named by the run."""
+    from lengthgen.experiments.jobs import Job, Runner
+
+    with pytest.raises(RuntimeError, match="^_TwoPartError: tokenizer: the download failed$") as caught, \
+            Runner(2, lambda line: None) as runner:
+        runner.run([Job(_FailingConfig(), tmp_path / "run", "l2 seed 0", "l2", (8,), 32, progress=False)])
+    assert caught.value.run_label == "l2 seed 0"
+
+
 def test_the_error_line_names_the_run_it_came_from(tmp_path, capsys, monkeypatch):
     """The one-line error shows `Runner.run`'s ``run_label`` for errors the CLI words itself too (out of memory:
     ``error: out of memory (...)`` named no run)."""

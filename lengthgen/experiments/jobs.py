@@ -14,6 +14,7 @@ import json
 import math
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -169,16 +170,29 @@ def _exit_with_parent() -> None:
 
 def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str], list[tuple[str, type, str, int]]]:
     """`run_job`'s evaluations, log lines and warnings (message, category, file, line: picklable); an error it
-    raises carries the lines and warnings before it as ``worker_output``."""
+    raises (`_sendable`) carries the lines and warnings before it as ``worker_output``."""
     lines: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
         output = lambda: (lines, [(str(w.message), w.category, w.filename, w.lineno) for w in caught])  # noqa: E731
         try:
             evaluations = run_job(job, lines.append, {})
         except Exception as err:
-            err.worker_output = output()
-            raise
+            sent = _sendable(err)
+            sent.worker_output = output()
+            raise sent
     return evaluations, *output()
+
+
+def _sendable(err: Exception) -> Exception:
+    """``err``, or where pickle cannot rebuild it (the comparison's process would find the pool broken and take it
+    for a killed worker, the error lost) a RuntimeError of its type and message, caused by it."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        sent = RuntimeError(f"{type(err).__name__}: {err}")
+        sent.__cause__ = err
+        return sent
 
 
 def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
