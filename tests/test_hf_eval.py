@@ -76,6 +76,22 @@ def test_a_corpus_without_documents_in_the_split_is_one_line(tiny_llama_dir, tmp
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["eval", "needle"])
+def test_a_model_folder_without_weights_is_one_line(tiny_llama_dir, tmp_path, capsys, command):
+    """A folder with config.json and tokenizer but no weights went to transformers' OSError traceback (a saved
+    retrofit gave one line); now one line naming the folder, exit 2, nothing written."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_llama_dir, bare, ignore=shutil.ignore_patterns("*.safetensors"))
+    out = tmp_path / ("out.json" if command == "eval" else "out")
+    code = main([command, "--hf", str(bare), "--lengths", "32", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and not out.exists()
+    assert err.startswith(f"lengthgen {command}: error: HF model path '{bare}' has no weights: expected "
+                          "model.safetensors or pytorch_model.bin")
+
+
 def test_eval_hf_starts_rows_with_the_bos_token_the_folder_declares(tmp_path):
     """The folder's own BOS, not the first usual name its vocabulary holds (here <|endoftext|>, its EOS); a
     folder that declares none and has no usual name gets a warning."""

@@ -158,6 +158,11 @@ def lengthgen_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if ".lengthgen." in f".{name}"}
 
 
+#: the weights of a model folder as transformers saves them: (sharded index, single file, whether safetensors)
+WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors", True),
+                ("pytorch_model.bin.index.json", "pytorch_model.bin", False))
+
+
 def checkpoint_tensors(path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Every tensor of the (possibly sharded) safetensors or torch checkpoint at ``path`` (directory or hub id)."""
     from safetensors.torch import load_file
@@ -169,8 +174,7 @@ def checkpoint_tensors(path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> d
             return full if os.path.isfile(full) else None
         return cached_file(str(path), filename, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
 
-    for index_name, single, safe in (("model.safetensors.index.json", "model.safetensors", True),
-                                     ("pytorch_model.bin.index.json", "pytorch_model.bin", False)):
+    for index_name, single, safe in WEIGHT_FILES:
         index = resolve(index_name)
         if index is not None:
             with open(index) as fh:
@@ -256,5 +260,5 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
     return model
 
 
-__all__ = ["IGNORED_FIELDS", "attention_modules", "checkpoint_tensors", "from_pretrained", "lengthgen_parameters",
-           "retrofit", "retrofit_notes"]
+__all__ = ["IGNORED_FIELDS", "WEIGHT_FILES", "attention_modules", "checkpoint_tensors", "from_pretrained",
+           "lengthgen_parameters", "retrofit", "retrofit_notes"]
