@@ -92,6 +92,25 @@ def test_a_model_folder_without_weights_is_one_line(tiny_llama_dir, tmp_path, ca
                           "model.safetensors or pytorch_model.bin")
 
 
+@pytest.mark.parametrize("model_type, message", [
+    ("not_a_model_yet", "has model type `not_a_model_yet` but Transformers does not recognize this architecture"),
+    ("t5", "T5Config has no causal-LM class in transformers' AutoModelForCausalLM")])
+def test_a_model_type_transformers_cannot_load_as_a_causal_lm_is_one_line(tiny_llama_dir, tmp_path, capsys,
+                                                                         model_type, message):
+    """A folder of a model type the installed transformers does not know (saved with a newer one) or of one with no
+    causal LM (an encoder-decoder) went to transformers' multi-line ValueError traceback; now one line, exit 2."""
+    import json
+    import shutil
+
+    other = tmp_path / model_type
+    shutil.copytree(tiny_llama_dir, other)
+    (other / "config.json").write_text(json.dumps({"model_type": model_type}))
+    out = tmp_path / "out.json"
+    code = main(["eval", "--hf", str(other), "--lengths", "32", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err and str(other) in err and not out.exists()
+
+
 def test_eval_hf_starts_rows_with_the_bos_token_the_folder_declares(tmp_path):
     """The folder's own BOS, not the first usual name its vocabulary holds (here <|endoftext|>, its EOS); a
     folder that declares none and has no usual name gets a warning."""

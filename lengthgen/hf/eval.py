@@ -18,7 +18,7 @@ from lengthgen.config import ConfigError
 from lengthgen.eval import DEPTHS, LongDocuments, NeedleMap, RunEval, answer_scores, evaluate, needle_map
 from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.hf.registry import NAME, register, require_transformers
-from lengthgen.hf.retrofit import WEIGHT_FILES, from_pretrained
+from lengthgen.hf.retrofit import WEIGHT_FILES, causal_lm_class, from_pretrained
 
 # Causal LMs whose logits are exactly lm_head(final hidden states): `token_losses` can chunk the vocabulary matmul.
 _PLAIN_LM_HEADS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
@@ -54,7 +54,8 @@ def load_local_model(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
 
     A directory saved after `retrofit` (``lengthgen_spec`` in its config) or written by ``lengthgen export`` is
     loaded with `lengthgen.hf.from_pretrained`; other models with their default attention. Raises
-    FileNotFoundError naming ``path`` if it is not a local directory with a ``config.json`` and weights.
+    FileNotFoundError naming ``path`` if it is not a local directory with a ``config.json`` and weights,
+    `ConfigError` naming it if the installed transformers does not know its model type or has no causal LM for it.
     """
     folder = model_folder(path)
     transformers = require_transformers()
@@ -64,7 +65,12 @@ def load_local_model(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
                                 "pytorch_model.bin (or a sharded index of them), as save_pretrained or lengthgen "
                                 "export writes")
     kwargs["local_files_only"] = True
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except ValueError as err:       # a model type this transformers does not know (a newer one, remote code)
+        raise ConfigError(f"HF model path {str(path)!r}: {str(err).splitlines()[0]} (installed transformers "
+                          f"{transformers.__version__})") from None
+    causal_lm_class(config, path)
     if getattr(config, "lengthgen_spec", None) is not None or config.model_type == "lengthgen":
         model = from_pretrained(folder, config=config, **kwargs)
     else:

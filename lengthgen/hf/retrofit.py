@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from lengthgen.attention.backends import BACKENDS
 from lengthgen.attention.spec import BASE, AttentionSpec, resolve_spec
+from lengthgen.config import ConfigError
 from lengthgen.hf.attention import LengthgenState, capture_input, needs_state, release_input
 from lengthgen.hf.registry import NAME, register, require_transformers
 
@@ -190,6 +191,16 @@ def checkpoint_tensors(path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> d
     raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin checkpoint (sharded or not)")
 
 
+def causal_lm_class(config: Any, path: str | os.PathLike) -> type:
+    """transformers' causal-LM class for ``config`` (the model at ``path``'s); `ConfigError` naming ``path`` when
+    ``AutoModelForCausalLM`` has none (an encoder or encoder-decoder model, or remote code)."""
+    cls = require_transformers().MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if cls is None:
+        raise ConfigError(f"{path}: {type(config).__name__} has no causal-LM class in transformers' "
+                          "AutoModelForCausalLM (remote-code models are not supported)")
+    return cls
+
+
 _HUB_KEYS = ("cache_dir", "revision", "local_files_only", "token", "subfolder", "force_download", "proxies")
 
 
@@ -235,10 +246,7 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
         raise ValueError(f"{path} has no lengthgen_spec in its config (not saved after lengthgen.hf.retrofit); "
                          "pass spec=... to retrofit it now")
     spec = resolve_spec(spec if spec is not None else saved)
-    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if cls is None:
-        raise ValueError(f"{path}: {type(config).__name__} has no causal-LM class in transformers' "
-                         "AutoModelForCausalLM (remote-code models are not supported)")
+    cls = causal_lm_class(config, path)
     tensors = checkpoint_tensors(path, hub_kwargs)
     base = {name: t for name, t in tensors.items() if ".lengthgen." not in f".{name}"}
     kwargs.setdefault("attn_implementation", NAME)
@@ -260,5 +268,5 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
     return model
 
 
-__all__ = ["IGNORED_FIELDS", "WEIGHT_FILES", "attention_modules", "checkpoint_tensors", "from_pretrained",
-           "lengthgen_parameters", "retrofit", "retrofit_notes"]
+__all__ = ["IGNORED_FIELDS", "WEIGHT_FILES", "attention_modules", "causal_lm_class", "checkpoint_tensors",
+           "from_pretrained", "lengthgen_parameters", "retrofit", "retrofit_notes"]
