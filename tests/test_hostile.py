@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,25 @@ def test_a_finished_run_resumed_evaluates_what_its_folder_lacks(tmp_path):
     assert main(["eval", str(run), "--lengths", "16", "--tokens", "32", "--out", str(run / "eval.json")]) == 0
     resume(run, *evals, "train.eval_lengths=[8, 32]")
     assert [row.length for row in RunEval.load(run / "eval.json").lengths] == [8, 32]
+
+
+def test_a_finished_run_resumed_on_another_rank_count_warns_only_of_steps_it_trains(tmp_path):
+    """Found by a probe: resuming a finished run (nothing to train) written under torchrun in one process warned
+    that "the steps from here differ from an uninterrupted run's"; it says so now only when steps are left."""
+    from lengthgen.config import ConfigWarning
+    from lengthgen.train.checkpoint import DIGESTS, complete_checkpoints, file_digest
+
+    run = train(config("model.dropout=0.1"), tmp_path / "run", progress=False).run_dir
+    ckpt = complete_checkpoints(run)[0]             # as if written on 2 ranks
+    state = json.loads((ckpt / "state.json").read_text())
+    (ckpt / "state.json").write_text(json.dumps({**state, "world": 2}))
+    digests = json.loads((ckpt / DIGESTS).read_text())
+    (ckpt / DIGESTS).write_text(json.dumps({**digests, "state.json": file_digest(ckpt / "state.json")}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        assert train(config("model.dropout=0.1"), run, progress=False, resume=True).step == 4
+    with pytest.warns(ConfigWarning, match="written on 2 ranks, this run has 1 rank"):
+        train(config("model.dropout=0.1", "train.steps=5"), run, progress=False, resume=True, extend=True)
 
 
 def test_more_steps_need_extend_and_the_extension_is_recorded(tmp_path, stopped, capsys):

@@ -224,7 +224,7 @@ class Trainer:
         state, weights, optimizer_states, bema_tensors = self._read
         self._read = None
         note = world_change_note(self.config, state.get("world"), self.world)
-        if note is not None and self.is_main:
+        if note is not None and self.is_main and state["step"] < self.config.train.steps:    # steps left to train
             warnings.warn(note, ConfigWarning, stacklevel=2)
         if distributed.is_sharded(self.model):
             distributed.load_full(self.model, self.optimizers, weights, optimizer_states)
