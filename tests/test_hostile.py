@@ -547,6 +547,24 @@ def test_compare_resume_with_other_steps_names_what_to_do(tmp_path, capsys, chan
     assert "--extend" not in str(err.value) and files(tmp_path / "c") == before
 
 
+@pytest.mark.parametrize("pretrain", [[], ["compare.pretrain_steps=2"]])
+def test_compare_resume_with_another_training_key_trains_nothing(tmp_path, capsys, pretrain):
+    """Found by a probe: compare --resume with another train.lr and a variant added (listed first) trained the new
+    variant's runs at the new lr, then refused the finished ones: the folder held runs of both lrs and resumed with
+    neither. Every run's saved config is now checked before anything trains; more seeds and variants still go."""
+    out = tmp_path / "c"
+    args = ["compare", "--eval-lengths", "8,16", "--eval-tokens", "16", "--out", out, "--no-progress",
+            *sets("train.steps=2", *pretrain)]
+    assert cli(capsys, *args, "--variants", "baseline")[0] == 0
+    before = files(out)
+    code, err = cli(capsys, *args, "--variants", "l2,baseline", "--seeds", "2", "--resume", "--set", "train.lr=1e-3")
+    assert code == 2 and "train.lr: config.json 0.003, now 0.001" in err
+    assert files(out) == before
+    assert cli(capsys, *args, "--variants", "l2,baseline", "--seeds", "2", "--resume")[0] == 0
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["baseline-seed0", "baseline-seed1", "l2-seed0",
+                                                                "l2-seed1"]
+
+
 def test_resume_takes_another_spelling_of_init_from(tmp_path, stopped):
     start = stopped[0] / "checkpoints" / "step_00000003"
     run = train(config(f"train.init_from={json.dumps(str(start))}"), tmp_path / "run", progress=False,

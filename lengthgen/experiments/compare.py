@@ -45,7 +45,7 @@ from lengthgen.report.stats import ALPHA, smallest_p
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.optim import build_optimizers
 from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, checkpoints_at, lock, saved_run_config
-from lengthgen.train.setup import check_backend, check_memory, device_type, resolve
+from lengthgen.train.setup import check_backend, check_memory, check_resume, device_type, resolve
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 
@@ -258,9 +258,10 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         if resume:
             check_kind(out, "comparison")
             _check_kept(out / "runs", set(folders.values()))
-            _check_steps([(runs.config(name, seed), out / "runs" / folder) for (name, seed), folder in folders.items()]
-                         + [(runs.pretrain_config(base, seed), folder) for (base, seed), folder
-                            in _pretrain_folders(runs, out / "pretrain").items() if cc.pretrain_steps])
+            pretrain = _pretrain_folders(runs, out / "pretrain") if cc.pretrain_steps else {}
+            _check_resumable([(runs.pretrain_config(base, seed), folder) for (base, seed), folder in pretrain.items()]
+                             + [(runs.config(name, seed, pretrain.get((runs.runs[name][0], seed))),
+                                 out / "runs" / folder) for (name, seed), folder in folders.items()])
         else:
             check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
@@ -326,15 +327,20 @@ def _check_kept(folder: Path, planned: set[str]) -> None:
                              "merges the two)")
 
 
-def _check_steps(planned: list[tuple[RunConfig, Path]]) -> None:
-    """`ConfigError` before anything trains when a resumed comparison's run (config, folder) was trained for
-    another number of steps: a comparison's runs all train the same steps, so compare has no --extend."""
+def _check_resumable(planned: list[tuple[RunConfig, Path]]) -> None:
+    """`ConfigError` before anything trains when a resumed comparison's run (config, folder) was trained with another
+    config: another number of steps (a comparison's runs all train the same steps, so compare has no --extend), or
+    another key that sets the training trajectory (`check_resume`; found at that run's turn, it left the runs trained
+    before it under the new config beside the others). The corpus's location is left to each run's own check, which
+    compares the token digests."""
     for cfg, folder in planned:
         saved = saved_run_config(folder)
         if saved is not None and saved.train.steps != cfg.train.steps:
             raise ConfigError(f"compare --resume: {folder} trains {saved.train.steps} steps, now {cfg.train.steps}; "
                               "a comparison's steps stay as they were: resume with the same --steps and "
                               "--pretrain-steps, or run the new steps into another --out", "train.steps")
+        if saved is not None:
+            check_resume(saved, resolve(cfg)[0], folder / "config.json", step=0, same_data=True)
 
 
 def _pretrain_folders(runs: Plan, out: Path) -> dict[tuple, Path]:
