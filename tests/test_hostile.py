@@ -188,6 +188,18 @@ def test_resume_accepts_changes_that_keep_the_trajectory(tmp_path, stopped):
     assert result.history == stopped[1]
 
 
+def test_train_resume_of_a_finished_run_says_nothing_was_trained(tmp_path, capsys, stopped):
+    """Found by a probe: train --resume of a finished run printed "trained 4 steps", as if it had trained them
+    again; it says that there was nothing to train, and leaves the folder as it was."""
+    run = copy(stopped[0], tmp_path)
+    resume(run)
+    before = files(run)
+    capsys.readouterr()
+    assert main(["train", *sets("train.checkpoint_every=1"), "--out", str(run), "--resume", "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith("nothing to train: the run finished its 4 steps before; final loss ")
+    assert files(run) == before
+
+
 def test_a_finished_run_resumed_evaluates_what_its_folder_lacks(tmp_path):
     """Resuming a finished run evaluates again when eval.json is of other eval lengths or eval_bema.json is
     missing (a kill between the two files), and leaves both alone when they are current."""

@@ -59,7 +59,11 @@ def train_command(args: argparse.Namespace) -> int:
     if distributed.env_world()[0] != 0:  # torchrun: rank 0 reports (`main` leaves the process group)
         return 0
     final = f"{result.history[-1]:.4g}" if result.history else "n/a"
-    print(f"trained {counted(result.step, 'step')}; final loss {final}; run folder {result.run_dir}")
+    done = f"final loss {final}; run folder {result.run_dir}"
+    if result.trainer.start_step == result.step:        # --resume of a finished run: nothing was trained now
+        print(f"nothing to train: the run finished its {counted(result.step, 'step')} before; {done}")
+    else:
+        print(f"trained {counted(result.step, 'step')}; {done}")
     if result.evaluation:
         print(run_summary(result.evaluation, getattr(result.trainer.source, "metric", "loss"),
                           train_length=max(result.config.lengths())))
