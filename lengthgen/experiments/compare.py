@@ -23,6 +23,7 @@ fails alike beyond the training length, or none learns the task in a few hundred
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from lengthgen.attention import PRESETS
 from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, ConfigWarning, build, check, counted, folder_name,
                               invalid, leaves, option)
+from lengthgen.data.config import make_source
 from lengthgen.data.tasks.base import metric_directions
 from lengthgen.eval import Comparison, RunEval, check_needles
 from lengthgen.experiments.eval_run import checked_lengths
@@ -45,7 +47,8 @@ from lengthgen.report.stats import ALPHA, smallest_p
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.optim import build_optimizers
 from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, checkpoints_at, lock, saved_run_config
-from lengthgen.train.setup import check_backend, check_memory, check_resume, device_type, resolve
+from lengthgen.train.setup import (check_backend, check_memory, check_resume, device_type, fill_model_from_source,
+                                   resolve)
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 
@@ -332,7 +335,8 @@ def _check_resumable(planned: list[tuple[RunConfig, Path]]) -> None:
     config: another number of steps (a comparison's runs all train the same steps, so compare has no --extend), or
     another key that sets the training trajectory (`check_resume`; found at that run's turn, it left the runs trained
     before it under the new config beside the others). The corpus's location is left to each run's own check, which
-    compares the token digests."""
+    compares the token digests. Each data config's source is made once (a text corpus is read once)."""
+    sources: dict[str, Any] = {}
     for cfg, folder in planned:
         saved = saved_run_config(folder)
         if saved is not None and saved.train.steps != cfg.train.steps:
@@ -340,7 +344,11 @@ def _check_resumable(planned: list[tuple[RunConfig, Path]]) -> None:
                               "a comparison's steps stay as they were: resume with the same --steps and "
                               "--pretrain-steps, or run the new steps into another --out", "train.steps")
         if saved is not None:
-            check_resume(saved, resolve(cfg)[0], folder / "config.json", step=0, same_data=True)
+            data = json.dumps(cfg.to_dict()["data"], sort_keys=True)
+            if data not in sources:
+                sources[data] = make_source(cfg.data)
+            check_resume(saved, fill_model_from_source(cfg, sources[data]), folder / "config.json", step=0,
+                         same_data=True)
 
 
 def _pretrain_folders(runs: Plan, out: Path) -> dict[tuple, Path]:
