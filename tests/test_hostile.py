@@ -577,6 +577,23 @@ def test_compare_resume_with_another_training_key_trains_nothing(tmp_path, capsy
                                                                 "l2-seed1"]
 
 
+@pytest.mark.parametrize("key", ["variants", "bases"])
+def test_compare_overwrite_with_a_variant_of_bad_data_keeps_the_comparison(tmp_path, capsys, key):
+    """Found by a probe: a variant (or base) whose data arguments fail only when its run is built (data.task_kwargs)
+    was found at its turn: compare --overwrite had deleted the finished comparison and trained the variants before
+    it. It is now a one-line error naming it before anything is written."""
+    out = tmp_path / "c"
+    args = ["compare", "--eval-lengths", "8,16", "--eval-tokens", "16", "--out", out, "--no-progress",
+            *sets("train.steps=2")]
+    assert cli(capsys, *args, "--variants", "baseline")[0] == 0
+    before = files(out)
+    bad = "{bad = {data = {task_kwargs = {vocab_size = 0}}}}"
+    which = ["--variants", "baseline,bad"] if key == "variants" else ["--variants", "baseline"]
+    code, err = cli(capsys, *args, *which, "--set", f"compare.{key}={bad}", "--overwrite")
+    assert code == 2 and f"compare.{key}.bad: data.task_kwargs.vocab_size=0 is not valid" in err
+    assert files(out) == before
+
+
 def test_resume_takes_another_spelling_of_init_from(tmp_path, stopped):
     start = stopped[0] / "checkpoints" / "step_00000003"
     run = train(config(f"train.init_from={json.dumps(str(start))}"), tmp_path / "run", progress=False,

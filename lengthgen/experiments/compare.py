@@ -47,8 +47,8 @@ from lengthgen.report.stats import ALPHA, smallest_p
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.optim import build_optimizers
 from lengthgen.train.run_folder import RunFolderError, check_fresh, check_kind, checkpoints_at, lock, saved_run_config
-from lengthgen.train.setup import (check_backend, check_memory, check_resume, device_type, fill_model_from_source,
-                                   resolve)
+from lengthgen.train.setup import (check_backend, check_lengths, check_memory, check_resume, device_type,
+                                   fill_model_from_source, resolve)
 
 DEFAULT_VARIANTS = ("baseline", "l2", "avnorm", "sqrt_log_n", "scale_invariant")
 
@@ -247,10 +247,16 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
     out, runs = Path(out), plan(cfg, variants, bases)
     cc = runs.compare
     cfg, source = resolve(cfg)
+    sources = {_data_key(cfg): source}
     train_length = max(cfg.lengths())
     eval_lengths = checked_lengths(cfg, source, cc.eval_lengths, "compare.eval_lengths")
+    for base, base_cfg in runs.bases.items():     # each run's data and lengths, checked before anything trains
+        if base is not None:
+            _resolved(base_cfg, sources, f"compare.bases.{base}")
     for run in runs.runs:       # a variant's model may need more memory than the config's at the longest length
-        check_memory(runs.config(run, cc.seeds[0]), f"compare.eval_lengths (run {run})", eval_lengths[-1])
+        run_cfg = runs.config(run, cc.seeds[0], "pretrained" if cc.pretrain_steps else None)
+        _resolved(run_cfg, sources, f"compare.variants.{runs.runs[run][1]}")
+        check_memory(run_cfg, f"compare.eval_lengths (run {run})", eval_lengths[-1])
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
     metric, higher_is_better = check_metric(source, cc.metric)
@@ -264,7 +270,7 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
             pretrain = _pretrain_folders(runs, out / "pretrain") if cc.pretrain_steps else {}
             _check_resumable([(runs.pretrain_config(base, seed), folder) for (base, seed), folder in pretrain.items()]
                              + [(runs.config(name, seed, pretrain.get((runs.runs[name][0], seed))),
-                                 out / "runs" / folder) for (name, seed), folder in folders.items()])
+                                 out / "runs" / folder) for (name, seed), folder in folders.items()], sources)
         else:
             check_fresh(out, overwrite=overwrite, kind="comparison")
         pretrained = _pretrain(runs, out / "pretrain", resume, progress, runner) if cc.pretrain_steps else {}
@@ -330,13 +336,31 @@ def _check_kept(folder: Path, planned: set[str]) -> None:
                              "merges the two)")
 
 
-def _check_resumable(planned: list[tuple[RunConfig, Path]]) -> None:
+def _data_key(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_dict()["data"], sort_keys=True)
+
+
+def _resolved(cfg: RunConfig, sources: dict[str, Any], key: str) -> RunConfig:
+    """``cfg`` completed from its data source and its lengths checked, as `lengthgen.train.train` does it (a
+    `ConfigError` under ``key`` otherwise); ``sources`` (data config JSON -> source) makes each source once (a text
+    corpus is read once)."""
+    try:
+        data = _data_key(cfg)
+        if data not in sources:
+            sources[data] = make_source(cfg.data)
+        cfg = fill_model_from_source(cfg, sources[data])
+        check_lengths(cfg, sources[data])
+    except ConfigError as err:
+        raise ConfigError(f"{key}: {err}", key) from None
+    return cfg
+
+
+def _check_resumable(planned: list[tuple[RunConfig, Path]], sources: dict[str, Any]) -> None:
     """`ConfigError` before anything trains when a resumed comparison's run (config, folder) was trained with another
     config: another number of steps (a comparison's runs all train the same steps, so compare has no --extend), or
     another key that sets the training trajectory (`check_resume`; found at that run's turn, it left the runs trained
     before it under the new config beside the others). The corpus's location is left to each run's own check, which
-    compares the token digests. Each data config's source is made once (a text corpus is read once)."""
-    sources: dict[str, Any] = {}
+    compares the token digests. ``sources``: `_resolved`'s."""
     for cfg, folder in planned:
         saved = saved_run_config(folder)
         if saved is not None and saved.train.steps != cfg.train.steps:
@@ -344,11 +368,7 @@ def _check_resumable(planned: list[tuple[RunConfig, Path]]) -> None:
                               "a comparison's steps stay as they were: resume with the same --steps and "
                               "--pretrain-steps, or run the new steps into another --out", "train.steps")
         if saved is not None:
-            data = json.dumps(cfg.to_dict()["data"], sort_keys=True)
-            if data not in sources:
-                sources[data] = make_source(cfg.data)
-            check_resume(saved, fill_model_from_source(cfg, sources[data]), folder / "config.json", step=0,
-                         same_data=True)
+            check_resume(saved, _resolved(cfg, sources, str(folder)), folder / "config.json", step=0, same_data=True)
 
 
 def _pretrain_folders(runs: Plan, out: Path) -> dict[tuple, Path]:
