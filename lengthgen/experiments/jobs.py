@@ -173,14 +173,17 @@ def _in_worker(job: Job) -> tuple[list[tuple[str, RunEval]], list[str], list[tup
     raises (`_sendable`) carries the lines and warnings before it as ``worker_output``."""
     lines: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
-        output = lambda: (lines, [(str(w.message), w.category, w.filename, w.lineno) for w in caught])  # noqa: E731
         try:
             evaluations = run_job(job, lines.append, {})
         except Exception as err:
             sent = _sendable(err)
-            sent.worker_output = output()
+            sent.worker_output = (lines, _picklable(caught))
             raise sent
-    return evaluations, *output()
+    return evaluations, lines, _picklable(caught)
+
+
+def _picklable(caught: list[warnings.WarningMessage]) -> list[tuple[str, type, str, int]]:
+    return [(str(w.message), w.category, w.filename, w.lineno) for w in caught]
 
 
 def _sendable(err: Exception) -> Exception:
