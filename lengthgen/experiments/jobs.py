@@ -75,11 +75,15 @@ class Runner:
 
     def run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
         """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
-        processes: without progress bars, each job's warnings issued here (so the command shows them as its own;
-        one that an earlier job's showed alike is not repeated: each worker's runs have their own evaluation
-        sources, whose once-per-length warnings would come once per run) and its log lines logged when it ends,
-        before its error when it raises one (`_in_worker`). An error a job raises comes back as it was raised,
-        with the job's label as its ``run_label`` (`_named`), which the command's one-line error shows."""
+        processes: without progress bars, each job's warnings issued here (so the command shows them as its own)
+        and its log lines logged when it ends, before its error when it raises one (`_in_worker`); in one process
+        its warnings come when issued. Either way a warning shown alike before is not shown again (`_once`). An
+        error a job raises comes back as it was raised, with the job's label as its ``run_label`` (`_named`), which
+        the command's one-line error shows."""
+        with self._once():
+            return self._run(jobs)
+
+    def _run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
         if self.pool is None:
             results = []
             for job in jobs:
@@ -105,13 +109,30 @@ class Runner:
         return results
 
     def _replay(self, lines: list[str], caught: list[tuple[str, type, str, int]]) -> None:
-        """A worker job's warnings (those not shown yet) and log lines, shown here."""
+        """A worker job's warnings and log lines, shown here."""
         for warning in caught:
-            if warning not in self.shown:
-                self.shown.add(warning)
-                warnings.warn_explicit(*warning)
+            warnings.warn_explicit(*warning)
         for line in lines:
             self.log(line)
+
+    @contextlib.contextmanager
+    def _once(self):
+        """Inside, a warning of the same text, category and place as one shown before is not shown again. Python's
+        own record of the warnings it showed is reset by every `warnings.catch_warnings` (the runs make several),
+        and each worker has its own: either way each run would show its warnings again."""
+        show = warnings.showwarning
+
+        def once(message, category, filename, lineno, *rest):
+            key = (str(message), category, filename, lineno)
+            if key not in self.shown:
+                self.shown.add(key)
+                show(message, category, filename, lineno, *rest)
+
+        warnings.showwarning = once
+        try:
+            yield
+        finally:
+            warnings.showwarning = show
 
     def close(self, abort: bool = False) -> None:
         """Shut the workers down after their runs (``abort``: now, ending the runs they are in)."""
