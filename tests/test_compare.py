@@ -394,8 +394,8 @@ def test_a_failed_worker_jobs_warnings_and_log_lines_come_before_its_error(tmp_p
     lost, where one worker shows them before the error. They now come with the error, before it."""
     import json
 
+    from lengthgen.config import ConfigError
     from lengthgen.experiments.jobs import Job, Runner, run_job
-    from lengthgen.train.checkpoint import CheckpointError
 
     corpus = tmp_path / "docs.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(40)))
@@ -405,13 +405,31 @@ def test_a_failed_worker_jobs_warnings_and_log_lines_come_before_its_error(tmp_p
     job = Job(cfg, tmp_path / "run", "l2 seed 0", "l2", (16,), 32, progress=False)
     with warnings.catch_warnings(record=True):
         run_job(job, lambda line: None, {})
-    next((tmp_path / "run").glob("checkpoints/*/model.safetensors")).write_bytes(b"damaged")
     lines: list[str] = []
-    with pytest.raises(CheckpointError, match="no readable checkpoint") as caught, \
+    with pytest.raises(ConfigError, match="tokens_per_length") as caught, \
             pytest.warns(ConfigWarning, match="the run trains on the validation split"), \
-            Runner(2, lines.append) as runner:
-        runner.run([dataclasses.replace(job, resume=True)])
-    assert caught.value.run_label == "l2 seed 0" and lines == ["[l2 seed 0] training 3 steps at length 16 (resuming)"]
+            Runner(2, lines.append) as runner:       # evaluating it fails (no tokens), after its log line
+        runner.run([dataclasses.replace(job, resume=True, tokens=0)])
+    assert caught.value.run_label == "l2 seed 0"
+    assert lines == [f"[l2 seed 0] reused the finished run {tmp_path / 'run'}"]
+
+
+def test_a_resumed_runs_log_says_only_what_it_does(tmp_path):
+    """compare --resume logged '[l2 seed 0] training 3 steps at length 8 (resuming)' before 'reused the finished
+    run' for a finished run, which trains nothing; an interrupted run's line now says the step it resumes from."""
+    from lengthgen.experiments.jobs import Job, run_job
+    from lengthgen.train import train
+
+    cfg = base_config(None, TINY + ["data.length=8"])
+    train(cfg, tmp_path / "run", progress=False, stop_at=1)
+    job = Job(cfg, tmp_path / "run", "l2 seed 0", "l2", (8,), 16, progress=False, resume=True)
+    lines: list[str] = []
+    run_job(job, lines.append, {})
+    assert lines[0] == "[l2 seed 0] training 3 steps at length 8 (resuming from step 1)"
+    lines.clear()
+    run_job(job, lines.append, {})
+    assert lines[0] == f"[l2 seed 0] reused the finished run {tmp_path / 'run'}"
+    assert len(lines) == 2 and lines[1].startswith("[l2 seed 0] loss at length 8: ")
 
 
 class _TwoPartError(Exception):
@@ -448,7 +466,7 @@ def test_the_error_line_names_the_run_it_came_from(tmp_path, capsys, monkeypatch
 
     def out_of_memory(*args, **kwargs):
         raise MemoryError()
-    monkeypatch.setattr(jobs, "train", out_of_memory)
+    monkeypatch.setattr(jobs, "Trainer", out_of_memory)
     code = main(["compare", "--variants", "baseline", "--seeds", "1", "--eval-lengths", "16", "--eval-tokens", "32",
                  "--out", str(tmp_path / "c"), "--no-progress"] + [x for s in TINY for x in ("--set", s)])
     err = capsys.readouterr().err.splitlines()[-1]

@@ -809,21 +809,21 @@ def test_interrupted_compare_continues_with_resume(tmp_path, monkeypatch):
     import lengthgen.experiments.jobs as jobs
 
     reference = _compare(tmp_path / "reference", variants=("baseline", "l2"))
-    original = jobs.train
+    original = jobs.Trainer.fit
 
     class Killed(BaseException):
         pass
 
-    def interrupted(cfg, run_dir, **kwargs):      # l2 stops after step 1 (with a checkpoint), as if killed
-        if run_dir.name.startswith("l2"):
-            original(cfg, run_dir, **kwargs, stop_at=1)
+    def interrupted(self, stop_at=None):      # l2 stops after step 1 (with a checkpoint), as if killed
+        if self.run_dir.name.startswith("l2"):
+            original(self, stop_at=1)
             raise Killed
-        return original(cfg, run_dir, **kwargs)
+        return original(self, stop_at)
 
-    monkeypatch.setattr(jobs, "train", interrupted)
+    monkeypatch.setattr(jobs.Trainer, "fit", interrupted)
     with pytest.raises(Killed):
         _compare(tmp_path / "c", variants=("baseline", "l2"))
-    monkeypatch.setattr(jobs, "train", original)
+    monkeypatch.setattr(jobs.Trainer, "fit", original)
     finished = files(tmp_path / "c" / "runs" / "baseline-seed0")
     cfg = config("train.steps=2", "compare.eval_lengths=[8, 16]", "compare.eval_tokens=16")
     results = run_compare(cfg, tmp_path / "c", variants=["baseline", "l2"], progress=False, log=lambda _: None,

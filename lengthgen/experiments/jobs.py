@@ -31,7 +31,7 @@ from lengthgen.config import counted, to_plain
 from lengthgen.eval import RunEval, eval_source, evaluate
 from lengthgen.experiments.needle import needle_filler, run_map
 from lengthgen.model import GPT
-from lengthgen.train import NonFiniteLossError, train
+from lengthgen.train import NonFiniteLossError, Trainer
 from lengthgen.train.config import RunConfig
 from lengthgen.train.setup import autocast_dtype, device_type, resolve, run_threads
 
@@ -222,13 +222,19 @@ def _sendable(err: Exception) -> Exception:
 def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunEval]]:
     """Train ``job``'s run (``resume``: reuse or continue the one in its folder) and, when it has a ``name``,
     evaluate it (`evaluate_run`) with its training seconds (summed over the sessions that trained it) and tokens
-    recorded. ``sources``: `evaluate_run`'s."""
+    recorded. ``sources``: `evaluate_run`'s. The log says ``training ...`` only when steps are left to train (the
+    run built and its checkpoint read first: a finished run is only ``reused``)."""
     steps = job.config.train.steps
-    log(f"[{job.label}] training {counted(steps, 'step')} at length {max(job.config.lengths())}"
-        + (" (resuming)" if job.resume else ""))
     start = time.perf_counter()
     try:
-        trained = train(job.config, job.run_dir, progress=job.progress, resume=job.resume, name=job.label)
+        trainer = Trainer(job.config, job.run_dir, progress=job.progress, resume=job.resume, name=job.label)
+        try:
+            if trainer.start_step < steps:
+                log(f"[{job.label}] training {counted(steps, 'step')} at length {max(job.config.lengths())}"
+                    + (f" (resuming from step {trainer.start_step})" if trainer.start_step else ""))
+            trained = trainer.fit()
+        finally:
+            trainer.close()
     except NonFiniteLossError as err:
         if job.name is None:        # a pretraining run: its variants have no weights to start from (named by
             raise                   # `Runner.run`, as every error of a run)
