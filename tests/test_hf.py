@@ -425,6 +425,26 @@ def test_plain_transformers_load_of_a_retrofit_raises_instead_of_running_the_bas
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
 
 
+def test_a_truncated_weight_file_of_a_saved_retrofit_or_an_export_names_the_file(tmp_path):
+    """`lhf.from_pretrained` of a folder whose model.safetensors was cut short raised safetensors' SafetensorError,
+    which names no file; now a `CheckpointError` naming it (one line in the CLI), for a saved retrofit (read by
+    lengthgen) and an exported run (read by transformers)."""
+    from lengthgen.train import train
+    from lengthgen.train.checkpoint import CheckpointError
+    from lengthgen.train.config import RunConfig
+
+    quiet_retrofit(tiny("llama"), AttentionSpec(softmax_p=2.0)).save_pretrained(tmp_path / "retrofit")
+    cfg = RunConfig.from_dict({"model": {"dim": 16, "layers": 1, "heads": 2}, "train": {"steps": 1, "batch_size": 2},
+                               "data": {"task": "dyck", "length": 16}})
+    train(cfg, tmp_path / "run", progress=False)
+    lhf.export_run(tmp_path / "run", tmp_path / "export")
+    for folder in ("retrofit", "export"):
+        weights = tmp_path / folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:2000])
+        with pytest.raises(CheckpointError, match=f"^{weights} is unreadable \\(SafetensorError: "):
+            lhf.from_pretrained(tmp_path / folder)
+
+
 def test_token_losses_and_load_local_model(tmp_path):
     model = tiny("llama")
     model.save_pretrained(tmp_path / "plain")

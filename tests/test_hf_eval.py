@@ -92,6 +92,30 @@ def test_a_model_folder_without_weights_is_one_line(tiny_llama_dir, tmp_path, ca
                           "model.safetensors or pytorch_model.bin")
 
 
+@pytest.mark.parametrize("command, weights", [("eval", "model.safetensors"), ("needle", "model.safetensors"),
+                                              ("eval", "pytorch_model.bin")])
+def test_a_truncated_weight_file_is_one_line(tiny_llama_dir, tmp_path, capsys, command, weights):
+    """A weight file cut short (an interrupted copy or download) went to safetensors' SafetensorError (torch's
+    OSError) traceback, where a damaged checkpoint of a lengthgen run is one line; now one line naming the file,
+    exit 2, nothing written."""
+    import shutil
+
+    import torch
+
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_llama_dir, cut)
+    if weights == "pytorch_model.bin":
+        torch.save(transformers.AutoModelForCausalLM.from_pretrained(cut).state_dict(), cut / weights)
+        (cut / "model.safetensors").unlink()
+        capsys.readouterr()         # transformers' loading bar
+    (cut / weights).write_bytes((cut / weights).read_bytes()[:2000])
+    out = tmp_path / ("out.json" if command == "eval" else "out")
+    code = main([command, "--hf", str(cut), "--lengths", "32", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and not out.exists()
+    assert err.startswith(f"lengthgen {command}: error: {cut / weights} is unreadable ("), err
+
+
 @pytest.mark.parametrize("model_type, message", [
     ("not_a_model_yet", "has model type `not_a_model_yet` but Transformers does not recognize this architecture"),
     ("t5", "T5Config has no causal-LM class in transformers' AutoModelForCausalLM")])

@@ -18,7 +18,7 @@ from lengthgen.config import ConfigError
 from lengthgen.eval import DEPTHS, LongDocuments, NeedleMap, RunEval, answer_scores, evaluate, needle_map
 from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.hf.registry import NAME, register, require_transformers
-from lengthgen.hf.retrofit import WEIGHT_FILES, causal_lm_class, from_pretrained
+from lengthgen.hf.retrofit import WEIGHT_FILES, causal_lm_class, check_weight_files, from_pretrained
 
 # Causal LMs whose logits are exactly lm_head(final hidden states): `token_losses` can chunk the vocabulary matmul.
 _PLAIN_LM_HEADS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
@@ -55,7 +55,8 @@ def load_local_model(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
     A directory saved after `retrofit` (``lengthgen_spec`` in its config) or written by ``lengthgen export`` is
     loaded with `lengthgen.hf.from_pretrained`; other models with their default attention. Raises
     FileNotFoundError naming ``path`` if it is not a local directory with a ``config.json`` and weights,
-    `ConfigError` naming it if the installed transformers does not know its model type or has no causal LM for it.
+    `ConfigError` naming it if the installed transformers does not know its model type or has no causal LM for it,
+    `CheckpointError` naming a weight file that cannot be read (`check_weight_files`).
     """
     folder = model_folder(path)
     transformers = require_transformers()
@@ -72,8 +73,9 @@ def load_local_model(path: str | os.PathLike, **kwargs: Any) -> nn.Module:
                           f"{transformers.__version__})") from None
     causal_lm_class(config, path)
     if getattr(config, "lengthgen_spec", None) is not None or config.model_type == "lengthgen":
-        model = from_pretrained(folder, config=config, **kwargs)
+        model = from_pretrained(folder, config=config, **kwargs)       # which checks its weight files
     else:
+        check_weight_files(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config, **kwargs)
     return model.eval()
 

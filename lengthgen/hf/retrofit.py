@@ -19,6 +19,7 @@ import copy
 import json
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from lengthgen.attention.spec import BASE, AttentionSpec, resolve_spec
 from lengthgen.config import ConfigError
 from lengthgen.hf.attention import LengthgenState, capture_input, needs_state, release_input
 from lengthgen.hf.registry import NAME, register, require_transformers
+from lengthgen.train.checkpoint import reading
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -164,9 +166,9 @@ WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors", True),
                 ("pytorch_model.bin.index.json", "pytorch_model.bin", False))
 
 
-def checkpoint_tensors(path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor of the (possibly sharded) safetensors or torch checkpoint at ``path`` (directory or hub id)."""
-    from safetensors.torch import load_file
+def _weight_files(path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> tuple[list[Path], bool]:
+    """The local files of the (possibly sharded) safetensors or torch checkpoint at ``path`` (directory or hub id)
+    and whether they are safetensors; FileNotFoundError when it has none."""
     from transformers.utils import cached_file
 
     def resolve(filename: str) -> str | None:
@@ -182,13 +184,44 @@ def checkpoint_tensors(path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> d
                 files = sorted(set(json.load(fh)["weight_map"].values()))
         else:
             files = [single] if resolve(single) is not None else []
-        found: dict[str, torch.Tensor] = {}
-        for file in files:
-            local = resolve(file)
-            found.update(load_file(local) if safe else torch.load(local, map_location="cpu", weights_only=True))
-        if files:
-            return found
+        if files:       # a shard the index lists but that is absent: named missing when read
+            return [Path(resolve(file) or os.path.join(path, file)) for file in files], safe
     raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin checkpoint (sharded or not)")
+
+
+def checkpoint_tensors(path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every tensor of the (possibly sharded) safetensors or torch checkpoint at ``path`` (directory or hub id); a
+    file that cannot be read is a one-line `CheckpointError` naming it."""
+    from safetensors.torch import load_file
+
+    files, safe = _weight_files(path, hub_kwargs)
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with reading(file):
+            found.update(load_file(file) if safe else torch.load(file, map_location="cpu", weights_only=True))
+    return found
+
+
+def check_weight_files(path: str | os.PathLike, hub_kwargs: dict[str, Any] | None = None) -> None:
+    """A one-line `CheckpointError` naming the first weight file of the local model folder ``path`` that cannot be
+    opened (a truncated copy or download), before transformers loads it (its error is a traceback): a safetensors
+    file's header and size, a torch zip archive's index (memory-mapped: no tensor is read; a file of torch's legacy
+    format is left to transformers). A hub id is left to transformers."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        return
+    files, safe = _weight_files(path, hub_kwargs or {})
+    for file in files:
+        with reading(file):
+            if safe:
+                with safe_open(str(file), framework="pt"):
+                    pass
+                continue
+            with open(file, "rb") as fh:
+                zipped = fh.read(4) == b"PK\x03\x04"
+            if zipped:
+                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
 
 
 def causal_lm_class(config: Any, path: str | os.PathLike) -> type:
@@ -240,6 +273,7 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
                              "(spec= retrofits transformers models)")
         if backend is not None:
             config.gpt["attention_backend"] = backend
+        check_weight_files(path, hub_kwargs)
         return transformers.AutoModelForCausalLM.from_pretrained(path, config=config, **hub_kwargs, **kwargs)
     saved = getattr(config, "lengthgen_spec", None)
     if spec is None and saved is None:
@@ -268,5 +302,5 @@ def from_pretrained(path: str | os.PathLike, spec: AttentionSpec | str | dict | 
     return model
 
 
-__all__ = ["IGNORED_FIELDS", "WEIGHT_FILES", "attention_modules", "causal_lm_class", "checkpoint_tensors",
-           "from_pretrained", "lengthgen_parameters", "retrofit", "retrofit_notes"]
+__all__ = ["IGNORED_FIELDS", "WEIGHT_FILES", "attention_modules", "causal_lm_class", "check_weight_files",
+           "checkpoint_tensors", "from_pretrained", "lengthgen_parameters", "retrofit", "retrofit_notes"]

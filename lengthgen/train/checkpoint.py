@@ -153,7 +153,7 @@ def _verify(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _reading(path: Path) -> Iterator[None]:
+def reading(path: Path) -> Iterator[None]:
     """Turn a failure to read ``path``, or bytes that changed since it was written (`_verify`), into a one-line
     `CheckpointError` naming it."""
     try:
@@ -173,7 +173,7 @@ def _reading(path: Path) -> Iterator[None]:
 def read_state(ckpt: Path) -> dict[str, Any]:
     """The checkpoint's ``state.json``: step, config, RNG states, loss history, ..."""
     path = Path(ckpt) / "state.json"
-    with _reading(path):
+    with reading(path):
         state = json.loads(path.read_text())
         if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("config"), dict)
                 and isinstance(state.get("history"), list) and isinstance(state.get("rng"), dict)):
@@ -198,14 +198,14 @@ def saved_config(data: Any, where: Path) -> RunConfig:
 
 def load_weights(model: nn.Module, ckpt: Path, device: str | torch.device = "cpu") -> None:
     path = Path(ckpt) / "model.safetensors"
-    with _reading(path):
+    with reading(path):
         load_model(model, str(path), strict=True, device=str(device))
 
 
 def load_tensors(ckpt: Path, name: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The tensors of the checkpoint's safetensors file ``name``."""
     path = Path(ckpt) / name
-    with _reading(path):
+    with reading(path):
         return load_file(str(path), device=str(device))
 
 
@@ -226,5 +226,5 @@ def load_bema_tensors(ckpt: Path, meta: dict[str, Any] | None, device: str | tor
 def read_optimizers(ckpt: Path, device: str | torch.device = "cpu") -> list[dict[str, Any]]:
     """The optimizers' state dicts of a checkpoint."""
     path = Path(ckpt) / "optimizer.pt"
-    with _reading(path):
+    with reading(path):
         return torch.load(path, map_location=device, weights_only=True)["optimizers"]
