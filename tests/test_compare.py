@@ -108,6 +108,18 @@ def test_compare_command_bad_metric_exits_2_before_training(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+def test_task_flag_on_a_text_config_exits_2_before_training(tmp_path, capsys):
+    """--task on a config of text data (data.kind = "text") set data.task, which text never reads: the comparison
+    trained on the corpus while the command line named a task, without a word."""
+    sets = ["data.kind=text", 'data.text={corpus="stdlib"}', *TINY[1:]]
+    assert main(["compare", "--task", "mqar", "--out", str(tmp_path / "out")]
+                + [x for s in sets for x in ("--set", s)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "lengthgen compare: error: --task mqar sets data.task, which data.kind='text' does not read: set "
+        "data.kind=task (and data.text={}) to compare on a task"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_task_may_headline_another_metric_it_reports():
     """Tomita's headline became the ROC AUC; its accuracy, still reported, can be a comparison's headline."""
     from lengthgen.experiments.compare import check_metric

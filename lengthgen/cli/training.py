@@ -126,6 +126,9 @@ def compare_command(args: argparse.Namespace) -> int:
              "compare.metric": ("--metric", args.metric), "compare.workers": ("--workers", args.workers)}
     cfg = base_config(args.config, flag_overrides(args, {key: (flag, None if value is None else str(value))
                                                           for key, (flag, value) in flags.items()}))
+    if args.task is not None and cfg.data.kind != "task":
+        raise CommandError(f"--task {args.task} sets data.task, which data.kind={cfg.data.kind!r} does not read: "
+                           "set data.kind=task (and data.text={}) to compare on a task")
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
         cfg = cfg.override(f"compare.metric={default_metric(cfg)}")
     variants, bases = ([v.strip() for v in text.split(",")] if text else None for text in (args.variants, args.bases))
