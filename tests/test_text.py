@@ -307,6 +307,20 @@ def test_txt_one_document_per_file_and_separator(tmp_path):
     assert list(make_corpus(str(tmp_path / "b.txt"), "all")) == ["beta"]
 
 
+def test_a_directory_corpus_reads_its_linked_folders(tmp_path):
+    """A folder corpus searched recursively skipped a subfolder that is a symbolic link (os.walk does not follow
+    them), without a word, while the glob of the same folder read it; a link back up the tree is read once."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "linked.txt").write_text("linked document")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "own.txt").write_text("own document")
+    (tmp_path / "corpus" / "more").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere" / "up").symlink_to(tmp_path / "corpus", target_is_directory=True)   # a cycle
+    folder = FileCorpus(tmp_path / "corpus")
+    assert [key for key, _ in folder.files] == ["more/linked.txt", "own.txt"]
+    assert list(folder) == ["linked document", "own document"]
+
+
 def test_jsonl_loading_and_errors(tmp_path):
     path = write_docs(tmp_path, ["one", "two ü"])
     assert list(FileCorpus(path)) == ["one", "two ü"]

@@ -36,7 +36,7 @@ def _glob_base(pattern: str) -> Path:
 
 def resolve_files(source: str | os.PathLike | list, extensions: tuple[str, ...], what: str
                   ) -> list[tuple[str, Path]]:
-    """Files named by ``source`` (a file, a directory searched recursively, a glob, or a list of
+    """Files named by ``source`` (a file, a directory searched recursively through linked folders, a glob, or a list of
     these) with one of ``extensions``, as ``(key, path)`` sorted by key, where key is the path
     relative to the directory or the glob's fixed prefix (a file a list names twice: once, keyed by its first
     source). Raises a clear error for missing paths,
@@ -67,7 +67,12 @@ def resolve_files(source: str | os.PathLike | list, extensions: tuple[str, ...],
     if path.is_dir():
         found_exts: set[str] = set()
         out = []
-        for d, dirs, files in os.walk(path):
+        visited: set[str] = set()      # real folders walked: a linked folder is read once, a link cycle ends
+        for d, dirs, files in os.walk(path, followlinks=True):
+            if os.path.realpath(d) in visited:
+                dirs[:] = []
+                continue
+            visited.add(os.path.realpath(d))
             dirs[:] = sorted(x for x in dirs if not x.startswith("."))
             for f in files:
                 p = Path(d) / f
