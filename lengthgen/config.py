@@ -169,7 +169,7 @@ def expected(hint: Any, bounds: dict[str, float] | None = None) -> str:
     if _optional_arm(hint) is not None:
         return f"{expected(_optional_arm(hint), bounds)}, or none"
     if origin is Literal:
-        return f"one of {', '.join(str(a) for a in args)}"
+        return f"one of {', '.join(json.dumps(a) if isinstance(a, bool) else str(a) for a in args)}"  # true, as TOML
     if hint is bool:
         return "true or false"
     if hint is int:

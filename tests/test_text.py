@@ -406,6 +406,15 @@ def test_make_corpus_rejects_unknown_forms_and_options(monkeypatch):
     # a flag is a bool: the string "false" would have turned BOS alignment on
     with pytest.raises(ConfigError, match=r"^data\.text\.bos_aligned='false' is not valid; it must be true or false$"):
         make_source(DataConfig(kind="text", text={"bos_aligned": "false"}))
+    # verbose likewise; a cache folder that is no path failed with "data.text: expected str, bytes or os.PathLike
+    # object, not int"; cache's choices are written as TOML writes them
+    with pytest.raises(ConfigError, match=r"^data\.text\.verbose='false' is not valid; it must be true or false$"):
+        make_source(DataConfig(kind="text", text={"verbose": "false"}))
+    with pytest.raises(ConfigError, match=r"^data\.text\.cache_dir=5 is not valid; it must be a string, or none$"):
+        make_source(DataConfig(kind="text", text={"cache": True, "cache_dir": 5}))
+    with pytest.raises(ConfigError, match=r"^data\.text\.cache='yes' is not valid; it must be one of true, false, "
+                                          r"auto$"):
+        make_source(DataConfig(kind="text", text={"cache": "yes"}))
     with pytest.raises(ConfigError, match=r"StdlibCorpus\.split='test' is not valid; it must be one of train, val"):
         make_corpus("stdlib", "test")
     monkeypatch.setitem(sys.modules, "datasets", None)

@@ -367,6 +367,9 @@ def make_text_data(corpus: str | Corpus = "stdlib", tokenizer: str | Tokenizer =
     check_value("make_text_data.bos_aligned", bos_aligned, bool)     # before the corpus is read
     max_documents = check_value("make_text_data.max_documents", max_documents, int | None, ge=1)
     max_tokens = check_value("make_text_data.max_tokens", max_tokens, int | None, ge=1)
+    check_value("make_text_data.verbose", verbose, bool)
+    check_value("make_text_data.cache_dir", os.fspath(cache_dir) if isinstance(cache_dir, os.PathLike) else cache_dir,
+                str | None)
     tok = make_tokenizer(tokenizer)
     if isinstance(corpus, str) and corpus.startswith("hf:") and max_documents is None \
             and max_tokens is None:
