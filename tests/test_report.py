@@ -294,6 +294,26 @@ def test_report_lists_each_lengths_documents_for_text():
             "there are, the same for every seed); 64: 1 long document (train split, which the run trained on") in text
 
 
+def test_report_lists_the_documents_of_each_variant_evaluated_on_others():
+    """A base that changes the data (another tokenizer: no validation document that long) is evaluated on other
+    documents, here the training text; the report described the first run's batches only, "val split", as if
+    every run had been evaluated on held-out text."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    described = {"a": "4 long documents (val split)", "b": "4 long documents (train split, which the run trained on)"}
+    for name, runs in results.variants.items():
+        for run in runs:
+            for row in run.lengths:
+                row.batch = described[name]
+    text = markdown_report(results)
+    tail = "; each run draws its documents with its own seed, except where a length takes all there are"
+    assert ("- **Evaluation**: lengths 16 (1x), 32 (2x), 64 (4x); the variants were evaluated on other batches:\n"
+            "  - a: batches by length (seed 0): 16: 4 long documents (val split); 32: 4 long documents (val split); "
+            f"64: 4 long documents (val split){tail}\n"
+            "  - b: batches by length (seed 0): 16: 4 long documents (train split, which the run trained on); 32: 4 "
+            "long documents (train split, which the run trained on); 64: 4 long documents (train split, which the "
+            f"run trained on){tail}\n") in text
+
+
 def test_variant_names_are_escaped_as_markdown():
     """A variant is named by any TOML key: 'a|b' split its table rows into an extra column, '<b>' vanished as an
     HTML tag, and '*' or '_' at a word's edge turned the text around it into emphasis."""

@@ -124,7 +124,7 @@ def setup(results: Comparison) -> list[str]:
              f"{counted(train.get('warmup_steps'), 'warmup step')}",
              f"- **Seeds**: {', '.join(map(str, seeds)) or 'n/a'} ({_seed_counts(results)})",
              f"- **Evaluation**: lengths {', '.join(length_label(n, results.train_length) for n in lengths)}; "
-             f"{_batches(runs[0], lengths)}"]
+             f"{_evaluated_on(results, lengths)}"]
     per_run = (f"per run {_seconds([r.train_seconds for r in runs])} training, "
                f"{_seconds([r.eval_seconds for r in runs])} evaluation")
     origins = _origins(results)
@@ -173,6 +173,19 @@ def _batches(run: RunEval, lengths: list[int]) -> str:
                 "seeded by each run's seed")
     return (f"batches by length (seed {run.seed}): " + "; ".join(f"{n}: {batch}" for n, batch in batches.items())
             + "; each run draws its documents with its own seed, except where a length takes all there are")
+
+
+def _evaluated_on(results: Comparison, lengths: list[int]) -> str:
+    """`_batches` of the first run; where some variants were evaluated on other batches (a base of other data, e.g.
+    another tokenizer, may find no held-out document that long), one line per group of them, naming its variants."""
+    batches: dict[tuple[str, ...], dict[str, RunEval]] = {}     # the batches -> variant -> its first run there
+    for name, variant_runs in results.variants.items():
+        for run in variant_runs:
+            batches.setdefault(tuple(run.at(n).batch for n in lengths), {}).setdefault(name, run)
+    if len(batches) == 1:
+        return _batches(_runs(results)[0], lengths)
+    return "the variants were evaluated on other batches:" + "".join(
+        f"\n  - {', '.join(named)}: {_batches(next(iter(named.values())), lengths)}" for named in batches.values())
 
 
 def _by_variant(results: Comparison, attr: str, unit: str) -> str:
