@@ -165,6 +165,18 @@ def test_an_hf_bos_not_marked_special_never_comes_from_text(tmp_path):
     assert np.count_nonzero(data.stream.tokens == tok.bos_id) == data.stream.num_documents == 2
 
 
+def test_an_hf_tokenizer_reads_a_lone_surrogate_as_tiktoken_does(tmp_path):
+    """JSON may escape a lone surrogate ("\\ud800", common in scraped text): the byte tokenizer encodes it and
+    tiktoken replaces it by U+FFFD, but an hf: tokenizer failed the whole corpus with "data.text: TextEncodeInput
+    must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]", naming neither file nor document."""
+    _tiny_hf_tokenizer(tmp_path / "tokenizer.json")
+    tok = make_tokenizer(f"hf:{tmp_path}")
+    (tmp_path / "docs.jsonl").write_text('{"text": "a \\ud800 b"}\n{"text": "x = 1"}\n')
+    data = make_text_data(str(tmp_path / "docs.jsonl"), tok, split="all", cache=False)
+    assert [tok.decode(data.stream.document(i)) for i in range(2)] == ["a \ufffd b", "x = 1"]
+    assert tok.encode("a \ud800 b") == tok.encode("a \ufffd b")
+
+
 def test_hf_tokenizer_ignores_the_truncation_and_padding_saved_in_its_file(tmp_path):
     # a tokenizer.json may carry truncation / padding settings (saved after enable_truncation, as some Hub files
     # do): documents would be cut to that many tokens, silently, and short ones padded

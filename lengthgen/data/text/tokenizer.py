@@ -68,6 +68,16 @@ def _to_int_list(ids: Iterable[int]) -> list[int]:
     return _as_numpy(ids).tolist()
 
 
+def _scalar_values(text: str) -> str:
+    """``text`` with each lone surrogate (JSON may escape one, ``"\\ud800"``; `tokenizers` refuses it) replaced by
+    U+FFFD, as tiktoken's ``encode`` does."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as ids 0..255, then BOS = 256, EOS = 257, PAD = 258 (``vocab_size`` 259).
 
@@ -273,10 +283,10 @@ class HFTokenizer(Tokenizer):
         return f"hf:{digest}:bos{self.bos_id}:ordinary:whole:bos-special"
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(_scalar_values(text), add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        out = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        out = self._tok.encode_batch([_scalar_values(t) for t in texts], add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in out]
 
     def decode(self, ids: Iterable[int]) -> str:
