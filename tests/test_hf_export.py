@@ -204,6 +204,34 @@ def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
     assert not (tmp_path / "hf-gpt2" / "tokenizer.json").exists()
 
 
+def test_a_tokenizer_file_changed_since_training_is_refused_by_export_and_sample(tmp_path, capsys):
+    """An hf: tokenizer.json retrained in place after the run: export saved the new file beside the model, whose ids
+    it does not share, and sample encoded the prompt with it, both without a word. Each checkpoint now keeps the
+    tokenizer's id mapping (`Tokenizer.cache_key`); both refuse another one in one line."""
+    tokenizers = pytest.importorskip("tokenizers")
+
+    def save(chars: str) -> None:
+        vocab = {"<s>": 0, **{c: i + 1 for i, c in enumerate(chars)}, "<unk>": len(chars) + 1}
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+        tok.save(str(tmp_path / "tokenizer.json"))
+
+    save("abc ")
+    (tmp_path / "docs.txt").write_text("abc cab bca " * 20)
+    text = {"corpus": str(tmp_path / "docs.txt"), "tokenizer": f"hf:{tmp_path}", "split": "all", "cache": False}
+    train(_tiny(kind="text", text=text), tmp_path / "run", progress=False)
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
+    save(" cba")                                                          # the same size, other ids
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "2"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors == [f"lengthgen {command}: error: data.text.tokenizer: hf:{tmp_path / 'tokenizer.json'} maps text "
+                      "to other ids than when the run trained (its file changed since): restore the tokenizer the "
+                      "run trained with" for command in ("export", "sample")]
+    assert not (tmp_path / "hf").exists()
+
+
 def test_byte_tokenizer_has_the_same_ids_and_decoding():
     text = "def f(x):\n\treturn x  # ünïcödé 日本語 🙂\r\n  trailing   "
     fast = lhf.byte_tokenizer()

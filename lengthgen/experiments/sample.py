@@ -11,6 +11,7 @@ from lengthgen.config import ConfigError, check_value
 from lengthgen.data.text import make_tokenizer
 from lengthgen.train import load_run
 from lengthgen.train.setup import autocast_dtype, for_inference, run_threads
+from lengthgen.train.weights import check_trained_tokenizer
 
 
 def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temperature: float = 0.8,
@@ -30,6 +31,7 @@ def sample_run(path: str | Path, prompt: str, *, max_new_tokens: int = 200, temp
                           f"continues text runs (data.kind = 'text'); evaluate a task run with lengthgen eval {path}",
                           "data.kind")
     tokenizer = make_tokenizer(cfg.data.text.get("tokenizer", "byte"))
+    check_trained_tokenizer(path, tokenizer)
     model, kind = for_inference(model, cfg.train)
     ids = tokenizer.encode(prompt)
     dtype = autocast_dtype(cfg.train, kind)

@@ -21,6 +21,7 @@ from lengthgen.data.text import make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
 from lengthgen.train import load_run
 from lengthgen.train.run_folder import RunFolderError, outside_checkpoints
+from lengthgen.train.weights import check_trained_tokenizer
 
 
 def byte_tokenizer() -> Any:
@@ -39,8 +40,9 @@ def byte_tokenizer() -> Any:
                                    pad_token="<|pad|>")
 
 
-def _tokenizer(cfg: Any) -> tuple[Any | None, str]:
-    """(the run's tokenizer as a transformers tokenizer, or None; what the export says about it)."""
+def _tokenizer(cfg: Any, run: str | Path) -> tuple[Any | None, str]:
+    """(the run's tokenizer as a transformers tokenizer, or None; what the export says about it); an ``hf:``
+    tokenizer changed since ``run`` trained is a `ConfigError` (`check_trained_tokenizer`)."""
     if cfg.data.kind != "text":
         return None, f"no tokenizer: a {cfg.data.task!r} task run's ids are the task's symbols"
     name = cfg.data.text.get("tokenizer", "byte")
@@ -50,6 +52,7 @@ def _tokenizer(cfg: Any) -> tuple[Any | None, str]:
         from transformers import PreTrainedTokenizerFast
 
         trained = make_tokenizer(name)
+        check_trained_tokenizer(run, trained)
         fast = PreTrainedTokenizerFast(tokenizer_file=str(trained.path))
         # the BOS the run put at each document's start: a token of the vocabulary, or the id lengthgen appended
         bos = "<|bos|>" if trained.bos_added else fast.convert_ids_to_tokens(trained.bos_id)
@@ -76,7 +79,7 @@ def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[
     if gpt.head_kind != "lm":
         raise ConfigError(f"{run}: model.head={gpt.head_kind!r} cannot be exported; transformers models are causal "
                           "LMs, so only runs with the lm head are (not regress or classify)", "model.head")
-    tokenizer, note = _tokenizer(cfg)
+    tokenizer, note = _tokenizer(cfg, run)
     ids = {} if tokenizer is None else {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id")
                                         for k in ("bos", "eos", "pad")}
     model = LengthgenForCausalLM.from_gpt(gpt, **ids)

@@ -272,6 +272,7 @@ class Trainer:
             "train_seconds": self.train_seconds,
             "data_digest": self.source.digest(),
             "eval_digest": self._eval_digest(),
+            "tokenizer": getattr(getattr(self.source, "tokenizer", None), "cache_key", None),   # text: its id mapping
         }
         bema_tensors = None
         if self.bema is not None:

@@ -113,4 +113,14 @@ def check_trained_data(path: str | Path, source: Any) -> None:
                       ConfigWarning, stacklevel=2)
 
 
-__all__ = ["check_trained_data", "load_initial_weights", "load_run"]
+def check_trained_tokenizer(path: str | Path, tokenizer: Any) -> None:
+    """A `ConfigError` keyed ``data.text.tokenizer`` when ``tokenizer`` (the run's, built here) maps text to other
+    ids than the one the newest checkpoint at ``path`` trained with (its `cache_key`): an ``hf:`` tokenizer.json
+    changed since. Checkpoints written before they kept it are not checked."""
+    trained_with = load_newest(path, ckpt_io.read_state)[1].get("tokenizer")
+    if trained_with is not None and trained_with != tokenizer.cache_key:
+        raise ConfigError(f"data.text.tokenizer: {tokenizer.name} maps text to other ids than when the run trained "
+                          "(its file changed since): restore the tokenizer the run trained with", "data.text.tokenizer")
+
+
+__all__ = ["check_trained_data", "check_trained_tokenizer", "load_initial_weights", "load_run"]
