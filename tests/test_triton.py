@@ -331,6 +331,20 @@ def test_distance_logs_are_one_hardware_instruction(kernel, compiler):
 
 
 
+def test_a_distance_code_without_its_kernel_branch_does_not_compile(compiler, monkeypatch):
+    """`_logits`' last branch is log-bias: a distance code added without its own branch compiled as log-bias."""
+    from lengthgen.attention.backends import triton_psoftmax as tp
+
+    monkeypatch.setitem(tp.DISTANCE_CODES, "future", max(tp.DISTANCE_CODES.values()) + 1)
+    with pytest.raises(Exception) as err:          # triton's CompilationError, raised from each calling frame
+        compiler("fwd", 90, "bf16", 64, "future", False, False, 1.0)
+    chain, cause = [], err.value
+    while cause is not None:
+        chain, cause = chain + [str(cause)], cause.__cause__
+    assert "a DISTANCE_CODES code without its branch in _logits" in "\n".join(chain)
+    assert compiler("fwd", 90, "bf16", 64, "log_bias", False, False, 1.0).asm["ptx"]
+
+
 def test_triton_code_counts_the_compiled_kernels(tmp_path, capsys, compiler):
     """`benchmarks/triton_code.py` compiles each kernel for sm_90 without a GPU and lists its PTX lines and SASS
     opcodes: the tensor-core MMAs (HGMMA on Hopper) and the exponentials (MUFU) are there, and ALiBi's distance

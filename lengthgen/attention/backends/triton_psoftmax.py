@@ -131,6 +131,7 @@ if triton is not None:
         elif DIST == 2:                                 # ALiBi: -m_h t
             return s * qk_scale - slope * tf, 1.0
         else:                                           # log_bias: -lambda log(1 + t / tau)
+            tl.static_assert(DIST == 3, "a DISTANCE_CODES code without its branch in _logits")
             return s * qk_scale - lam * _log(1.0 + tf * tau_inv), 1.0
 
     @triton.jit
