@@ -109,15 +109,23 @@ def test_compare_command_bad_metric_exits_2_before_training(tmp_path, capsys):
 
 
 def test_task_flag_on_a_text_config_exits_2_before_training(tmp_path, capsys):
-    """--task on a config of text data (data.kind = "text") set data.task, which text never reads: the comparison
-    trained on the corpus while the command line named a task, without a word."""
+    """--task (compare) or --set data.task (train) on a config of text data set data.task, which text never reads:
+    the run trained on the corpus while the command line named a task, without a word."""
     sets = ["data.kind=text", 'data.text={corpus="stdlib"}', *TINY[1:]]
     assert main(["compare", "--task", "mqar", "--out", str(tmp_path / "out")]
                 + [x for s in sets for x in ("--set", s)]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "lengthgen compare: error: --task mqar sets data.task, which data.kind='text' does not read: set "
-        "data.kind=task (and data.text={}) to compare on a task"]
+        "lengthgen compare: error: data.task='mqar' is set, but data.kind='text' trains on the corpus in data.text "
+        "and does not read it: set data.kind=task (and data.text={}), or leave data.task out"]
     assert not (tmp_path / "out").exists()
+    # train read --set data.task on text the same way, and said nothing
+    assert main(["train", "--out", str(tmp_path / "run")] + [x for s in [*sets, "data.task=dyck"]
+                                                               for x in ("--set", s)]) == 2
+    assert "error: data.task='dyck' is set, but data.kind='text'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    # a task config switched to text keeps the task it does not read: nothing on the command line named it
+    assert main(["train", "--out", str(tmp_path / "text"), "--no-progress"]
+                + [x for s in [*sets, "train.steps=1", "train.eval_batches=0"] for x in ("--set", s)]) == 0
 
 
 def test_a_task_may_headline_another_metric_it_reports():

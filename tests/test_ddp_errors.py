@@ -94,7 +94,9 @@ def _worker(out: Path, scenario: str) -> None:
                              f'data.text={{corpus = "{out / (name if rank == "1" else "a")}", tokenizer = "byte"}}']
         train(RunConfig().override(*BASE, *text("copy")), out / "differ-copy", progress=False)
         differ = (["train.lr=0.02", "train.seed=1"] if rank == "1" else []) + text("other")
-        codes = [0, main([*run[:-1], *(a for o in differ for a in ("--set", o)), "--out", str(out / "differ")])]
+        differ = [o for o in BASE if not o.startswith("data.task=")] + differ       # text reads no data.task
+        codes = [0, main(["train", *(a for o in differ for a in ("--set", o)), "--no-progress", "--out",
+                          str(out / "differ")])]
     else:
         def fail(self, stop_at=None):
             raise ConfigError(f"rank {self.rank} failed its own way")

@@ -123,6 +123,18 @@ def flag_overrides(args: argparse.Namespace, flags: dict[str, tuple[str, str | N
     return list(args.overrides) + [f"{key}={value}" for key, (_, value) in given.items()]
 
 
+def check_task_read(cfg, assignments: list[str]) -> None:
+    """A `ConfigError` for ``--set data.task`` (or compare's ``--task``) on a text config: text never reads it, so
+    the run would train on the corpus while the command line named a task."""
+    from lengthgen.config import ConfigError, key_path, parse_assignment
+
+    tasks = [value for key, value in map(parse_assignment, assignments) if key_path(key)[:2] == ("data", "task")]
+    if tasks and cfg.data.kind == "text":
+        raise ConfigError(f"data.task={tasks[-1]!r} is set, but data.kind='text' trains on the corpus in data.text "
+                          "and does not read it: set data.kind=task (and data.text={}), or leave data.task out",
+                          "data.task")
+
+
 def warn_unused(cfg, lengths: list[int]) -> None:
     """A one-line warning (`ConfigWarning`) for each part of the run config the run never reaches at ``lengths``
     (those it trains and evaluates at; `RunConfig.unused`)."""

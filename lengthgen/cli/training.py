@@ -10,6 +10,7 @@ from lengthgen.cli.common import (
     CommandError,
     add_config_arguments,
     add_logging_arguments,
+    check_task_read,
     command,
     int_list,
     flag_overrides,
@@ -49,7 +50,9 @@ def train_command(args: argparse.Namespace) -> int:
         raise CommandError("--resume continues the run in --out, --overwrite deletes it: give one of them")
     if args.extend and not args.resume:
         raise CommandError("--extend changes train.steps of a resumed run: add --resume")
-    cfg = load_config(args.config, flag_overrides(args))
+    overrides = flag_overrides(args)
+    cfg = load_config(args.config, overrides)
+    check_task_read(cfg, overrides)
     compare_config(cfg)         # a preset's [compare] section is checked here too: its typos are not silent
     warn_unused(cfg, sorted({*cfg.lengths(), *(cfg.train.eval_lengths or [cfg.data.length])}))
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
@@ -124,11 +127,10 @@ def compare_command(args: argparse.Namespace) -> int:
              "compare.eval_tokens": ("--eval-tokens", args.eval_tokens),
              "compare.pretrain_steps": ("--pretrain-steps", args.pretrain_steps),
              "compare.metric": ("--metric", args.metric), "compare.workers": ("--workers", args.workers)}
-    cfg = base_config(args.config, flag_overrides(args, {key: (flag, None if value is None else str(value))
-                                                          for key, (flag, value) in flags.items()}))
-    if args.task is not None and cfg.data.kind != "task":
-        raise CommandError(f"--task {args.task} sets data.task, which data.kind={cfg.data.kind!r} does not read: "
-                           "set data.kind=task (and data.text={}) to compare on a task")
+    overrides = flag_overrides(args, {key: (flag, None if value is None else str(value))
+                                      for key, (flag, value) in flags.items()})
+    cfg = base_config(args.config, overrides)
+    check_task_read(cfg, overrides)
     if not args.config and "metric" not in cfg.compare and default_metric(cfg):
         cfg = cfg.override(f"compare.metric={default_metric(cfg)}")
     variants, bases = ([v.strip() for v in text.split(",")] if text else None for text in (args.variants, args.bases))
