@@ -169,6 +169,31 @@ def test_seed003_header_states_every_training_constant_it_chooses(name):
     assert bema.update_every == 1 and "updated every step" in header
 
 
+SEED003_NORMS_STATED = ["seed003_set_complement"]
+
+
+@pytest.mark.parametrize("name", SEED003_NORMS_STATED)
+def test_seed003_header_states_its_norm_eps_seeds_and_final_norm(name):
+    """The header also names the RMSNorm eps and the seeds the preset trains with (the summary gives neither), and
+    the final norm lengthgen puts before the unembedding in the variants that have one: the summary's architecture
+    (seed 003's summary, 'Architecture Onboarding': '... -> RMSNorm (Post/Peri) -> Unembedding Matrix') shows a
+    norm there for post and peri only."""
+    from lengthgen.experiments.compare import compare_config
+    from lengthgen.model.config import FINAL_NORM_PLACEMENTS
+
+    path = ROOT / f"{name}.toml"
+    header = re.sub(r"\s*\n#\s*", " ", path.read_text().split("\nname")[0])
+    cfg = base_config(path)
+    compare = compare_config(cfg)
+    eps = re.search(r"learnable RMSNorm weights \(eps ([\d.e-]+)\)", header)
+    assert cfg.model.norm_affine and eps and float(eps.group(1)) == cfg.model.norm_eps
+    seeds = re.search(r"one seed per variant \((\d+)\)", header)
+    assert seeds and compare.seeds == [int(seeds.group(1))]
+    placements = [v["model"]["norm_placement"] for v in compare.variants.values()]
+    final = " and ".join(p for p in placements if p in FINAL_NORM_PLACEMENTS)
+    assert f"a final RMSNorm before the unembedding in the {final} models" in header
+
+
 def test_every_seed_has_a_cpu_analog():
     assert {p.stem for p in ANALOGS} == SEEDS
 
