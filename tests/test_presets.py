@@ -169,7 +169,7 @@ def test_seed003_header_states_every_training_constant_it_chooses(name):
     assert bema.update_every == 1 and "updated every step" in header
 
 
-SEED003_NORMS_STATED = ["seed003_set_complement"]
+SEED003_NORMS_STATED = ["seed003_set_complement", "seed003_dyck"]
 
 
 @pytest.mark.parametrize("name", SEED003_NORMS_STATED)
