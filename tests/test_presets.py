@@ -169,7 +169,7 @@ def test_seed003_header_states_every_training_constant_it_chooses(name):
     assert bema.update_every == 1 and "updated every step" in header
 
 
-SEED003_NORMS_STATED = ["seed003_set_complement", "seed003_dyck"]
+SEED003_NORMS_STATED = ["seed003_set_complement", "seed003_dyck", "seed003_max_retrieval"]
 
 
 @pytest.mark.parametrize("name", SEED003_NORMS_STATED)
@@ -192,6 +192,18 @@ def test_seed003_header_states_its_norm_eps_seeds_and_final_norm(name):
     placements = [v["model"]["norm_placement"] for v in compare.variants.values()]
     final = " and ".join(p for p in placements if p in FINAL_NORM_PLACEMENTS)
     assert f"a final RMSNorm before the unembedding in the {final} models" in header
+
+
+@pytest.mark.parametrize("name", ["seed003_max_retrieval"])
+def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
+    """The summary's Method Summary gives one model for its four tasks (one attention-only layer, one head); a
+    preset that trains another lists its shape among the remaining deviations."""
+    path = ROOT / f"{name}.toml"
+    listed = re.sub(r"\s*\n#\s*", " ", path.read_text().split("\nname")[0]).split("Remaining deviations")[1]
+    m = load_config(path).model
+    assert m.attention.position == "nope" and m.mlp_ratio > 0
+    assert f"{m.layers} NoPE layers of width {m.dim}, {m.heads} heads and a GELU MLP ({m.mlp_ratio:g}x)" in listed
+    assert m.mlp == "gelu"
 
 
 def test_every_seed_has_a_cpu_analog():
