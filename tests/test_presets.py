@@ -169,7 +169,7 @@ def test_seed003_header_states_every_training_constant_it_chooses(name):
     assert bema.update_every == 1 and "updated every step" in header
 
 
-SEED003_NORMS_STATED = ["seed003_set_complement", "seed003_dyck", "seed003_max_retrieval"]
+SEED003_NORMS_STATED = ["seed003_set_complement", "seed003_dyck", "seed003_max_retrieval", "seed003_tomita"]
 
 
 @pytest.mark.parametrize("name", SEED003_NORMS_STATED)
@@ -191,10 +191,10 @@ def test_seed003_header_states_its_norm_eps_seeds_and_final_norm(name):
     assert seeds and compare.seeds == [int(seeds.group(1))]
     placements = [v["model"]["norm_placement"] for v in compare.variants.values()]
     final = " and ".join(p for p in placements if p in FINAL_NORM_PLACEMENTS)
-    assert f"a final RMSNorm before the unembedding in the {final} models" in header
+    assert re.search(rf"a final RMSNorm before the (unembedding|classifier) in the {final} models", header)
 
 
-@pytest.mark.parametrize("name", ["seed003_max_retrieval"])
+@pytest.mark.parametrize("name", ["seed003_max_retrieval", "seed003_tomita"])
 def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
     """The summary's Method Summary gives one model for its four tasks (one attention-only layer, one head); a
     preset that trains another lists its shape among the remaining deviations."""
@@ -204,6 +204,8 @@ def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
     assert m.attention.position == "nope" and m.mlp_ratio > 0
     assert f"{m.layers} NoPE layers of width {m.dim}, {m.heads} heads and a GELU MLP ({m.mlp_ratio:g}x)" in listed
     assert m.mlp == "gelu"
+    if load_config(path).data.task == "tomita":     # its classifier readout is lengthgen's choice too
+        assert "the classifier: a linear head with 2 classes (cross-entropy) on the last position" in listed
 
 
 def test_every_seed_has_a_cpu_analog():
