@@ -208,6 +208,31 @@ def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
         assert "the classifier: a linear head with 2 classes (cross-entropy) on the last position" in listed
 
 
+def test_seed004_header_lists_its_batch_steps_and_the_weights_muon_skips():
+    """Seed 004 gives about 1B tokens, the context doubled halfway and 'Muon for 2D parameters' only: the header
+    lists the batch, steps and evaluation tokens the preset chooses, and that the 2-D embedding and head go to
+    AdamW (lengthgen's Muon takes the blocks' 2-D weights only)."""
+    from lengthgen.experiments.compare import compare_config
+    from lengthgen.model import GPT
+    from lengthgen.train.optim import muon_param_names
+    from lengthgen.train.setup import resolve
+
+    path = ROOT / "seed004_logit_scaling.toml"
+    listed = re.sub(r"\s*\n#\s*", " ", path.read_text().split("\nname")[0]).split("Remaining deviations")[1]
+    cfg = load_config(path)
+    tc = cfg.train
+    first, second = (tc.tokens_per_step // length for _, length in tc.stages)
+    assert (f"{tc.tokens_per_step} tokens per step ({first} sequences of {tc.stages[0][1]}, then {second} of "
+            f"{tc.stages[1][1]}) for {tc.steps} steps") in listed
+    assert f"{compare_config(cfg).eval_tokens} evaluation tokens per length" in listed
+    small, _ = resolve(load_config(path, ["model.dim=16", "model.heads=2", "model.head_dim=8", "model.layers=1"]))
+    names = muon_param_names(GPT(small.model))
+    assert "embed.weight" not in names and "head.weight" not in names and tc.optimizer == "muon"
+    assert "the embedding and the head are 2-D too but go to AdamW" in listed
+    scaled = [v for v in compare_config(cfg).variants.values() if "query_scaling" in str(v)]
+    assert scaled and cfg.model.attention.scaling_init == 1 and "parity across variants" in listed   # line 169
+
+
 def test_every_seed_has_a_cpu_analog():
     assert {p.stem for p in ANALOGS} == SEEDS
 
