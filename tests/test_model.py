@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lengthgen import GPT, GPTConfig
 from lengthgen.attention import PRESETS, AttentionSpec
 from lengthgen.config import ConfigError
-from lengthgen.model.config import PLACEMENTS
+from lengthgen.model.config import PLACEMENTS, final_norm_note
 from lengthgen.model.norms import NORMS, HeadNormLinear
 
 
@@ -72,6 +72,28 @@ def _manual_block(block, x):
     y = x + a(block.norm1(x) if p == "hybrid_first" else x)
     z = block.norm2(y)
     return m(z) + z
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "peri"])
+def test_final_norm_overrides_the_placements_default(placement):
+    """Seed 003's minimal pre-norm model has no norm before the unembedding: ``final_norm = false`` leaves it out
+    (the head reads the residual stream), ``true`` adds one to post; otherwise the two models are the same."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 13, (2, 6))
+    default = GPT(tiny(norm="rms", norm_placement=placement, head="lm")).double()
+    assert (default.final_norm is None) == (placement == "post")
+    other = GPT(tiny(norm="rms", norm_placement=placement, head="lm", final_norm=placement == "post")).double()
+    assert (other.final_norm is None) != (default.final_norm is None)
+    assert other.config.has_final_norm == (placement == "post")
+    other.load_state_dict(default.state_dict(), strict=False)           # every weight but the final norm's
+    with_norm, without = (other, default) if placement == "post" else (default, other)
+    with torch.no_grad():
+        with_norm.final_norm.weight.normal_()
+    torch.testing.assert_close(with_norm.features(tokens), with_norm.final_norm(without.features(tokens)))
+    # the train start line and report.md say so where it is not the placement's default
+    note = final_norm_note(placement, other.config.final_norm)
+    assert note == (", final norm" if placement == "post" else ", no final norm")
+    assert final_norm_note(placement, None) == final_norm_note(placement, default.final_norm is not None) == ""
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)

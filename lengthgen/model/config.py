@@ -42,6 +42,13 @@ LogitCap = Literal["tanh", "sigmoid"]
 PLACEMENTS = typing.get_args(Placement)
 #: placements that end with a norm before the head (post ends normalized already)
 FINAL_NORM_PLACEMENTS = ("pre", "peri", "hybrid", "hybrid_star", "mix")
+
+
+def final_norm_note(placement: str, final_norm: bool | None) -> str:
+    """``, no final norm`` / ``, final norm`` where ``final_norm`` overrides the placement's default, else ''."""
+    if final_norm is None or final_norm == (placement in FINAL_NORM_PLACEMENTS):
+        return ""
+    return ", final norm" if final_norm else ", no final norm"
 RULE_KEYS = ("spec", "every", "offset", "layers")
 
 
@@ -72,7 +79,10 @@ class GPTConfig:
     HybridNorm*; ``mix`` (Mix-LN, Li et al. 2024): post for the first ceil(mix_alpha * layers) layers, pre
     after (seed 002 names no fraction). A final norm precedes the head for every placement except ``post``
     (seed 002's formulas stop at the block; for hybrid and mix the final norm is lengthgen's, as in
-    pre-norm models, and mix keeps it even when mix_alpha = 1 makes every layer post).
+    pre-norm models, and mix keeps it even when mix_alpha = 1 makes every layer post); ``final_norm`` sets it
+    either way (seed 003's component map, embedding -> attention -> residual -> RMSNorm (post / peri) ->
+    unembedding, has none in its pre-norm model: with one layer, a final norm would make pre-norm a post-norm
+    of the residual stream).
 
     Blocks (`lengthgen.model.blocks`): ``sequential`` (attention, then MLP) or ``parallel`` (seed 001: one norm,
     one input projection to q, k, v and an MLP branch, one output projection over [MLP branch, attention]);
@@ -111,6 +121,8 @@ class GPTConfig:
     norm_placement: Placement = option("pre", "where the norms sit in a block (see GPTConfig)")
     norm_eps: float = option(1e-5, "norm eps", gt=0)
     norm_affine: bool = option(True, "the model's norms have learnable weights (seed 000's have none)")
+    final_norm: bool | None = option(None, "a norm before the head; none: every placement but post has one "
+                                     "(seed 003's minimal pre-norm model has none: false)")
     embed_norm: bool = option(False, "normalize the embeddings (the model's norm kind) before the first block "
                               "(seed 000's modded-nanogpt)")
     mix_alpha: float = option(0.25, "mix placement: fraction of post-norm layers", ge=0, le=1)
@@ -239,6 +251,11 @@ class GPTConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.heads
+
+    @property
+    def has_final_norm(self) -> bool:
+        """``final_norm``, else every placement but post (`FINAL_NORM_PLACEMENTS`)."""
+        return self.norm_placement in FINAL_NORM_PLACEMENTS if self.final_norm is None else self.final_norm
 
     def placement(self, index: int) -> str:
         """The norm placement of layer ``index``: pre | post | peri | hybrid | hybrid_first."""

@@ -23,7 +23,7 @@ from lengthgen.attention import Attention, KVCache
 from lengthgen.attention.extras import QueryScaling
 from lengthgen.config import ConfigError, check_value, pattern_matches
 from lengthgen.model.blocks import BLOCKS, SkipGate, mlp_width
-from lengthgen.model.config import FINAL_NORM_PLACEMENTS, GPTConfig
+from lengthgen.model.config import GPTConfig
 from lengthgen.model.norms import make_norm
 
 #: at most this many logits per chunk of `GPT.logit_chunks` (2^24: 64 MiB in float32)
@@ -73,7 +73,7 @@ class GPT(nn.Module):
         self.value_embeds = nn.ModuleList(nn.Embedding(cfg.vocab_size, width) for width in self._value_widths())
         self.skip_gates = nn.ModuleList(SkipGate(cfg.gate_width or cfg.dim) for _ in cfg.skips)
         self.final_norm = (make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.norm_affine)
-                           if cfg.norm_placement in FINAL_NORM_PLACEMENTS else None)
+                           if cfg.has_final_norm else None)
         if self.head_kind == "lm":
             self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         else:

@@ -11,6 +11,7 @@ from typing import Any
 
 from lengthgen.config import counted, differences
 from lengthgen.eval.results import Comparison, Provenance, RunEval
+from lengthgen.model.config import final_norm_note
 from lengthgen.report.needle import needle_section
 from lengthgen.report.stats import RULE
 from lengthgen.report.tables import (ALL_POSITIONS, AT_CHANCE, at_length, chance_level, conclusion, groups,
@@ -111,8 +112,10 @@ def setup(results: Comparison) -> list[str]:
                if "pretrain_steps" in protocol else "the finetuning; before: its own run" if protocol else "per run")
     lines = [f"- **Task**: `{results.source}`" + (f" ({kwargs})" if kwargs else "") + f"; headline `{results.metric}`"
              + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
-             f"- **Model**: {model.get('layers')} layers, width {model.get('dim')}, {model.get('heads')} heads, "
-             f"MLP ratio {model.get('mlp_ratio')}, {model.get('norm')} norm ({model.get('norm_placement')}); "
+             f"- **Model**: {counted(model.get('layers'), 'layer')}, width {model.get('dim')}, "
+             f"{counted(model.get('heads'), 'head')}, "
+             f"MLP ratio {model.get('mlp_ratio')}, {model.get('norm')} norm ({model.get('norm_placement')}"
+             f"{final_norm_note(model.get('norm_placement'), model.get('final_norm'))}); "
              f"{_by_variant(results, 'parameters', 'parameters')}",
              "- **Variants** (the config keys in which their runs differ, seeds aside; every other key is shared):",
              "", *variant_table(results), "",

@@ -21,8 +21,9 @@ from typing import Any
 
 from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import FIELDS, PRESETS, AttentionSpec
-from lengthgen.config import ConfigError, toml_value
+from lengthgen.config import ConfigError, counted, toml_value
 from lengthgen.eval import Provenance
+from lengthgen.model.config import final_norm_note
 from lengthgen.train.config import RunConfig
 from lengthgen.train.run_folder import RunFolderError
 
@@ -86,8 +87,9 @@ def run_header(cfg: RunConfig, run_dir: Path, *, parameters: int, dtype: str, wo
     return "\n".join([
         f"run {run_dir}: {t.steps} steps x {cfg.tokens_per_step} tokens (length {cfg.length_at(0)}, batch "
         f"{cfg.batch_size_at(0)}{stages}){resumed}",
-        f"  model: {parameters / 1e6:.2f}M parameters, {m.layers} layers x {m.dim} wide, {m.heads} heads, "
-        f"{m.norm} norm {m.norm_placement}, {m.head} head",
+        f"  model: {parameters / 1e6:.2f}M parameters, {counted(m.layers, 'layer')} x {m.dim} wide, "
+        f"{counted(m.heads, 'head')}, {m.norm} norm {m.norm_placement}"
+        f"{final_norm_note(m.norm_placement, m.final_norm)}, {m.head} head",
         f"  attention: {attention_text(cfg)}",
         f"  data: {data.rstrip()}; {evals}",
         f"  optimizer: {optimizer}, {t.schedule} schedule, warmup {t.warmup_steps}; seed {t.seed}",
