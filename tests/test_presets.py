@@ -174,12 +174,11 @@ SEED003_NORMS_STATED = ["seed003_set_complement", "seed003_dyck", "seed003_max_r
 
 @pytest.mark.parametrize("name", SEED003_NORMS_STATED)
 def test_seed003_header_states_its_norm_eps_seeds_and_final_norm(name):
-    """The header also names the RMSNorm eps and the seeds the preset trains with (the summary gives neither), and
-    the final norm lengthgen puts before the unembedding in the variants that have one: the summary's architecture
-    (seed 003's summary, 'Architecture Onboarding': '... -> RMSNorm (Post/Peri) -> Unembedding Matrix') shows a
-    norm there for post and peri only."""
+    """The header also names the RMSNorm eps and the seeds the preset trains with (the summary gives neither). The
+    summary's architecture ('Architecture Onboarding': '... -> Residual Connection -> RMSNorm (Post/Peri) ->
+    Unembedding Matrix') has no norm before the unembedding in the pre model: its variant (GPU preset and CPU
+    analog) has none, post ends normalized, peri keeps a final norm after its residual."""
     from lengthgen.experiments.compare import compare_config
-    from lengthgen.model.config import FINAL_NORM_PLACEMENTS
 
     path = ROOT / f"{name}.toml"
     header = re.sub(r"\s*\n#\s*", " ", path.read_text().split("\nname")[0])
@@ -189,9 +188,12 @@ def test_seed003_header_states_its_norm_eps_seeds_and_final_norm(name):
     assert cfg.model.norm_affine and eps and float(eps.group(1)) == cfg.model.norm_eps
     seeds = re.search(r"one seed per variant \((\d+)\)", header)
     assert seeds and compare.seeds == [int(seeds.group(1))]
-    placements = [v["model"]["norm_placement"] for v in compare.variants.values()]
-    final = " and ".join(p for p in placements if p in FINAL_NORM_PLACEMENTS)
-    assert re.search(rf"a final RMSNorm before the (unembedding|classifier) in the {final} models", header)
+    assert re.search(r"pre has no norm before the (unembedding|classifier) \(model.final_norm = false\)", header)
+    for config in (path, ROOT / "cpu" / f"{name}.toml"):
+        runs = plan(base_config(config))
+        models = {run.split("/")[-1]: runs.config(run, 0).model for run in runs.runs}
+        assert {v: (m.norm_placement, m.has_final_norm) for v, m in models.items()} == {
+            "pre": ("pre", False), "post": ("post", False), "peri": ("peri", True)}, config
 
 
 @pytest.mark.parametrize("name", ["seed003_max_retrieval", "seed003_tomita"])
