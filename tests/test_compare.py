@@ -10,7 +10,7 @@ from lengthgen.config import ConfigWarning
 from lengthgen.data.tasks import make_task
 from lengthgen.eval import Comparison, RunEval
 from lengthgen.experiments.compare import base_config, parse_variants, run_compare
-from lengthgen.report import markdown_report, verdicts
+from lengthgen.report import markdown_report, verdicts, write_report
 from lengthgen.report.tables import conclusion, value_rows
 
 TINY = ["data.task=counting", "train.steps=3", "model.dim=16", "model.heads=2", "model.layers=1", "train.batch_size=4"]
@@ -491,3 +491,27 @@ def test_the_error_line_names_the_run_it_came_from(tmp_path, capsys, monkeypatch
                  "--out", str(tmp_path / "c"), "--no-progress"] + [x for s in TINY for x in ("--set", s)])
     err = capsys.readouterr().err.splitlines()[-1]
     assert code == 1 and err.startswith("lengthgen compare: error: [baseline seed 0] out of memory (MemoryError)"), err
+
+
+def test_resuming_a_finished_comparison_leaves_its_results_and_report_as_they_were(tmp_path):
+    """compare --resume of a finished comparison rewrote results.json and report.md with the new evaluation date
+    and seconds as their only change, and said nothing about it. Both are now kept byte for byte, and the log says
+    so; a resume whose results differ (here one more seed) still writes them."""
+    cfg = base_config(None, TINY + ["data.length=8", "compare.eval_tokens=16", "compare.eval_lengths=[8, 16]"])
+    run_compare(cfg, tmp_path, variants=["baseline"], progress=False, log=lambda _: None)
+    saved = Comparison.load(tmp_path / "results.json")
+    saved.provenance.date = saved.variants["baseline"][0].provenance.date = "2000-01-01T00:00:00+00:00"
+    saved.variants["baseline"][0].eval_seconds = 1234.5
+    saved.save(tmp_path / "results.json")          # as if evaluated at another time, at another speed
+    write_report(saved, tmp_path)
+    files = {name: (tmp_path / name).read_bytes() for name in ("results.json", "report.md")}
+    lines: list[str] = []
+    run_compare(cfg, tmp_path, variants=["baseline"], progress=False, resume=True, log=lines.append)
+    assert {name: (tmp_path / name).read_bytes() for name in files} == files
+    assert lines[-1] == "nothing changed: every run was finished and evaluates as before; results.json and " \
+                        "report.md are as they were"
+    lines.clear()
+    more = cfg.override("compare.seeds=[0, 1]")
+    run_compare(more, tmp_path, variants=["baseline"], progress=False, resume=True, log=lines.append)
+    assert len(Comparison.load(tmp_path / "results.json").variants["baseline"]) == 2
+    assert not any(line.startswith("nothing changed") for line in lines)

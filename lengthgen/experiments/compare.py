@@ -36,7 +36,7 @@ from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, ConfigWarning,
                               invalid, leaves, option)
 from lengthgen.data.config import make_source
 from lengthgen.data.tasks.base import metric_directions
-from lengthgen.eval import Comparison, RunEval, check_needles
+from lengthgen.eval import Comparison, ResultsError, RunEval, check_needles
 from lengthgen.experiments.eval_run import checked_lengths
 from lengthgen.experiments.jobs import Job, Runner
 from lengthgen.experiments.needle import needle_filler
@@ -289,9 +289,37 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
             provenance=results[next(iter(results))][0].provenance,
             specs={key: evals[0].config["model"]["attention"] for key, evals in results.items()}, variants=results,
             **_protocol(cc, runs, pretrained))
+        if resume:
+            comparison = _as_before(comparison, out / "results.json", log)
         comparison.save(out / "results.json")
         write_report(comparison, out)
     return comparison
+
+
+def _as_before(comparison: Comparison, path: Path, log: Callable[[str], None]) -> Comparison:
+    """The comparison saved at ``path`` when the resumed ``comparison`` differs from it only in when and how fast
+    it was evaluated (every run was finished): its results and report are then written again byte for byte, and the
+    log says so. Else ``comparison``."""
+    try:
+        saved = Comparison.load(path)
+    except (FileNotFoundError, ResultsError):
+        return comparison
+    if _undated(saved) != _undated(comparison):
+        return comparison
+    log(f"nothing changed: every run was finished and evaluates as before; {path.name} and report.md are as they "
+        "were")
+    return saved
+
+
+def _undated(value: Any) -> Any:
+    """A comparison (its `dataclasses.asdict` at the top) as JSON text without its provenances' dates and its
+    ``eval_seconds``."""
+    if dataclasses.is_dataclass(value):
+        return json.dumps(_undated(dataclasses.asdict(value)), sort_keys=True)
+    if isinstance(value, dict):
+        return {k: {**v, "date": None} if k == "provenance" else _undated(v) for k, v in value.items()
+                if k != "eval_seconds"}
+    return [_undated(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _warn_unused(cfg: RunConfig, runs: Plan, lengths: list[int]) -> None:
