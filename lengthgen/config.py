@@ -78,6 +78,12 @@ def counted(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
+def steps_trained(start: int, end: int) -> str:
+    """The steps after ``start`` up to ``end``, as a log line names what a session trained: ``8 steps`` from step 0,
+    ``steps 5-8`` or ``step 8`` for a resumed run."""
+    return counted(end, "step") if start == 0 else f"step {end}" if end == start + 1 else f"steps {start + 1}-{end}"
+
+
 def invalid(key: str, value: Any, what: str) -> ConfigError:
     """``key=value is not valid; it must be <what>``."""
     return ConfigError(f"{key}={value!r} is not valid; it must be {what}", key)

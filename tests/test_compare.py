@@ -1,6 +1,7 @@
 """`lengthgen compare` / `report` end to end on a tiny setting, and their errors."""
 
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -436,7 +437,8 @@ def test_a_failed_worker_jobs_warnings_and_log_lines_come_before_its_error(tmp_p
 
 def test_a_resumed_runs_log_says_only_what_it_does(tmp_path):
     """compare --resume logged '[l2 seed 0] training 3 steps at length 8 (resuming)' before 'reused the finished
-    run' for a finished run, which trains nothing; an interrupted run's line now says the step it resumes from."""
+    run' for a finished run, which trains nothing; an interrupted run's line now says the step it resumes from, and
+    its end line the steps it trained and how long (not 'resumed at step 1' again)."""
     from lengthgen.experiments.jobs import Job, run_job
     from lengthgen.train import train
 
@@ -446,6 +448,7 @@ def test_a_resumed_runs_log_says_only_what_it_does(tmp_path):
     lines: list[str] = []
     run_job(job, lines.append, {})
     assert lines[0] == "[l2 seed 0] training 3 steps at length 8 (resuming from step 1)"
+    assert re.fullmatch(r"\[l2 seed 0\] trained steps 2-3 in \d+ s", lines[1]), lines   # was: 'resumed at step 1 RUN'
     lines.clear()
     run_job(job, lines.append, {})
     assert lines[0] == f"[l2 seed 0] reused the finished run {tmp_path / 'run'}"

@@ -205,6 +205,18 @@ def test_train_resume_of_a_finished_run_says_nothing_was_trained(tmp_path, capsy
     assert files(run) == before
 
 
+def test_train_resume_says_which_steps_it_trained(tmp_path, capsys, stopped):
+    """train --resume of a run stopped at step 2 of 4 ended with "trained 4 steps", as if it had trained the whole
+    run in this session (its start line said "resuming at step 2"); it names the steps it trained."""
+    run = copy(stopped[0], tmp_path)
+    shutil.rmtree(run / "checkpoints" / "step_00000003")
+    capsys.readouterr()
+    assert main(["train", *sets("train.checkpoint_every=1"), "--out", str(run), "--resume", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming at step 2" in out.splitlines()[0]
+    assert out.splitlines()[-1].startswith("trained steps 3-4; final loss "), out
+
+
 def test_a_finished_run_resumed_evaluates_what_its_folder_lacks(tmp_path):
     """Resuming a finished run evaluates again when eval.json is of other eval lengths or eval_bema.json is
     missing (a kill between the two files), and leaves both alone when they are current."""

@@ -18,7 +18,7 @@ from lengthgen.cli.common import (
     report_written,
     warn_unused,
 )
-from lengthgen.config import counted
+from lengthgen.config import counted, steps_trained
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def train_command(args: argparse.Namespace) -> int:
     if result.trainer.start_step == result.step:        # --resume of a finished run: nothing was trained now
         print(f"nothing to train: the run finished its {counted(result.step, 'step')} before; {done}")
     else:
-        print(f"trained {counted(result.step, 'step')}; {done}")
+        print(f"trained {steps_trained(result.trainer.start_step, result.step)}; {done}")
     if result.evaluation:
         print(run_summary(result.evaluation, getattr(result.trainer.source, "metric", "loss"),
                           train_length=max(result.config.lengths())))

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from lengthgen.config import counted, to_plain
+from lengthgen.config import counted, steps_trained, to_plain
 from lengthgen.eval import RunEval, eval_source, evaluate
 from lengthgen.experiments.needle import needle_filler, run_map
 from lengthgen.model import GPT
@@ -240,11 +240,10 @@ def run_job(job: Job, log: Log, sources: dict[str, Any]) -> list[tuple[str, RunE
             raise                   # `Runner.run`, as every error of a run)
         return diverged_run(job, log_divergence(err, job.label, log), sources)
     started, seconds = trained.trainer.start_step, round(time.perf_counter() - start, 2)
-    if started:
-        log(f"[{job.label}] {'reused the finished run' if started == steps else f'resumed at step {started}'} "
-            f"{job.run_dir}")
+    if started == steps:
+        log(f"[{job.label}] reused the finished run {job.run_dir}")
     else:
-        log(f"[{job.label}] trained in {seconds:.0f} s")
+        log(f"[{job.label}] trained {steps_trained(started, steps) + ' ' if started else ''}in {seconds:.0f} s")
     if job.name is None:
         return []
     start = time.perf_counter()
