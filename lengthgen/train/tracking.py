@@ -69,12 +69,23 @@ def attention_text(cfg: RunConfig) -> str:
     return text + ("; per-layer rules in model.layer_attention" if cfg.model.layer_attention is not None else "")
 
 
+def text_size(cfg: RunConfig, source: Any, evaluated: Any = None) -> str:
+    """`` (train split N documents, T tokens)`` of text data's token stream and, with ``evaluated`` (its
+    `lengthgen.eval.LongDocuments`, where already read), of each other text it is evaluated on; '' for tasks."""
+    label = f"{cfg.data.text.get('split', 'train')} split"
+    texts = [(label, source)] + [c for c in getattr(evaluated, "candidates", []) if c[1] is not source]
+    sizes = [f"{name} {counted(data.stream.num_documents, 'document')}, {data.stream.num_tokens:,} tokens"
+             for name, data in texts if hasattr(data, "stream")]
+    return f" ({'; '.join(sizes)})" if cfg.data.kind == "text" and sizes else ""
+
+
 def run_header(cfg: RunConfig, run_dir: Path, *, parameters: int, dtype: str, world: int, start: int,
-               provenance: Provenance) -> str:
-    """The lines printed when a run starts: what is trained on what, how long, where and with which versions."""
+               provenance: Provenance, data_size: str = "") -> str:
+    """The lines printed when a run starts: what is trained on what (``data_size``: `text_size`), how long, where
+    and with which versions."""
     m, t, d = cfg.model, cfg.train, cfg.data
     data = f"task {d.task} {toml_value(d.task_kwargs) if d.task_kwargs else ''}" if d.kind == "task" else \
-        f"text {toml_value(d.text)}"
+        f"text {toml_value(d.text)}{data_size}"
     stages = "; stages " + ", ".join(f"{length} from step {s}" for s, length in t.stages) if t.stages else ""
     evals = ("evaluated at " + ", ".join(map(str, t.eval_lengths or [d.length]))) if t.eval_batches else \
         "no evaluation while training"
@@ -140,4 +151,4 @@ def _markdown(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-__all__ = ["Trackers", "attention_text", "import_wandb", "record_start", "run_header", "spec_changes"]
+__all__ = ["Trackers", "attention_text", "import_wandb", "record_start", "run_header", "spec_changes", "text_size"]

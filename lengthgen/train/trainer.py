@@ -56,7 +56,7 @@ from lengthgen.train.optim import (build_optimizers, capture_logits, captured_ma
 from lengthgen.train.schedule import lr_multiplier, momentum_at
 from lengthgen.train.setup import (DATA_LOCATION, autocast_dtype, check_backend, check_resume, check_world, device_type,
                                    resolve, run_threads, split_batch_notes, world_change_note)
-from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header
+from lengthgen.train.tracking import Trackers, import_wandb, record_start, run_header, text_size
 from lengthgen.train.weights import load_initial_weights
 
 
@@ -501,8 +501,10 @@ class Trainer:
             parameters = sum(p.numel() for p in self.model.parameters())
             info = record_start(self.run_dir, self.step, parameters, provenance)
             dtype = f"{self.autocast_dtype} autocast".replace("torch.", "") if self.autocast_dtype else "float32"
+            # the validation text is read here only with a val_corpus of its own (__init__); else at the first eval
+            size = text_size(cfg, self.source, self.__dict__.get("eval_source"))
             header = run_header(cfg, self.run_dir, parameters=parameters, dtype=dtype, world=self.world,
-                                start=self.step, provenance=provenance)
+                                start=self.step, provenance=provenance, data_size=size)
             log.start(header, Trackers(self.run_dir, cfg, self.step, header, info))
         return log
 
