@@ -69,14 +69,13 @@ def attention_text(cfg: RunConfig) -> str:
     return text + ("; per-layer rules in model.layer_attention" if cfg.model.layer_attention is not None else "")
 
 
-def text_size(cfg: RunConfig, source: Any, evaluated: Any = None) -> str:
-    """`` (train split N documents, T tokens)`` of text data's token stream and, with ``evaluated`` (its
-    `lengthgen.eval.LongDocuments`, where already read), of each other text it is evaluated on; '' for tasks."""
-    label = f"{cfg.data.text.get('split', 'train')} split"
-    texts = [(label, source)] + [c for c in getattr(evaluated, "candidates", []) if c[1] is not source]
-    sizes = [f"{name} {counted(data.stream.num_documents, 'document')}, {data.stream.num_tokens:,} tokens"
-             for name, data in texts if hasattr(data, "stream")]
-    return f" ({'; '.join(sizes)})" if cfg.data.kind == "text" and sizes else ""
+def text_size(cfg: RunConfig, source: Any) -> str:
+    """`` (train split N documents, T tokens)`` of text data's token stream; '' for tasks."""
+    if cfg.data.kind != "text" or not hasattr(source, "stream"):
+        return ""
+    stream = source.stream
+    return (f" ({cfg.data.text.get('split', 'train')} split {counted(stream.num_documents, 'document')}, "
+            f"{stream.num_tokens:,} tokens)")
 
 
 def run_header(cfg: RunConfig, run_dir: Path, *, parameters: int, dtype: str, world: int, start: int,

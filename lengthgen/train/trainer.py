@@ -501,10 +501,8 @@ class Trainer:
             parameters = sum(p.numel() for p in self.model.parameters())
             info = record_start(self.run_dir, self.step, parameters, provenance)
             dtype = f"{self.autocast_dtype} autocast".replace("torch.", "") if self.autocast_dtype else "float32"
-            # the validation text is read here only with a val_corpus of its own (__init__); else at the first eval
-            size = text_size(cfg, self.source, self.__dict__.get("eval_source"))
             header = run_header(cfg, self.run_dir, parameters=parameters, dtype=dtype, world=self.world,
-                                start=self.step, provenance=provenance, data_size=size)
+                                start=self.step, provenance=provenance, data_size=text_size(cfg, self.source))
             log.start(header, Trackers(self.run_dir, cfg, self.step, header, info))
         return log
 
