@@ -25,6 +25,13 @@ def test_parse_variants_errors_name_the_choices():
         parse_variants(" , ")
 
 
+def test_unknown_variant_lists_a_config_variant_named_like_a_preset_once():
+    with pytest.raises(ValueError) as err:
+        parse_variants("l2wn", {"baseline": {}, "l2win": {}})
+    choices = str(err.value).split("choose among ")[1].split(", ")
+    assert choices[:3] == ["baseline", "l2win", "l2"] and choices.count("baseline") == 1
+
+
 @pytest.fixture(scope="module")
 def tiny_compare(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")

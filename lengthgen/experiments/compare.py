@@ -130,7 +130,7 @@ def default_metric(cfg: RunConfig) -> str | None:
 def parse_variants(text: str | list[str] | tuple[str, ...], defined: dict[str, Any] | None = None) -> list[str]:
     """Comma-separated names of ``defined`` changes or attention presets, validated (ValueError names the bad
     one and the choices)."""
-    choices = [*(defined or {}), *PRESETS]
+    choices = list(dict.fromkeys([*(defined or {}), *PRESETS]))    # a config variant may reuse a preset's name
     names = [v.strip() for v in (text.split(",") if isinstance(text, str) else text) if v.strip()]
     for name in names:
         if name not in choices:
