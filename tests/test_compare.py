@@ -147,6 +147,9 @@ def test_a_task_may_headline_another_metric_it_reports():
     assert check_metric(dyck, "legal_accuracy") == ("legal_accuracy", True)
     with pytest.raises(ValueError, match="choose loss, roc_auc, accuracy"):
         check_metric(tomita, "score")
+    counting = make_task("counting")      # seed 001's MSE, reported in every counting comparison
+    assert check_metric(counting, "sq_error") == ("sq_error", False)
+    assert check_metric(counting, "rel_error") == ("rel_error", False)
 
 
 def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path):

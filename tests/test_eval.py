@@ -138,7 +138,8 @@ def test_evaluate_tiny_model_by_length():
 
 
 @pytest.mark.parametrize("name, kwargs, metric, worst", [
-    ("counting", {}, "abs_error", math.inf), ("dyck", {"num_types": 8}, "tvd", math.inf),
+    ("counting", {}, "abs_error", math.inf), ("counting", {}, "sq_error", math.inf),
+    ("counting", {}, "rel_error", math.inf), ("dyck", {"num_types": 8}, "tvd", math.inf),
     ("dyck", {"num_types": 8}, "legal_accuracy", -math.inf)])
 def test_a_non_finite_output_counts_as_the_worst_value_not_as_unscored(name, kwargs, metric, worst):
     """NaN marks unscored positions; a model whose output is NaN on some sequences must not vanish from the means

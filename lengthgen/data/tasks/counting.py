@@ -25,6 +25,7 @@ class CountingTask(Task):
     name = "counting"
     head = "regress"
     metric = "abs_error"
+    also_reported = {"sq_error": False, "rel_error": False}
     min_length = 1
     higher_is_better = False
     max_length = None
