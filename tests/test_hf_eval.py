@@ -179,7 +179,7 @@ def test_eval_hf_refuses_a_length_whose_one_row_cannot_fit_in_memory(tiny_llama_
 
 
 _HF_PEAK = """
-import resource, sys, torch, transformers
+import sys, torch, transformers
 from lengthgen.data.tasks.base import Batch
 from lengthgen.hf.eval import measure_hf, measure_hf_memory
 torch.set_num_threads(1)
@@ -196,12 +196,16 @@ model.eval()
 def batch(n):
     tokens = torch.randint(0, vocab, (1, n + 1))
     return Batch(tokens=tokens[:, :-1], targets=tokens[:, 1:], loss_mask=torch.ones(1, n, dtype=torch.bool))
+def kib(field):
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith(field)).split()[1]) * 1024
 with torch.no_grad():
     measure_hf(model, None, batch(16))
-    with open("/proc/self/statm") as statm:             # resident now, not the peak of the imports
-        before = int(statm.read().split()[1]) * resource.getpagesize()
+    with open("/proc/self/clear_refs", "w") as refs:    # the peak from here on, not the imports' (Linux >= 4.0)
+        refs.write("5")
+    before = kib("VmRSS:")
     measure_hf(model, None, batch(length))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before, measure_hf_memory(model, length))
+print(kib("VmHWM:") - before, measure_hf_memory(model, length))
 """
 
 
