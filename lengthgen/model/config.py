@@ -43,13 +43,14 @@ PLACEMENTS = typing.get_args(Placement)
 #: placements that end with a norm before the head (post ends normalized already)
 FINAL_NORM_PLACEMENTS = ("pre", "peri", "hybrid", "hybrid_star", "mix")
 
+RULE_KEYS = ("spec", "every", "offset", "layers")
+
 
 def final_norm_note(placement: str, final_norm: bool | None) -> str:
     """``, no final norm`` / ``, final norm`` where ``final_norm`` overrides the placement's default, else ''."""
     if final_norm is None or final_norm == (placement in FINAL_NORM_PLACEMENTS):
         return ""
     return ", final norm" if final_norm else ", no final norm"
-RULE_KEYS = ("spec", "every", "offset", "layers")
 
 
 def resolve_layer_spec(value: Any, default: AttentionSpec) -> AttentionSpec:
