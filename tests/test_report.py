@@ -836,3 +836,21 @@ def test_a_blown_up_runs_rms_leaves_the_other_curves_readable():
             height[line.get_gid()] = y.max() - y.min()
     assert height["a"] > 0.02 and height["c"] > 0.02                   # linear: a's 2x spanned 1e-8 of the height
     _assert_readable(fig)
+
+
+
+def test_the_variants_table_spells_values_as_config_show_does():
+    """The variants table printed Python's spelling (None, False, ['x']) where `lengthgen config show` and the
+    configs write TOML's (none, false, ["x"]); config show quotes a string, which tells out_norm's 'none' from a
+    key that is not set."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for name, final_norm, stages, kwargs in (("a", False, [[0, 8], [1, 16]], {"names": ["x"]}), ("b", None, [], {})):
+        for run in results.variants[name]:
+            run.config["model"]["final_norm"] = final_norm
+            run.config["train"]["stages"] = stages
+            run.config["data"] = {"task_kwargs": kwargs}
+    text = markdown_report(results)
+    assert ("| variant | `data.task_kwargs.names` | `model.attention.out_norm` | `model.attention.softmax_p` "
+            "| `model.final_norm` | `train.stages` |") in text
+    assert '| a | ["x"] | "none" | 1.0 | false | [[0, 8], [1, 16]] |' in text
+    assert '| b | none | "head_layer" | 2.0 | none | [] |' in text
