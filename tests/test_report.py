@@ -472,7 +472,9 @@ def test_a_plot_that_fails_while_saved_leaves_the_one_before(tmp_path, monkeypat
     from matplotlib import pyplot as plt
     from matplotlib.figure import Figure
 
+    open_before = plt.get_fignums()
     plot(tmp_path)
+    assert plt.get_fignums() == open_before              # a saved figure is closed too
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     save = Figure.savefig
 
@@ -484,7 +486,6 @@ def test_a_plot_that_fails_while_saved_leaves_the_one_before(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", half_then_fail)
-    open_before = plt.get_fignums()
     with pytest.raises(OSError, match="No space left"):
         plot(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and name in before
@@ -510,7 +511,7 @@ def test_retrieval_table_shows_the_seed_spread():
 def test_retrieval_panel_titles_fit_their_panels():
     """Long variant names ran each retrieval panel's title across its neighbours' (one line per title)."""
     from lengthgen.eval import NeedleCell, NeedleMap
-    from lengthgen.report.needle import needle_figure, plt
+    from lengthgen.report.needle import needle_figure
 
     for lengths in ([16], [16, 32, 64, 128, 256]):
         nmap = NeedleMap("mqar", 1, [0.0, 1.0], lengths, [NeedleCell(d, n, 10, 0.5, 0.5, 1.0) for n in lengths
@@ -520,14 +521,13 @@ def test_retrieval_panel_titles_fit_their_panels():
         for ax in fig.axes[:3]:
             assert ax.title.get_window_extent().width <= ax.get_window_extent().width, lengths
             assert ax.get_title().endswith("\n(mean of 3 seeds)")
-        plt.close(fig)
 
 
 def test_many_retrieval_maps_wrap_four_to_a_row():
     """Twelve variants' maps were one row of twelve panels, a figure 36 inches wide whose text could not be read
     once shown at a page's width."""
     from lengthgen.eval import NeedleCell, NeedleMap
-    from lengthgen.report.needle import needle_figure, plt
+    from lengthgen.report.needle import needle_figure
 
     lengths = [16, 32, 64]
     nmap = NeedleMap("mqar", 1, [0.0, 1.0], lengths, [NeedleCell(d, n, 10, 0.5, 0.5, 1.0) for n in lengths
@@ -539,8 +539,6 @@ def test_many_retrieval_maps_wrap_four_to_a_row():
                                   for i in (0, 3, 4, 9)] == [(0, 0), (0, 3), (1, 0), (2, 1)]
     assert fig.get_figwidth() == four.get_figwidth()
     assert all(ax.get_ylabel() for ax in fig.axes if ax.get_title() and ax.get_subplotspec().colspan.start == 0)
-    plt.close(four)
-    plt.close(fig)
 
 # ------------------------------------------------------------------ plots
 
