@@ -1,6 +1,7 @@
 """Shared test settings."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -15,3 +16,12 @@ def _one_thread_per_worker():
         torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Close the pyplot figures a test opened: ``extrapolation_figure`` and the like hand theirs to the caller,
+    and tests that inspect them left them open (pyplot's 'More than 20 figures' warning)."""
+    yield
+    if "matplotlib.pyplot" in sys.modules:
+        sys.modules["matplotlib.pyplot"].close("all")

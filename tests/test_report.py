@@ -472,7 +472,9 @@ def test_a_plot_that_fails_while_saved_leaves_the_one_before(tmp_path, monkeypat
     from matplotlib import pyplot as plt
     from matplotlib.figure import Figure
 
+    open_before = plt.get_fignums()
     plot(tmp_path)
+    assert plt.get_fignums() == open_before              # a saved figure is closed too
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     save = Figure.savefig
 
@@ -484,7 +486,6 @@ def test_a_plot_that_fails_while_saved_leaves_the_one_before(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", half_then_fail)
-    open_before = plt.get_fignums()
     with pytest.raises(OSError, match="No space left"):
         plot(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and name in before
@@ -510,7 +511,7 @@ def test_retrieval_table_shows_the_seed_spread():
 def test_retrieval_panel_titles_fit_their_panels():
     """Long variant names ran each retrieval panel's title across its neighbours' (one line per title)."""
     from lengthgen.eval import NeedleCell, NeedleMap
-    from lengthgen.report.needle import needle_figure, plt
+    from lengthgen.report.needle import needle_figure
 
     for lengths in ([16], [16, 32, 64, 128, 256]):
         nmap = NeedleMap("mqar", 1, [0.0, 1.0], lengths, [NeedleCell(d, n, 10, 0.5, 0.5, 1.0) for n in lengths
@@ -520,14 +521,13 @@ def test_retrieval_panel_titles_fit_their_panels():
         for ax in fig.axes[:3]:
             assert ax.title.get_window_extent().width <= ax.get_window_extent().width, lengths
             assert ax.get_title().endswith("\n(mean of 3 seeds)")
-        plt.close(fig)
 
 
 def test_many_retrieval_maps_wrap_four_to_a_row():
     """Twelve variants' maps were one row of twelve panels, a figure 36 inches wide whose text could not be read
     once shown at a page's width."""
     from lengthgen.eval import NeedleCell, NeedleMap
-    from lengthgen.report.needle import needle_figure, plt
+    from lengthgen.report.needle import needle_figure
 
     lengths = [16, 32, 64]
     nmap = NeedleMap("mqar", 1, [0.0, 1.0], lengths, [NeedleCell(d, n, 10, 0.5, 0.5, 1.0) for n in lengths
@@ -539,8 +539,6 @@ def test_many_retrieval_maps_wrap_four_to_a_row():
                                   for i in (0, 3, 4, 9)] == [(0, 0), (0, 3), (1, 0), (2, 1)]
     assert fig.get_figwidth() == four.get_figwidth()
     assert all(ax.get_ylabel() for ax in fig.axes if ax.get_title() and ax.get_subplotspec().colspan.start == 0)
-    plt.close(four)
-    plt.close(fig)
 
 # ------------------------------------------------------------------ plots
 
@@ -836,3 +834,21 @@ def test_a_blown_up_runs_rms_leaves_the_other_curves_readable():
             height[line.get_gid()] = y.max() - y.min()
     assert height["a"] > 0.02 and height["c"] > 0.02                   # linear: a's 2x spanned 1e-8 of the height
     _assert_readable(fig)
+
+
+
+def test_the_variants_table_spells_values_as_config_show_does():
+    """The variants table printed Python's spelling (None, False, ['x']) where `lengthgen config show` and the
+    configs write TOML's (none, false, ["x"]); config show quotes a string, which tells out_norm's 'none' from a
+    key that is not set."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for name, final_norm, stages, kwargs in (("a", False, [[0, 8], [1, 16]], {"names": ["x"]}), ("b", None, [], {})):
+        for run in results.variants[name]:
+            run.config["model"]["final_norm"] = final_norm
+            run.config["train"]["stages"] = stages
+            run.config["data"] = {"task_kwargs": kwargs}
+    text = markdown_report(results)
+    assert ("| variant | `data.task_kwargs.names` | `model.attention.out_norm` | `model.attention.softmax_p` "
+            "| `model.final_norm` | `train.stages` |") in text
+    assert '| a | ["x"] | "none" | 1.0 | false | [[0, 8], [1, 16]] |' in text
+    assert '| b | none | "head_layer" | 2.0 | none | [] |' in text

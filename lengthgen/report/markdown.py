@@ -9,7 +9,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from lengthgen.config import counted, differences
+from lengthgen.config import counted, differences, toml_value
 from lengthgen.eval.results import Comparison, Provenance, RunEval
 from lengthgen.model.config import final_norm_note
 from lengthgen.report.needle import needle_section
@@ -242,7 +242,7 @@ def _seconds(values: list[float | None]) -> str:
 def variant_table(results: Comparison) -> list[str]:
     """A markdown table of the config keys (``model.attention.softmax_p``, ``model.norm_placement``, ...) whose
     values differ between the variants' runs (``name``, ``train.seed`` and the pretrained run ``train.init_from``
-    aside), and which variants are evaluated with BEMA weights."""
+    aside), spelled as ``lengthgen config show`` writes them, and which variants are evaluated with BEMA weights."""
     configs = {name: runs[0].config for name, runs in results.variants.items() if runs and runs[0].config}
     if len(configs) < len(results.variants):
         return ["  (no configs recorded)"]
@@ -254,7 +254,7 @@ def variant_table(results: Comparison) -> list[str]:
         return ["  (all variants share one config)"]
     rows = [["variant", *(f"`{k}`" for k in keys), *(["weights"] if bema else [])]]
     for name, runs in results.variants.items():
-        rows.append([name, *(str(_at(configs[name], k)) for k in keys),
+        rows.append([name, *(toml_value(_at(configs[name], k)) for k in keys),
                      *((["BEMA" if runs[0].bema else "trained"]) if bema else [])])
     return ["  " + line for line in table(rows)]
 
