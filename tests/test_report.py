@@ -836,7 +836,6 @@ def test_a_blown_up_runs_rms_leaves_the_other_curves_readable():
     _assert_readable(fig)
 
 
-
 def test_the_variants_table_spells_values_as_config_show_does():
     """The variants table printed Python's spelling (None, False, ['x']) where `lengthgen config show` and the
     configs write TOML's (none, false, ["x"]); config show quotes a string, which tells out_norm's 'none' from a
