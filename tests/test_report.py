@@ -851,3 +851,12 @@ def test_the_variants_table_spells_values_as_config_show_does():
             "| `model.final_norm` | `train.stages` |") in text
     assert '| a | ["x"] | "none" | 1.0 | false | [[0, 8], [1, 16]] |' in text
     assert '| b | none | "head_layer" | 2.0 | none | [] |' in text
+
+
+def test_the_task_line_spells_task_arguments_as_config_show_does():
+    """The Task line printed a task's arguments in Python's spelling (``(digits=None, key='a')``)."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for runs in results.variants.values():
+        for run in runs:
+            run.config["data"] = {"task_kwargs": {"digits": None, "key": "a", "exact": True}}
+    assert '- **Task**: `mqar` (digits=none, key="a", exact=true); headline `accuracy`' in markdown_report(results)

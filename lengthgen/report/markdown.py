@@ -102,7 +102,7 @@ def setup(results: Comparison) -> list[str]:
     runs = _runs(results)
     cfg = _agreed(results.config, [run.config for run in runs if run.config])
     model, train, data = cfg.get("model", {}), cfg.get("train", {}), cfg.get("data", {})
-    kwargs = ", ".join(f"{k}={v}" for k, v in (data.get("task_kwargs") or {}).items())
+    kwargs = ", ".join(f"{k}={toml_value(v)}" for k, v in (data.get("task_kwargs") or {}).items())
     chance = chance_level(results, results.metric, results.eval_lengths[-1])
     tokens_per_step = train.get("tokens_per_step") or train.get("batch_size", 0) * results.train_length
     seeds = sorted({run.seed for run in runs if run.seed is not None})
