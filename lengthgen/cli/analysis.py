@@ -322,9 +322,9 @@ def config_command(args: argparse.Namespace) -> int:
     compare_config(cfg)
     print(format_config(cfg))
     if cfg.data.kind == "task":
-        from lengthgen.data.tasks import TASKS
+        from lengthgen.data.tasks import task_class
 
-        arguments = inspect.signature(TASKS[cfg.data.task]).parameters.values()
+        arguments = inspect.signature(task_class(cfg.data.task)).parameters.values()
         print(f"\n# data.task_kwargs of {cfg.data.task}: " + ", ".join(
             f"{a.name} (default {a.default!r})" for a in arguments if a.default is not inspect.Parameter.empty))
     return 0

@@ -78,7 +78,8 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     from lengthgen.experiments.compare import DEFAULT_VARIANTS
 
     add_config_arguments(p)
-    p.add_argument("--task", help="task name (counting, mqar, set_complement, ...); sets data.task")
+    p.add_argument("--task", help="task name (counting, mqar, set_complement, ...) or module:Class, a Task "
+                   "subclass of your own; sets data.task")
     p.add_argument("--variants", help="comma-separated variants: names in the config's compare.variants or "
                                       f"attention presets (default: the config's, else {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--bases", help="comma-separated names in the config's compare.bases (default: all of them)")

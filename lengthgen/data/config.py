@@ -4,7 +4,8 @@ A *data source* is anything shaped like a `lengthgen.data.tasks.Task`: ``sample(
 generator) -> Batch`` plus ``vocab_size``, ``head`` (lm | regress | classify), ``num_classes`` and optionally
 ``max_length`` and ``metrics(output, batch)``. ``data.kind`` picks the factory in `SOURCES`:
 
-* ``task``: ``make_task(data.task, **data.task_kwargs)``;
+* ``task``: ``make_task(data.task, **data.task_kwargs)``, a built-in task or a researcher's own `Task` subclass
+  named ``"package.module:Class"`` (`lengthgen.data.tasks.task_class`);
 * ``text``: ``lengthgen.data.text.make_text_data(**data.text)`` (an ``lm`` source).
 
 Data does not depend on history: the batch of step ``s`` is drawn from a generator seeded with
@@ -21,9 +22,15 @@ import numpy as np
 import torch
 
 from lengthgen.config import MAX_SIZE, ConfigError, check, documented, option
-from lengthgen.data.tasks import TaskName, make_task
+from lengthgen.data.tasks import TASK_CHOICES, make_task, task_class
 
 DataKind = Literal["task", "text"]
+
+
+def _task(name: str) -> str:
+    """``name`` if `task_class` resolves it (a built-in task or ``module:Class``), else its `ConfigError`."""
+    task_class(name)
+    return name
 
 
 @documented
@@ -32,7 +39,7 @@ class DataConfig:
     """What the model trains on: a synthetic task or a text corpus, at a training length."""
 
     kind: DataKind = option("task", "task (a synthetic task) or text (a text corpus)")
-    task: TaskName = option("counting", "the synthetic task (kind = task)")
+    task: str = option("counting", f"the synthetic task (kind = task): {TASK_CHOICES}", parse=_task)
     task_kwargs: dict[str, Any] = option({}, "the task's arguments, e.g. {vocab_size = 8}")
     length: int = option(64, "training length (before any train.stages)", ge=1, le=MAX_SIZE)
     text: dict[str, Any] = option({}, "make_text_data's arguments (kind = text): corpus, tokenizer, split, ...")

@@ -20,7 +20,7 @@ from lengthgen.atomic import atomic_write_text
 from lengthgen.config import (FOLDER_NAME, MAX_SIZE, ConfigError, build, check, documented, folder_name, invalid,
                               load_toml, option, parse_assignment, read_config_text, set_key, to_plain)
 from lengthgen.data.config import DataConfig
-from lengthgen.data.tasks import TASKS
+from lengthgen.data.tasks import task_class
 from lengthgen.model.config import GPTConfig
 
 Schedule = Literal["cosine", "wsd", "constant"]
@@ -211,7 +211,7 @@ class RunConfig:
             key = "train.batch_size x data.length" if self.train.tokens_per_step is None else "train.tokens_per_step"
             notes.append(f"{key} = {tokens} tokens per step is not a multiple of every training length: steps train "
                          f"{', '.join(uneven)} tokens (batch = tokens_per_step // length), not {tokens}")
-        head = self.model.head or (TASKS[self.data.task].head if self.data.kind == "task" else "lm")
+        head = self.model.head or (task_class(self.data.task).head if self.data.kind == "task" else "lm")
         for key in ("z_loss", "logit_cap"):
             if head != "lm" and getattr(self.model, key):
                 notes.append(f"model.{key}={getattr(self.model, key)} has no effect with the {head} head (of "

@@ -1,15 +1,20 @@
 """Synthetic tasks generated on the fly at any length from a seeded ``torch.Generator``.
 
-``TASKS`` maps each task's name (a `TaskName`) to its class; ``make_task(name, **kwargs)`` builds one with
-checked arguments.
+``TASKS`` maps each built-in task's name (a `TaskName`) to its class; `task_class` resolves a name or an import
+path ``"package.module:Class"`` of a researcher's own `Task` subclass to its class, and ``make_task(name, **kwargs)``
+builds one with checked arguments.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
+import os
+import sys
 from typing import Literal
 
-from lengthgen.config import ConfigError, unknown_key
+from lengthgen.config import ConfigError, invalid, unknown_key
 
 from lengthgen.data.tasks.base import Batch, Task
 from lengthgen.data.tasks.counting import CountingTask
@@ -25,18 +30,52 @@ TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (
     CountingTask, SetComplementTask, MaxRetrievalTask, DyckTask, TomitaTask, MQARTask, PasskeyTask)}
 
 
-def make_task(name: TaskName, **kwargs) -> Task:
-    """Build the task ``name`` with constructor ``kwargs``; a `ConfigError` for an unknown name or kwarg, or a
-    bad value (``counting.vocab_size=1 is not valid; ...``)."""
-    if not isinstance(name, str) or name not in TASKS:
-        raise ConfigError(f"unknown task {name!r}; valid choices: {', '.join(sorted(TASKS))}")
-    cls = TASKS[name]
+#: what a task name (``data.task``) may be, in words
+TASK_CHOICES = (f"one of {', '.join(TASKS)}, or 'module:Class' naming a lengthgen.data.tasks.Task subclass "
+                "importable from the current folder or PYTHONPATH")
+
+
+def task_class(name: str) -> type[Task]:
+    """The class of task ``name``: a built-in one (`TASKS`) or ``"package.module:Class"``, a `Task` subclass imported
+    from the current folder (first on the path, as under ``python -m``) or PYTHONPATH. Otherwise a `ConfigError`
+    keyed ``task`` that says why: an unknown name, a module that cannot be imported, no such attribute, not a Task
+    subclass."""
+    if isinstance(name, str) and name in TASKS:
+        return TASKS[name]
+    module_name, colon, attribute = name.partition(":") if isinstance(name, str) else ("", "", "")
+    if not (module_name and colon and attribute):
+        raise invalid("task", name, TASK_CHOICES)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"task={name!r}: cannot import module {module_name!r} ({err}); it must be importable from "
+                          "the current folder or PYTHONPATH", "task") from None
+    try:
+        cls = functools.reduce(getattr, attribute.split("."), module)
+    except AttributeError:
+        found = sorted(key for key, value in vars(module).items()
+                       if isinstance(value, type) and issubclass(value, Task) and value is not Task)
+        raise ConfigError(f"task={name!r}: module {module_name!r} has no attribute {attribute!r}"
+                          + (f" (its Task subclasses: {', '.join(found)})" if found else ""), "task") from None
+    if not (isinstance(cls, type) and issubclass(cls, Task) and cls is not Task):
+        what = "the base class" if cls is Task else f"a {'class' if isinstance(cls, type) else type(cls).__name__}"
+        raise ConfigError(f"task={name!r}: {attribute} is {what}, not a subclass of lengthgen.data.tasks.Task",
+                          "task")
+    return cls
+
+
+def make_task(name: TaskName | str, **kwargs) -> Task:
+    """Build the task ``name`` (`task_class`) with constructor ``kwargs``; a `ConfigError` for an unknown name or
+    kwarg, or a bad value (``counting.vocab_size=1 is not valid; ...``)."""
+    cls = task_class(name)
     valid = list(inspect.signature(cls).parameters)
     for kwarg in kwargs:
         if kwarg not in valid:
-            raise unknown_key(name, kwarg, valid)
+            raise unknown_key(name if name in TASKS else "task", kwarg, valid)
     return cls(**kwargs)
 
 
 __all__ = ["TASKS", "Batch", "CountingTask", "DyckTask", "MQARTask", "MaxRetrievalTask", "PasskeyTask",
-           "SetComplementTask", "Task", "TaskName", "TomitaTask", "make_task", "roc_auc"]
+           "SetComplementTask", "TASK_CHOICES", "Task", "TaskName", "TomitaTask", "make_task", "roc_auc", "task_class"]

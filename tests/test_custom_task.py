@@ -1,0 +1,121 @@
+"""A researcher's own task: ``data.task = "module:Class"`` names a `Task` subclass imported from the current folder,
+and every command that reads data.task resolves it (`task_class`); a bad path is one line naming data.task."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+import torch
+from test_readme import MODEL, README, blocks
+
+from lengthgen.cli import main
+from lengthgen.config import ConfigError
+from lengthgen.data.tasks import TASKS, make_task, task_class
+
+#: a module of the current folder holding a Task subclass (``parity``) and things that are not one
+MODULE = '''
+import torch
+from lengthgen.data.tasks import Batch, Task
+from lengthgen.data.tasks.common import masked_accuracy
+
+helper = len
+
+
+class Parity(Task):
+    name, head, metric, higher_is_better = "parity", "lm", "accuracy", True
+    vocab_size = 2
+
+    def __init__(self, flip: bool = False):
+        self.flip = flip
+
+    def sample(self, batch_size, length, generator):
+        tokens = torch.randint(2, (batch_size, length), generator=generator, device=generator.device)
+        return Batch(tokens, (tokens.cumsum(1) + self.flip) % 2, torch.ones_like(tokens, dtype=torch.bool))
+
+    def metrics(self, output, batch):
+        return {"accuracy": masked_accuracy(output, batch.targets, batch.loss_mask)}
+'''
+
+
+@pytest.fixture
+def in_folder(tmp_path, monkeypatch):
+    """The current folder is ``tmp_path`` (not on sys.path: the resolver puts it there, as ``python -m`` would),
+    with ``user_tasks.py`` (`MODULE`), ``broken.py`` (whose own import fails) and the README's example task as the
+    ``my_tasks.py`` it names; sys.path and the imported modules are restored afterwards."""
+    (tmp_path / "user_tasks.py").write_text(MODULE)
+    (tmp_path / "broken.py").write_text("import not_installed_anywhere_xyz\n")
+    (tmp_path / "my_tasks.py").write_text(next(code for code in blocks("python") if "(Task):" in code))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    yield tmp_path
+    for name in ("user_tasks", "broken", "my_tasks"):
+        sys.modules.pop(name, None)
+
+
+def test_an_import_path_names_a_task_class_of_the_current_folder(in_folder):
+    cls = task_class("user_tasks:Parity")
+    assert cls.__module__ == "user_tasks" and task_class("counting") is TASKS["counting"]
+    task = make_task("user_tasks:Parity", flip=True)
+    assert task.flip and task.sample(2, 8, torch.Generator().manual_seed(0)).tokens.shape == (2, 8)
+    with pytest.raises(ConfigError, match=r"^task\.bogus is not a valid key; valid keys: flip$"):
+        make_task("user_tasks:Parity", bogus=1)
+
+
+@pytest.mark.parametrize("task, message", [
+    ("nope", "data.task='nope' is not valid; it must be one of counting, set_complement, max_retrieval, dyck, tomita, "
+             "mqar, passkey, or 'module:Class' naming a lengthgen.data.tasks.Task subclass importable from the current "
+             "folder or PYTHONPATH"),
+    ("user_tasks:", "data.task='user_tasks:' is not valid; it must be one of counting, "),
+    ("no_such_module_xyz:Parity", "data.task='no_such_module_xyz:Parity': cannot import module 'no_such_module_xyz' "
+                                  "(No module named 'no_such_module_xyz'); it must be importable from the current "
+                                  "folder or PYTHONPATH"),
+    ("broken:Task", "data.task='broken:Task': cannot import module 'broken' (No module named "
+                    "'not_installed_anywhere_xyz'); "),
+    ("user_tasks:Parit", "data.task='user_tasks:Parit': module 'user_tasks' has no attribute 'Parit' (its Task "
+                         "subclasses: Parity)"),
+    ("user_tasks:helper", "data.task='user_tasks:helper': helper is a builtin_function_or_method, not a subclass of "
+                          "lengthgen.data.tasks.Task"),
+    ("user_tasks:Batch", "data.task='user_tasks:Batch': Batch is a class, not a subclass of lengthgen.data.tasks.Task"),
+    ("user_tasks:Task", "data.task='user_tasks:Task': Task is the base class, not a subclass of "
+                        "lengthgen.data.tasks.Task"),
+])
+def test_a_bad_task_is_one_line_naming_data_task(in_folder, capsys, task, message):
+    assert main(["config", "show", "--set", f"data.task={task}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lengthgen config: error: {message}") and err.count("\n") == 1, err
+
+
+def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
+    assert main(["compare", "--task", "user_tasks:Nope", "--out", str(in_folder / "c")]) == 2
+    assert capsys.readouterr().err == ("lengthgen compare: error: data.task='user_tasks:Nope': module 'user_tasks' has "
+                                       "no attribute 'Nope' (its Task subclasses: Parity)\n")
+
+
+def test_config_show_lists_an_own_tasks_arguments(in_folder, capsys):
+    assert main(["config", "show", "--set", "data.task=user_tasks:Parity", "--set", "data.task_kwargs.flip=true"]) == 0
+    out = capsys.readouterr().out
+    assert 'task = "user_tasks:Parity"' in out and "task_kwargs = {flip = true}" in out
+    assert out.rstrip().endswith("# data.task_kwargs of user_tasks:Parity: flip (default False)")
+
+
+def test_the_readme_task_trains_compares_with_workers_and_evaluates(in_folder, capsys):
+    """The README's own task, saved as the my_tasks.py it names, runs its compare command (two variants, each in its
+    own spawned worker, which imports the class again by its path); a run's saved config keeps the path, so eval,
+    a resumed run and report read it back."""
+    command = re.search(r"`lengthgen (compare --task my_tasks:FirstToken[^`]*)`", README.read_text()).group(1)
+    tiny = MODEL + ["--seeds", "1", "--workers", "2", "--steps", "2", "--eval-lengths", "16,32", "--eval-tokens", "32",
+                    "--set", "train.threads=1", "--set", "train.batch_size=4", "--out", "c", "--no-progress"]
+    assert main(command.split() + tiny) == 0
+    results = json.loads((in_folder / "c" / "results.json").read_text())
+    assert set(results["variants"]) == {"baseline", "l2"} and results["title"] == "lengthgen compare: first_token"
+    run = in_folder / "c" / "runs" / "l2-seed0"
+    assert json.loads((run / "config.json").read_text())["data"]["task"] == "my_tasks:FirstToken"
+    assert main(["eval", str(run), "--lengths", "16,32", "--tokens", "32"]) == 0
+    assert "length 32: loss" in capsys.readouterr().out
+    assert main(["train", "--config", str(run / "config.json"), "--out", str(run), "--resume", "--extend", "--set",
+                 "train.steps=3", "--no-progress"]) == 0
+    assert "step 3/3" in capsys.readouterr().out
+    assert main(["report", "c"]) == 0
