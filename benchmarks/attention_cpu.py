@@ -14,7 +14,8 @@ and every (variant, backend) in interleaved rounds, so that a busy moment of a s
 ``time_s`` is the median over ``--repeats`` rounds after one untimed step (above 4K: one round after an untimed
 step at 256, to keep a run within minutes): process CPU time with one thread (other processes on the machine barely
 move it), wall time with more. ``ratio`` = time_s / the reference's time_s; ``spread`` = the lowest and highest
-per-round ratio (noise), none from a single round (``rounds``: how many).
+per-round ratio (noise), none from a single round (``rounds``: how many). Float32 denormals are flushed to zero,
+as the ``lengthgen`` command runs (`lengthgen.train.setup.flush_denormals`; since 2026-11-24).
 
 Memory (``--memory-variants``, backends tiled and cpu_flash, and dense up to ``--dense-max-length``): each
 (L, variant, backend) in a fresh subprocess started with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc then maps every
@@ -107,7 +108,9 @@ def time_worker(length: int, threads: int, cases: list[tuple[str, str]], head_di
     import torch.nn.functional as F
 
     from lengthgen.attention import backends
+    from lengthgen.train.setup import flush_denormals
 
+    flush_denormals()                   # as the lengthgen command runs
     torch.set_num_threads(threads)
     clock = time.process_time if threads == 1 else time.perf_counter
     q, k, v, grad = _inputs(length, head_dim)

@@ -7,7 +7,8 @@ A step is AdamW on the cross-entropy of random tokens (vocabulary 8): zero_grad,
 ``attention`` = the preset and ``backend = auto``. Tokens per step are the demo's 2048 (batch 2048 / L, at least
 1). One fresh subprocess per (threads, L) times all presets in interleaved rounds after two untimed steps;
 ``step_ms`` is the median over ``--repeats`` rounds (process CPU time with one thread, wall time with more),
-``ratio`` its quotient by the baseline's, ``spread`` the lowest and highest per-round ratio.
+``ratio`` its quotient by the baseline's, ``spread`` the lowest and highest per-round ratio. Float32 denormals
+are flushed to zero, as the ``lengthgen`` command runs (`lengthgen.train.setup.flush_denormals`; since 2026-11-24).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def worker(length: int, threads: int, presets: list[str], repeats: int) -> list[
     from lengthgen.attention import backends
     from lengthgen.experiments.compare import DEFAULT_CONFIG
     from lengthgen.model import GPT, GPTConfig
+    from lengthgen.train.setup import flush_denormals
 
+    flush_denormals()                   # as the lengthgen command runs
     torch.set_num_threads(threads)
     clock = time.process_time if threads == 1 else time.perf_counter
     batch = max(1, TOKENS // length)

@@ -14,15 +14,18 @@ def _stop(signum, frame) -> None:
 
 
 def main() -> int:
-    """`lengthgen.cli.main`, which reports Ctrl-C in one line. While the command line is imported (torch, for
+    """`lengthgen.cli.main`, which reports Ctrl-C in one line, with float32 denormals flushed to zero
+    (`lengthgen.train.setup.flush_denormals`). While the command line is imported (torch, for
     seconds) Ctrl-C ends the process at once: a KeyboardInterrupt there is swallowed by torch's start (the command
     ran on) or aborts Triton's (a C++ terminate, core dumped); nothing is written yet. Once the command is over,
     Ctrl-C is ignored: it would interrupt the interpreter's exit (a traceback from an atexit callback)."""
     signal.signal(signal.SIGINT, _stop)
     try:
         from lengthgen.cli import main as run
+        from lengthgen.train.setup import flush_denormals
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    flush_denormals()           # before torch starts its threads, which inherit it
     try:
         try:
             return run()

@@ -528,3 +528,19 @@ def test_resuming_a_finished_comparison_leaves_its_results_and_report_as_they_we
     run_compare(more, tmp_path, variants=["baseline"], progress=False, resume=True, log=lines.append)
     assert len(Comparison.load(tmp_path / "results.json").variants["baseline"]) == 2
     assert not any(line.startswith("nothing changed") for line in lines)
+
+
+def test_workers_flush_denormals_as_the_comparisons_process_does():
+    """The lengthgen command flushes float32 denormals (ALiBi's far keys made Intel CPUs 3x slower); compare's
+    spawned workers started with the default instead, so ``--workers 2`` computed otherwise than one process."""
+    from lengthgen.experiments.jobs import Runner
+    from lengthgen.train.setup import denormals_flushed, flush_denormals
+
+    assert not denormals_flushed()
+    for flush in (True, False):
+        flush_denormals(flush)
+        try:
+            with Runner(2, lambda line: None) as runner:
+                assert runner.pool.submit(denormals_flushed).result() is flush
+        finally:
+            flush_denormals(False)

@@ -33,7 +33,7 @@ from lengthgen.experiments.needle import needle_filler, run_map
 from lengthgen.model import GPT
 from lengthgen.train import NonFiniteLossError, Trainer
 from lengthgen.train.config import RunConfig
-from lengthgen.train.setup import autocast_dtype, device_type, resolve, run_threads
+from lengthgen.train.setup import autocast_dtype, denormals_flushed, device_type, flush_denormals, resolve, run_threads
 
 Log = Callable[[str], None]
 
@@ -71,7 +71,8 @@ class Runner:
     def __init__(self, workers: int, log: Log) -> None:
         self.log, self.sources, self.shown = log, {}, set()
         self.pool = None if workers == 1 else ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent)
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+            initargs=(denormals_flushed(),))
 
     def run(self, jobs: list[Job]) -> list[list[tuple[str, RunEval]]]:
         """Each job's ``(variant name, evaluation)`` pairs (`run_job`), in the jobs' order. In the worker
@@ -176,10 +177,12 @@ class _sigint_ignored:
             signal.signal(signal.SIGINT, self.saved)
 
 
-def _exit_with_parent() -> None:
-    """A worker's initializer: a daemon thread ends the worker as soon as the comparison's process is gone, even
-    after ``kill -9`` (orphans kept training under their run folders' locks). Checkpoints are atomic: ``--resume``
-    continues the runs."""
+def _start_worker(flush: bool) -> None:
+    """A worker's initializer: denormals flushed as in the comparison's process (``flush``: `flush_denormals`), so
+    that the workers compute as one process would; and a daemon thread ends the worker as soon as the comparison's
+    process is gone, even after ``kill -9`` (orphans kept training under their run folders' locks). Checkpoints
+    are atomic: ``--resume`` continues the runs."""
+    flush_denormals(flush)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the parent's to handle (`Runner`)
     parent = multiprocessing.parent_process()
 
