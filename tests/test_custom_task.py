@@ -64,6 +64,18 @@ def test_an_import_path_names_a_task_class_of_the_current_folder(in_folder):
         make_task("user_tasks:Parity", bogus=1)
 
 
+def test_a_constructor_taking_keyword_arguments_accepts_any_task_kwargs(in_folder, capsys):
+    """``**options`` takes every data.task_kwargs key (each used to be refused, 'valid keys: options'); a named
+    argument beside it stays a valid key."""
+    (in_folder / "open_tasks.py").write_text(MODULE.replace("flip: bool = False", "flip: bool = False, **options")
+                                             .replace("self.flip = flip", "self.flip, self.options = flip, options"))
+    task = make_task("open_tasks:Parity", flip=True, width=3, mode="x")
+    assert task.flip and task.options == {"width": 3, "mode": "x"}
+    assert main(["config", "show", "--set", "data.task=open_tasks:Parity", "--set", "data.task_kwargs.width=3"]) == 0
+    assert "task_kwargs = {width = 3}" in capsys.readouterr().out
+    sys.modules.pop("open_tasks", None)
+
+
 @pytest.mark.parametrize("task, message", [
     ("nope", "data.task='nope' is not valid; it must be one of counting, set_complement, max_retrieval, dyck, tomita, "
              "mqar, passkey, or 'module:Class' naming a lengthgen.data.tasks.Task subclass importable from the current "

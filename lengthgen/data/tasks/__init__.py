@@ -68,12 +68,14 @@ def task_class(name: str) -> type[Task]:
 
 def make_task(name: TaskName | str, **kwargs) -> Task:
     """Build the task ``name`` (`task_class`) with constructor ``kwargs``; a `ConfigError` for an unknown name or
-    kwarg, or a bad value (``counting.vocab_size=1 is not valid; ...``)."""
+    kwarg (a ``**kwargs`` constructor takes any), or a bad value (``counting.vocab_size=1 is not valid; ...``)."""
     cls = task_class(name)
-    valid = list(inspect.signature(cls).parameters)
-    for kwarg in kwargs:
-        if kwarg not in valid:
-            raise unknown_key(name if name in TASKS else "task", kwarg, valid)
+    parameters = inspect.signature(cls).parameters.values()
+    if all(p.kind is not p.VAR_KEYWORD for p in parameters):     # a ``**kwargs`` constructor takes any key
+        valid = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for kwarg in kwargs:
+            if kwarg not in valid:
+                raise unknown_key(name if name in TASKS else "task", kwarg, valid)
     return cls(**kwargs)
 
 
