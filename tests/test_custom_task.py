@@ -100,6 +100,55 @@ def test_a_bad_task_is_one_line_naming_data_task(in_folder, capsys, task, messag
     assert err.startswith(f"lengthgen config: error: {message}") and err.count("\n") == 1, err
 
 
+#: Parity subclasses whose sample breaks the Batch contract, each one way
+BROKEN = MODULE + '''
+
+class Short(Parity):
+    def sample(self, batch_size, length, generator):
+        batch = super().sample(batch_size, length, generator)
+        batch.targets = batch.targets[:, 1:]
+        return batch
+
+
+class Floats(Parity):
+    def sample(self, batch_size, length, generator):
+        batch = super().sample(batch_size, length, generator)
+        batch.tokens = batch.tokens.float()
+        return batch
+
+
+class Large(Parity):
+    def sample(self, batch_size, length, generator):
+        batch = super().sample(batch_size, length, generator)
+        batch.tokens = batch.tokens + 2
+        return batch
+
+
+class Nothing(Parity):
+    def sample(self, batch_size, length, generator):
+        return None
+'''
+
+
+@pytest.mark.parametrize("task, message", [
+    ("Short", "returned targets (1, 7) torch.int64; with head 'lm' it must be (B, L) = (1, 8) long (B sequences of "
+              "length L: the Batch contract, lengthgen/data/tasks/base.py)"),
+    ("Floats", "returned tokens (1, 8) torch.float32; with head 'lm' it must be (B, L) = (1, 8) long"),
+    ("Large", "returned token ids in [2, 3]; they must be in [0, vocab_size) = [0, 2)"),
+    ("Nothing", "returned a NoneType, not a lengthgen.data.tasks.Batch"),
+])
+def test_a_sample_breaking_the_batch_contract_is_one_line_naming_the_class(in_folder, capsys, task, message):
+    """A first sequence drawn before anything runs is checked (shapes, dtypes, token ids), so a broken sample is one
+    line naming data.task, the class and what is wrong, not a traceback from the model or the loss."""
+    (in_folder / "broken_tasks.py").write_text(BROKEN)
+    assert main(["config", "show", "--set", f"data.task=broken_tasks:{task}", "--set", "data.length=8", "--set",
+                 "train.eval_lengths=[8]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lengthgen config: error: data.task: broken_tasks.{task}.sample(1, 8, generator) {message}")
+    assert err.count("\n") == 1, err
+    sys.modules.pop("broken_tasks", None)
+
+
 def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
     assert main(["compare", "--task", "user_tasks:Nope", "--out", str(in_folder / "c")]) == 2
     assert capsys.readouterr().err == ("lengthgen compare: error: data.task='user_tasks:Nope': module 'user_tasks' has "

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lengthgen.config import invalid
+from lengthgen.config import ConfigError, invalid
 
 
 def check_generator(key: str, generator: torch.Generator) -> torch.Generator:
@@ -58,6 +58,47 @@ class Batch:
         return replace(self, tokens=cut(self.tokens), targets=cut(self.targets) if per_position else self.targets,
                        loss_mask=cut(self.loss_mask), doc_ids=cut(self.doc_ids), start=self.start + lo,
                        extra={k: cut(v) if k in self.position_extras else v for k, v in self.extra.items()})
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+
+
+#: each field of a Batch by head: (shape in words, dtype in words, dtype test); B rows, L positions
+_CONTRACT = {
+    "tokens": ("(B, L)", "long", lambda t: t.dtype in (torch.long, torch.int32)),
+    "targets": ("(B, L)", "long", lambda t: t.dtype == torch.long),
+    "loss_mask": ("(B, L)", "bool", lambda t: t.dtype == torch.bool),
+    "doc_ids": ("(B, L)", "long", _is_integer),
+}
+_TARGETS = {"regress": ("(B, L)", "float", lambda t: t.dtype.is_floating_point or _is_integer(t)),
+            "classify": ("(B,)", "long", lambda t: t.dtype == torch.long)}
+
+
+def check_batch(key: str, source, batch, rows: int, length: int) -> None:
+    """``batch``, drawn by ``source.sample(rows, length, generator)``, must keep the `Batch` contract for the
+    source's head (shapes, dtypes, token ids in [0, vocab_size)); else a `ConfigError` naming ``key``, the source's
+    class and what is wrong, before a step trips over it deep in the model."""
+    cls = type(source)
+    where = f"{key}: {cls.__module__}.{cls.__qualname__}.sample({rows}, {length}, generator)"
+    if not isinstance(batch, Batch):
+        raise ConfigError(f"{where} returned a {type(batch).__name__}, not a lengthgen.data.tasks.Batch", key)
+    head = getattr(source, "head", "lm")
+    for name, (shape, dtype, fits) in {**_CONTRACT, **({"targets": _TARGETS[head]} if head in _TARGETS else {})
+                                       }.items():
+        t = getattr(batch, name)
+        if t is None and name == "doc_ids":
+            continue
+        want = (rows,) if shape == "(B,)" else (rows, length)
+        if not torch.is_tensor(t) or tuple(t.shape) != want or not fits(t):
+            got = f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else f"a {type(t).__name__}"
+            raise ConfigError(f"{where} returned {name} {got}; with head {head!r} it must be {shape} = {want} {dtype} "
+                              "(B sequences of length L: the Batch contract, lengthgen/data/tasks/base.py)", key)
+    vocab = getattr(source, "vocab_size", None)
+    low, high = int(batch.tokens.min()), int(batch.tokens.max())
+    if isinstance(vocab, int) and (low < 0 or high >= vocab):
+        raise ConfigError(f"{where} returned token ids in [{low}, {high}]; they must be in [0, vocab_size) = "
+                          f"[0, {vocab})", key)
 
 
 def metric_directions(source) -> dict[str, bool]:
