@@ -149,6 +149,27 @@ def test_a_sample_breaking_the_batch_contract_is_one_line_naming_the_class(in_fo
     sys.modules.pop("broken_tasks", None)
 
 
+@pytest.mark.parametrize("metrics, message", [
+    ('{"accuracy": accuracy.nanmean(1)}', "returned accuracy (2,); each metric must be (B, L) = (2, 8), per position, "
+                                          "NaN where undefined (Task.metrics, lengthgen/data/tasks/base.py)"),
+    ('{"acc": accuracy}', "gave no accuracy, which the task states (metric, also_reported); it gave loss, acc (with "
+                          "batch_metrics)"),
+])
+def test_metrics_breaking_the_contract_is_one_line_naming_the_class(in_folder, capsys, metrics, message):
+    """Metrics of the wrong shape were a traceback from the evaluator (IndexError), and a metric the task names as its
+    headline but never returns was an n/a at every length of a report: both one line naming the class."""
+    (in_folder / "metric_tasks.py").write_text(MODULE.replace(
+        'return {"accuracy": masked_accuracy(output, batch.targets, batch.loss_mask)}',
+        f"accuracy = masked_accuracy(output, batch.targets, batch.loss_mask)\n        return {metrics}"))
+    tiny = MODEL + ["--set", "train.steps=1", "--set", "train.batch_size=2", "--set", "train.tokens_per_step=none",
+                    "--set", "train.eval_batches=1", "--set", "train.eval_batch_size=2", "--set", "data.length=8"]
+    assert main(["train", "--set", "data.task=metric_tasks:Parity", *tiny, "--out", "run", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lengthgen train: error: data.task: metric_tasks.Parity.metrics(output, batch) {message}")
+    assert err.count("\n") == 1, err
+    sys.modules.pop("metric_tasks", None)
+
+
 def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
     assert main(["compare", "--task", "user_tasks:Nope", "--out", str(in_folder / "c")]) == 2
     assert capsys.readouterr().err == ("lengthgen compare: error: data.task='user_tasks:Nope': module 'user_tasks' has "

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted, invalid
 from lengthgen.data.config import step_generator
-from lengthgen.data.tasks.base import Batch, metric_directions
+from lengthgen.data.tasks.base import Batch, check_metrics, contract_error, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
 from lengthgen.eval.results import Bucket, LengthEval, Provenance, RunEval
@@ -78,7 +78,9 @@ def _values(model: nn.Module, source: Any, output: torch.Tensor, batch: Batch) -
     _, per_item = model.loss(output, batch)
     values = {"loss": per_item if per_item.dim() == 1 else per_item.masked_fill(~batch.loss_mask, math.nan)}
     if hasattr(source, "metrics"):
-        values.update(source.metrics(output.float(), batch))
+        metrics = source.metrics(output.float(), batch)
+        check_metrics(source, metrics, per_item.shape)
+        values.update(metrics)
     return values
 
 
@@ -175,6 +177,10 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     failed = _failed(values, batch)
     if hasattr(source, "batch_metrics"):
         values.update({name: torch.tensor([value]) for name, value in source.batch_metrics(values, batch).items()})
+    missing = [name for name in metric_directions(source) if name not in values and name != "loss"]
+    if missing:
+        raise contract_error(source, "metrics(output, batch)", f"gave no {', '.join(missing)}, which the task states "
+                             f"(metric, also_reported); it gave {', '.join(values)} (with batch_metrics)")
     if failed is not None:      # never left out of a mean as if unscored: the worst value there
         worst = _worst(source)
         warnings.warn(f"at length {length} the model's output is not finite at {int(failed.sum())} scored "

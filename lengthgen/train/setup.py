@@ -14,7 +14,7 @@ import torch
 
 from lengthgen.config import ConfigError, counted, differences
 from lengthgen.data.config import make_source
-from lengthgen.data.tasks.base import Task, check_batch
+from lengthgen.data.tasks.base import check_batch
 from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.train.config import RunConfig, load_config
 
@@ -73,7 +73,7 @@ def check_lengths(cfg: RunConfig, source: Any) -> None:
 
 def check_length(source: Any, key: str, length: int, cfg: RunConfig | None = None) -> None:
     """``length`` must be within the source's ``max_length`` and sample (one sequence is drawn); else a
-    `ConfigError` naming ``key``; the sequence must keep the Batch contract (`check_batch`, naming data.task). With
+    `ConfigError` naming ``key``; the sequence must keep the Batch contract (`check_batch`). With
     ``cfg``, first `check_memory`."""
     max_length = getattr(source, "max_length", None)
     if max_length is not None and length > max_length:
@@ -86,7 +86,7 @@ def check_length(source: Any, key: str, length: int, cfg: RunConfig | None = Non
             batch = source.sample(1, length, torch.Generator().manual_seed(0))
     except ValueError as err:
         raise ConfigError(f"{key}: length {length}: {err}", key) from None
-    check_batch("data.task" if isinstance(source, Task) else "data", source, batch, 1, length)
+    check_batch(source, batch, 1, length)
 
 
 def check_world(cfg: RunConfig, world: int) -> None:

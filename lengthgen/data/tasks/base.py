@@ -75,14 +75,13 @@ _TARGETS = {"regress": ("(B, L)", "float", lambda t: t.dtype.is_floating_point o
             "classify": ("(B,)", "long", lambda t: t.dtype == torch.long)}
 
 
-def check_batch(key: str, source, batch, rows: int, length: int) -> None:
+def check_batch(source, batch, rows: int, length: int) -> None:
     """``batch``, drawn by ``source.sample(rows, length, generator)``, must keep the `Batch` contract for the
-    source's head (shapes, dtypes, token ids in [0, vocab_size)); else a `ConfigError` naming ``key``, the source's
-    class and what is wrong, before a step trips over it deep in the model."""
-    cls = type(source)
-    where = f"{key}: {cls.__module__}.{cls.__qualname__}.sample({rows}, {length}, generator)"
+    source's head (shapes, dtypes, token ids in [0, vocab_size)); else a `contract_error`, before a step trips over
+    it deep in the model."""
+    call = f"sample({rows}, {length}, generator)"
     if not isinstance(batch, Batch):
-        raise ConfigError(f"{where} returned a {type(batch).__name__}, not a lengthgen.data.tasks.Batch", key)
+        raise contract_error(source, call, f"returned a {type(batch).__name__}, not a lengthgen.data.tasks.Batch")
     head = getattr(source, "head", "lm")
     for name, (shape, dtype, fits) in {**_CONTRACT, **({"targets": _TARGETS[head]} if head in _TARGETS else {})
                                        }.items():
@@ -92,13 +91,36 @@ def check_batch(key: str, source, batch, rows: int, length: int) -> None:
         want = (rows,) if shape == "(B,)" else (rows, length)
         if not torch.is_tensor(t) or tuple(t.shape) != want or not fits(t):
             got = f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else f"a {type(t).__name__}"
-            raise ConfigError(f"{where} returned {name} {got}; with head {head!r} it must be {shape} = {want} {dtype} "
-                              "(B sequences of length L: the Batch contract, lengthgen/data/tasks/base.py)", key)
+            raise contract_error(source, call, f"returned {name} {got}; with head {head!r} it must be {shape} = "
+                                 f"{want} {dtype} (B sequences of length L: the Batch contract, "
+                                 "lengthgen/data/tasks/base.py)")
     vocab = getattr(source, "vocab_size", None)
     low, high = int(batch.tokens.min()), int(batch.tokens.max())
     if isinstance(vocab, int) and (low < 0 or high >= vocab):
-        raise ConfigError(f"{where} returned token ids in [{low}, {high}]; they must be in [0, vocab_size) = "
-                          f"[0, {vocab})", key)
+        raise contract_error(source, call, f"returned token ids in [{low}, {high}]; they must be in [0, vocab_size) "
+                             f"= [0, {vocab})")
+
+
+def check_metrics(source, values, shape: torch.Size) -> None:
+    """``values``, returned by ``source.metrics``, must map names to tensors of the loss's ``shape`` ((B, L) per
+    position, (B,) for ``classify``); else a `contract_error`."""
+    if not isinstance(values, dict):
+        raise contract_error(source, "metrics(output, batch)", f"returned a {type(values).__name__}, not a dict of "
+                             "tensors")
+    for name, v in values.items():
+        if not torch.is_tensor(v) or v.shape != shape:
+            got = tuple(v.shape) if torch.is_tensor(v) else f"a {type(v).__name__}"
+            raise contract_error(source, "metrics(output, batch)", f"returned {name} {got}; each metric must be "
+                                 + ("(B,) = {}, one value per sequence" if len(shape) == 1 else
+                                    "(B, L) = {}, per position").format(tuple(shape))
+                                 + ", NaN where undefined (Task.metrics, lengthgen/data/tasks/base.py)")
+
+
+def contract_error(source, call: str, problem: str) -> ConfigError:
+    """A `ConfigError` keyed data.task (``data`` for a source that is not a `Task`) naming the source's class, the
+    ``call`` and its ``problem``."""
+    cls, key = type(source), "data.task" if isinstance(source, Task) else "data"
+    return ConfigError(f"{key}: {cls.__module__}.{cls.__qualname__}.{call} {problem}", key)
 
 
 def metric_directions(source) -> dict[str, bool]:
