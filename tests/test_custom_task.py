@@ -170,6 +170,28 @@ def test_metrics_breaking_the_contract_is_one_line_naming_the_class(in_folder, c
     sys.modules.pop("metric_tasks", None)
 
 
+def test_a_chance_level_may_be_one_float_for_every_position(in_folder, capsys):
+    """A per-position metric's chance as a float (as for a per-sequence one) was a TypeError traceback from the
+    evaluator ('float' object is not subscriptable): it is the level at every position; a tensor of another length is
+    one line naming the class."""
+    chance = "\n    def chance(self, metric, length):\n        return {CHANCE}\n"
+    (in_folder / "chance_tasks.py").write_text(MODULE + chance.replace("{CHANCE}", "0.5 if metric == 'accuracy' "
+                                                                                  "else None"))
+    tiny = MODEL + ["--set", "train.steps=1", "--set", "train.batch_size=2", "--set", "train.tokens_per_step=none",
+                    "--set", "train.eval_batches=1", "--set", "train.eval_batch_size=2", "--set", "data.length=8"]
+    assert main(["train", "--set", "data.task=chance_tasks:Parity", *tiny, "--set", "train.eval_lengths=[8, 16]",
+                 "--out", "run", "--no-progress"]) == 0
+    evaluation = json.loads((in_folder / "run" / "eval.json").read_text())["lengths"][0]
+    assert evaluation["chance"] == {"accuracy": 0.5} and evaluation["chance_buckets"]["accuracy"][0]["mean"] == 0.5
+    (in_folder / "short_chance.py").write_text(MODULE + chance.replace("{CHANCE}", "torch.zeros(length - 1)"))
+    assert main(["train", "--set", "data.task=short_chance:Parity", *tiny, "--out", "run2", "--no-progress"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "error: data.task: short_chance.Parity.chance('loss', 8) returned (7,); it must be a float or a (8,) tensor "
+        "(per position), or None (Task.chance)\n")
+    for name in ("chance_tasks", "short_chance"):
+        sys.modules.pop(name, None)
+
+
 def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
     assert main(["compare", "--task", "user_tasks:Nope", "--out", str(in_folder / "c")]) == 2
     assert capsys.readouterr().err == ("lengthgen compare: error: data.task='user_tasks:Nope': module 'user_tasks' has "

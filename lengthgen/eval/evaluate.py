@@ -92,13 +92,20 @@ def _at_length(values: torch.Tensor) -> float:
 def _chance(source: Any, values: dict[str, torch.Tensor], length: int
             ) -> tuple[dict[str, float], dict[str, list[Bucket]]]:
     """The source's chance level of each value at ``length`` over the positions of ``_at_length``, and by bucket
-    for per-position values (none for sources without ``chance``)."""
+    for per-position values (a float: the same at every position; none for sources without ``chance``)."""
     chance = getattr(source, "chance", None)
     at_length, buckets = {}, {}
     for name, v in values.items():
         level = chance(name, length) if chance is not None else None
         if level is None:
             continue
+        level = torch.as_tensor(level, dtype=torch.float64)
+        if v.dim() == 2 and level.dim() == 0:       # one level at every position
+            level = level.expand(length)
+        if (level.shape != (length,)) if v.dim() == 2 else level.numel() != 1:
+            raise contract_error(source, f"chance({name!r}, {length})", f"returned {tuple(level.shape)}; it must be "
+                                 + (f"a float or a ({length},) tensor (per position)" if v.dim() == 2 else
+                                    "a float (the metric is per sequence)") + ", or None (Task.chance)")
         if v.dim() == 1:
             at_length[name] = float(level)
         else:

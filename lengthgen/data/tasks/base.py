@@ -171,6 +171,6 @@ class Task:
         """The chance level of ``metric`` (``loss`` or a metric of `metrics`) at ``length``: the expected
         value of the best predictor that knows the task's format and each position but not the sampled
         tokens (the trivial baseline). A (length,) float64 tensor per position, NaN where the metric is
-        undefined, for per-position metrics; a float for per-sequence ones; None where the task defines
-        none."""
+        undefined, or a float (the same at every position), for per-position metrics; a float for per-sequence
+        ones; None where the task defines none."""
         return None
