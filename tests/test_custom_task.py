@@ -86,6 +86,10 @@ def test_a_constructor_taking_keyword_arguments_accepts_any_task_kwargs(in_folde
                                   "folder or PYTHONPATH"),
     ("broken:Task", "data.task='broken:Task': cannot import module 'broken' (No module named "
                     "'not_installed_anywhere_xyz'); "),
+    ("./user_tasks.py:Parity", "data.task='./user_tasks.py:Parity': './user_tasks.py' is not a module name; name the "
+                               "module as Python imports it, dotted names without a path or .py (./my_tasks.py: "
+                               "my_tasks:Class)"),
+    (".user_tasks:Parity", "data.task='.user_tasks:Parity': '.user_tasks' is not a module name; "),
     ("user_tasks:Parit", "data.task='user_tasks:Parit': module 'user_tasks' has no attribute 'Parit' (its Task "
                          "subclasses: Parity)"),
     ("user_tasks:helper", "data.task='user_tasks:helper': helper is a builtin_function_or_method, not a subclass of "

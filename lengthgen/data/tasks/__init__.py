@@ -45,6 +45,9 @@ def task_class(name: str) -> type[Task]:
     module_name, colon, attribute = name.partition(":") if isinstance(name, str) else ("", "", "")
     if not (module_name and colon and attribute):
         raise invalid("task", name, TASK_CHOICES)
+    if not all(part.isidentifier() for part in module_name.split(".")):     # a path: import_module raises TypeError
+        raise ConfigError(f"task={name!r}: {module_name!r} is not a module name; name the module as Python imports "
+                          "it, dotted names without a path or .py (./my_tasks.py: my_tasks:Class)", "task")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
