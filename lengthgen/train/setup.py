@@ -14,7 +14,7 @@ import torch
 
 from lengthgen.config import ConfigError, counted, differences
 from lengthgen.data.config import make_source
-from lengthgen.data.tasks.base import check_batch
+from lengthgen.data.tasks.base import check_batch, contract_error
 from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.train.config import RunConfig, load_config
 
@@ -29,7 +29,8 @@ def as_config(config: RunConfig | dict | str | Path) -> RunConfig:
 
 
 def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
-    """Set model.vocab_size / head / num_classes from the data source (errors if they contradict it)."""
+    """Set model.vocab_size / head / num_classes from the data source (errors if they contradict it, or, naming the
+    source, if its own are not valid)."""
     model = cfg.model
     head = getattr(source, "head", "lm")
     name = getattr(source, "name", cfg.data.task)
@@ -50,6 +51,11 @@ def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
     try:
         return RunConfig(model.replace(**changes), cfg.train, cfg.data, cfg.name)
     except ConfigError as err:
+        field = err.key.partition(".")[2]
+        if field in changes and not (field == "vocab_size" and model.vocab_size is not None):   # the task's value
+            _, _, why = str(err).partition(" is not valid")
+            raise contract_error(source, f"{field}={changes[field]!r}", f"is not valid{why.removesuffix(', or none')}"
+                                 " (the model takes it from the task: its class or data.task_kwargs)") from None
         raise err.under("model") from None
 
 
