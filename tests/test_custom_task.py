@@ -212,6 +212,27 @@ def test_a_tasks_own_bad_vocabulary_names_the_task_not_model_vocab_size(in_folde
                                        + " (the model takes it from the task: its class or data.task_kwargs)\n")
 
 
+def test_a_run_whose_task_does_not_import_here_is_not_called_damaged(in_folder, capsys):
+    """Evaluating a run away from its task's module said 'no readable checkpoint' (each checkpoint 'its config does
+    not load'), and a run folder's config.json was 'unreadable; pass --overwrite to start over' (compare --resume),
+    advice that deletes sound runs: both are the data.task error, naming the file."""
+    from lengthgen.train.run_folder import saved_run_config
+
+    tiny = MODEL + ["--set", "train.steps=1", "--set", "train.batch_size=2", "--set", "train.tokens_per_step=none",
+                    "--set", "data.length=8"]
+    assert main(["train", "--set", "data.task=user_tasks:Parity", *tiny, "--out", "run", "--no-progress"]) == 0
+    (in_folder / "user_tasks.py").rename(in_folder / "moved_tasks.py")
+    sys.modules.pop("user_tasks", None)
+    capsys.readouterr()
+    assert main(["eval", "run", "--lengths", "8", "--tokens", "16"]) == 2
+    missing = ("data.task='user_tasks:Parity': cannot import module 'user_tasks' (No module named 'user_tasks'); it "
+               "must be importable from the current folder or PYTHONPATH")
+    assert capsys.readouterr().err == (f"lengthgen eval: error: run/checkpoints/step_00000001/state.json: {missing}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"run/config.json: {missing}")):
+        saved_run_config("run")
+    assert sorted(p.name for p in (in_folder / "run" / "checkpoints").iterdir()) == ["step_00000001"]
+
+
 def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
     assert main(["compare", "--task", "user_tasks:Nope", "--out", str(in_folder / "c")]) == 2
     assert capsys.readouterr().err == ("lengthgen compare: error: data.task='user_tasks:Nope': module 'user_tasks' has "
