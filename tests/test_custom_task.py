@@ -246,6 +246,22 @@ def test_config_show_lists_an_own_tasks_arguments(in_folder, capsys):
     assert out.rstrip().endswith("# data.task_kwargs of user_tasks:Parity: flip (default False)")
 
 
+@pytest.mark.parametrize("constructor, listed", [
+    ("flip: bool = False, **options", "flip (default False), any key (**options)"),
+    ("*, flip: bool", "flip (required)"),
+    ("", "none"),
+])
+def test_config_show_lists_every_kind_of_task_argument(in_folder, capsys, constructor, listed):
+    """The task_kwargs line listed only arguments with defaults: a constructor taking **kwargs, or none at all, left
+    'data.task_kwargs of X: ' empty, and a required argument was not named."""
+    (in_folder / "args_tasks.py").write_text(MODULE.replace("flip: bool = False", constructor).replace(
+        "self.flip = flip", "self.flip = False"))
+    setting = ["--set", "data.task_kwargs.flip=true"] if "required" in listed else []
+    assert main(["config", "show", "--set", "data.task=args_tasks:Parity", *setting]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(f"# data.task_kwargs of args_tasks:Parity: {listed}")
+    sys.modules.pop("args_tasks", None)
+
+
 def test_the_readme_task_trains_compares_with_workers_and_evaluates(in_folder, capsys):
     """The README's own task, saved as the my_tasks.py it names, runs its compare command (two variants, each in its
     own spawned worker, which imports the class again by its path); a run's saved config keeps the path, so eval,
