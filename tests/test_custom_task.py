@@ -233,6 +233,28 @@ def test_a_run_whose_task_does_not_import_here_is_not_called_damaged(in_folder, 
     assert sorted(p.name for p in (in_folder / "run" / "checkpoints").iterdir()) == ["step_00000001"]
 
 
+def test_a_value_error_from_the_researchers_own_code_says_where_it_was_raised(in_folder, capsys):
+    """A ValueError (or a constructor's TypeError) becomes one line keyed data.length / data.task_kwargs, as a length
+    the task cannot generate or a bad argument does; from a bug in the researcher's own sample or constructor that
+    line hid where it was raised ('data.length: length 8: too many values to unpack (expected 2)'): it names the
+    file, line and function."""
+    code = MODULE.replace("        self.flip = flip\n", "        self.flip = flip\n        int(flip)\n").replace(
+        "    def sample(self, batch_size, length, generator):\n",
+        "    def sample(self, batch_size, length, generator):\n        a, b = 1, 2, 3\n")
+    (in_folder / "buggy_tasks.py").write_text(code)
+    lines = code.splitlines()
+    path = in_folder / "buggy_tasks.py"
+    for setting, error, line, function in [
+            ("data.length=8", "data.length: length 8: too many values to unpack (expected 2)",
+             lines.index("        a, b = 1, 2, 3"), "sample"),
+            ('data.task_kwargs.flip="x"', "data.task_kwargs: invalid literal for int() with base 10: 'x'",
+             lines.index("        int(flip)"), "__init__")]:
+        assert main(["config", "show", "--set", "data.task=buggy_tasks:Parity", "--set", setting]) == 2
+        assert capsys.readouterr().err == (f"lengthgen config: error: {error} (raised at {path}:{line + 1}, in "
+                                           f"{function})\n")
+    sys.modules.pop("buggy_tasks", None)
+
+
 def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
     assert main(["compare", "--task", "user_tasks:Nope", "--out", str(in_folder / "c")]) == 2
     assert capsys.readouterr().err == ("lengthgen compare: error: data.task='user_tasks:Nope': module 'user_tasks' has "

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lengthgen.config import ConfigError, counted, differences
+from lengthgen.config import ConfigError, counted, differences, raised_in_user_code
 from lengthgen.data.config import make_source
 from lengthgen.data.tasks.base import check_batch, contract_error
 from lengthgen.eval.evaluate import check_row_fits
@@ -91,7 +91,7 @@ def check_length(source: Any, key: str, length: int, cfg: RunConfig | None = Non
             warnings.simplefilter("ignore")
             batch = source.sample(1, length, torch.Generator().manual_seed(0))
     except ValueError as err:
-        raise ConfigError(f"{key}: length {length}: {err}", key) from None
+        raise ConfigError(f"{key}: length {length}: {err}{raised_in_user_code(err)}", key) from None
     check_batch(source, batch, 1, length)
 
 
