@@ -24,6 +24,10 @@ from lengthgen.data.tasks.common import masked_accuracy
 helper = len
 
 
+class Bare(Task):
+    name, vocab_size = "bare", 2
+
+
 class Parity(Task):
     name, head, metric, higher_is_better = "parity", "lm", "accuracy", True
     vocab_size = 2
@@ -91,10 +95,13 @@ def test_a_constructor_taking_keyword_arguments_accepts_any_task_kwargs(in_folde
                                "my_tasks:Class)"),
     (".user_tasks:Parity", "data.task='.user_tasks:Parity': '.user_tasks' is not a module name; "),
     ("user_tasks:Parit", "data.task='user_tasks:Parit': module 'user_tasks' has no attribute 'Parit' (its Task "
-                         "subclasses: Parity)"),
+                         "subclasses: Bare, Parity)"),
     ("user_tasks:helper", "data.task='user_tasks:helper': helper is a builtin_function_or_method, not a subclass of "
                           "lengthgen.data.tasks.Task"),
     ("user_tasks:Batch", "data.task='user_tasks:Batch': Batch is a class, not a subclass of lengthgen.data.tasks.Task"),
+    ("user_tasks:Bare", "data.task='user_tasks:Bare': Bare does not define sample() or metrics(), which every task "
+                        "defines (lengthgen/data/tasks/base.py: a Batch of any length; per-position metrics, {} for "
+                        "none)"),
     ("user_tasks:Task", "data.task='user_tasks:Task': Task is the base class, not a subclass of "
                         "lengthgen.data.tasks.Task"),
 ])
@@ -258,7 +265,7 @@ def test_a_value_error_from_the_researchers_own_code_says_where_it_was_raised(in
 def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
     assert main(["compare", "--task", "user_tasks:Nope", "--out", str(in_folder / "c")]) == 2
     assert capsys.readouterr().err == ("lengthgen compare: error: data.task='user_tasks:Nope': module 'user_tasks' has "
-                                       "no attribute 'Nope' (its Task subclasses: Parity)\n")
+                                       "no attribute 'Nope' (its Task subclasses: Bare, Parity)\n")
 
 
 def test_config_show_lists_an_own_tasks_arguments(in_folder, capsys):

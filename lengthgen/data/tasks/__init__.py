@@ -39,7 +39,7 @@ def task_class(name: str) -> type[Task]:
     """The class of task ``name``: a built-in one (`TASKS`) or ``"package.module:Class"``, a `Task` subclass imported
     from the current folder (first on the path, as under ``python -m``) or PYTHONPATH. Otherwise a `ConfigError`
     keyed ``task`` that says why: an unknown name, a module that cannot be imported, no such attribute, not a Task
-    subclass."""
+    subclass, or one without its own ``sample`` or ``metrics``."""
     if isinstance(name, str) and name in TASKS:
         return TASKS[name]
     module_name, colon, attribute = name.partition(":") if isinstance(name, str) else ("", "", "")
@@ -66,6 +66,11 @@ def task_class(name: str) -> type[Task]:
         what = "the base class" if cls is Task else f"a {'class' if isinstance(cls, type) else type(cls).__name__}"
         raise ConfigError(f"task={name!r}: {attribute} is {what}, not a subclass of lengthgen.data.tasks.Task",
                           "task")
+    undefined = [f"{method}()" for method in ("sample", "metrics") if getattr(cls, method) is getattr(Task, method)]
+    if undefined:
+        raise ConfigError(f"task={name!r}: {attribute} does not define {' or '.join(undefined)}, which every task "
+                          "defines (lengthgen/data/tasks/base.py: a Batch of any length; per-position metrics, {} "
+                          "for none)", "task")
     return cls
 
 
