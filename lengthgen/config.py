@@ -29,6 +29,7 @@ import json
 import math
 import numbers
 import re
+import traceback
 import types
 import typing
 from collections.abc import Iterator
@@ -71,6 +72,19 @@ class ConfigError(ValueError):
             return self
         new = f"{key}{dot}{rest}" if key else rest
         return ConfigError(new + message[len(self.key):], new)
+
+
+def raised_in_user_code(err: BaseException) -> str:
+    """`` (raised at FILE:LINE, in FUNCTION)``: the deepest frame of ``err``'s traceback outside lengthgen and the
+    installed packages, a researcher's own code (a `Task`'s sample or constructor) whose error a one-line message
+    would otherwise hide; ``""`` when every frame is lengthgen's or a package's."""
+    package = Path(__file__).resolve().parent
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if not (path.is_relative_to(package) or {"site-packages", "dist-packages"} & set(path.parts)
+                or frame.filename.startswith("<")):
+            return f" (raised at {frame.filename}:{frame.lineno}, in {frame.name})"
+    return ""
 
 
 def counted(count: int, noun: str) -> str:
@@ -485,4 +499,5 @@ def format_config(config: Any, width: int = 34) -> str:
 
 __all__ = ["ConfigError", "build", "check", "check_value", "counted", "describe", "differences", "documented",
            "expected", "format_config", "hints", "invalid", "key_path", "leaves", "load_toml", "option",
-           "parse_assignment", "parse_value", "set_key", "to_plain", "toml_value", "unknown_key"]
+           "parse_assignment", "parse_value", "raised_in_user_code", "set_key", "to_plain", "toml_value",
+           "unknown_key"]

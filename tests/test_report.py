@@ -860,3 +860,15 @@ def test_the_task_line_spells_task_arguments_as_config_show_does():
         for run in runs:
             run.config["data"] = {"task_kwargs": {"digits": None, "key": "a", "exact": True}}
     assert '- **Task**: `mqar` (digits=none, key="a", exact=true); headline `accuracy`' in markdown_report(results)
+
+
+def test_the_task_line_names_a_researchers_own_task_class():
+    """A task given as module:Class was named by its ``name`` alone, so one named like a built-in (``counting``) read
+    as the built-in task: the line adds the class."""
+    results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})
+    for runs in results.variants.values():
+        for run in runs:
+            run.config["data"] = {"task": "my_tasks:Counting", "task_kwargs": {"width": 3}}
+    results.source = "counting"
+    text = markdown_report(results)
+    assert "- **Task**: `counting` (class `my_tasks:Counting`) (width=3); headline `accuracy`" in text

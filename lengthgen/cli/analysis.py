@@ -325,9 +325,16 @@ def config_command(args: argparse.Namespace) -> int:
         from lengthgen.data.tasks import task_class
 
         arguments = inspect.signature(task_class(cfg.data.task)).parameters.values()
-        print(f"\n# data.task_kwargs of {cfg.data.task}: " + ", ".join(
-            f"{a.name} (default {a.default!r})" for a in arguments if a.default is not inspect.Parameter.empty))
+        print(f"\n# data.task_kwargs of {cfg.data.task}: " + (", ".join(
+            _task_argument(a) for a in arguments if a.kind is not a.VAR_POSITIONAL) or "none"))
     return 0
+
+
+def _task_argument(argument: inspect.Parameter) -> str:
+    """A task constructor's argument as `config show` lists it: its default, required, or any key (``**kwargs``)."""
+    if argument.kind is argument.VAR_KEYWORD:
+        return f"any key (**{argument.name})"
+    return f"{argument.name} ({'required' if argument.default is argument.empty else f'default {argument.default!r}'})"
 
 
 def _shipped_configs() -> list[Path]:

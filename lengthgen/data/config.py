@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lengthgen.config import MAX_SIZE, ConfigError, check, documented, option
+from lengthgen.config import MAX_SIZE, ConfigError, check, documented, option, raised_in_user_code
 from lengthgen.data.tasks import TASK_CHOICES, make_task, task_class
 
 DataKind = Literal["task", "text"]
@@ -83,7 +83,7 @@ def make_source(data: DataConfig) -> Any:
     except ConfigError as err:
         raise err.under(key) from None
     except (ValueError, TypeError, FileNotFoundError) as err:
-        raise ConfigError(f"{key}: {err}", key) from None
+        raise ConfigError(f"{key}: {err}{raised_in_user_code(err)}", key) from None
 
 
 __all__ = ["DataConfig", "SOURCES", "make_source", "step_generator", "step_seed"]

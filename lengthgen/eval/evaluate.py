@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted, invalid
 from lengthgen.data.config import step_generator
-from lengthgen.data.tasks.base import Batch, metric_directions
+from lengthgen.data.tasks.base import Batch, check_metrics, contract_error, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
 from lengthgen.eval.results import Bucket, LengthEval, Provenance, RunEval
@@ -78,7 +78,9 @@ def _values(model: nn.Module, source: Any, output: torch.Tensor, batch: Batch) -
     _, per_item = model.loss(output, batch)
     values = {"loss": per_item if per_item.dim() == 1 else per_item.masked_fill(~batch.loss_mask, math.nan)}
     if hasattr(source, "metrics"):
-        values.update(source.metrics(output.float(), batch))
+        metrics = source.metrics(output.float(), batch)
+        check_metrics(source, metrics, per_item.shape)
+        values.update(metrics)
     return values
 
 
@@ -90,13 +92,20 @@ def _at_length(values: torch.Tensor) -> float:
 def _chance(source: Any, values: dict[str, torch.Tensor], length: int
             ) -> tuple[dict[str, float], dict[str, list[Bucket]]]:
     """The source's chance level of each value at ``length`` over the positions of ``_at_length``, and by bucket
-    for per-position values (none for sources without ``chance``)."""
+    for per-position values (a float: the same at every position; none for sources without ``chance``)."""
     chance = getattr(source, "chance", None)
     at_length, buckets = {}, {}
     for name, v in values.items():
         level = chance(name, length) if chance is not None else None
         if level is None:
             continue
+        level = torch.as_tensor(level, dtype=torch.float64)
+        if v.dim() == 2 and level.dim() == 0:       # one level at every position
+            level = level.expand(length)
+        if (level.shape != (length,)) if v.dim() == 2 else level.numel() != 1:
+            raise contract_error(source, f"chance({name!r}, {length})", f"returned {tuple(level.shape)}; it must be "
+                                 + (f"a float or a ({length},) tensor (per position)" if v.dim() == 2 else
+                                    "a float (the metric is per sequence)") + ", or None (Task.chance)")
         if v.dim() == 1:
             at_length[name] = float(level)
         else:
@@ -175,6 +184,10 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     failed = _failed(values, batch)
     if hasattr(source, "batch_metrics"):
         values.update({name: torch.tensor([value]) for name, value in source.batch_metrics(values, batch).items()})
+    missing = [name for name in metric_directions(source) if name not in values and name != "loss"]
+    if missing:
+        raise contract_error(source, "metrics(output, batch)", f"gave no {', '.join(missing)}, which the task states "
+                             f"(metric, also_reported); it gave {', '.join(values)} (with batch_metrics)")
     if failed is not None:      # never left out of a mean as if unscored: the worst value there
         worst = _worst(source)
         warnings.warn(f"at length {length} the model's output is not finite at {int(failed.sum())} scored "

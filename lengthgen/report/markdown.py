@@ -110,7 +110,9 @@ def setup(results: Comparison) -> list[str]:
     protocol = results.retrofit or {}
     trained = (f"per finetuning run; each base pretrained {counted(protocol['pretrain_steps'], 'step')} per seed first"
                if "pretrain_steps" in protocol else "the finetuning; before: its own run" if protocol else "per run")
-    lines = [f"- **Task**: `{results.source}`" + (f" ({kwargs})" if kwargs else "") + f"; headline `{results.metric}`"
+    path = data.get("task") if ":" in str(data.get("task")) else None     # a researcher's own Task subclass
+    task = f"`{results.source}`" + (f" (class `{path}`)" if path else "") + (f" ({kwargs})" if kwargs else "")
+    lines = [f"- **Task**: {task}; headline `{results.metric}`"
              + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
              f"- **Model**: {counted(model.get('layers'), 'layer')}, width {model.get('dim')}, "
              f"{counted(model.get('heads'), 'head')}, "

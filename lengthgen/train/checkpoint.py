@@ -189,10 +189,16 @@ def data_change(trained_on: str, now: str) -> str:
 
 
 def saved_config(data: Any, where: Path) -> RunConfig:
-    """The `RunConfig` saved as ``data`` in ``where`` (a checkpoint's state.json, a run's config.json)."""
+    """The `RunConfig` saved as ``data`` in ``where`` (a checkpoint's state.json, a run's config.json); a
+    `CheckpointError` when it does not load, but a `ConfigError` for a researcher's own task (``module:Class``) that
+    does not resolve here: the file is sound, its task's module is not importable from this folder."""
     try:
         return RunConfig.from_dict(data)
     except ConfigError as err:
+        task = data.get("data", {}).get("task") if isinstance(data, dict) and isinstance(data.get("data"), dict) \
+            else None
+        if err.key == "data.task" and ":" in str(task):
+            raise ConfigError(f"{where}: {err}", err.key) from None
         raise CheckpointError(f"{where}: its config does not load ({err})") from None
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
 from lengthgen.atomic import atomic_write_text
+from lengthgen.config import ConfigError
 from lengthgen.train.checkpoint import CHECKPOINTS, COMPLETE, CheckpointError, complete_checkpoints, saved_config
 from lengthgen.train.config import RunConfig
 
@@ -384,6 +385,8 @@ def saved_run_config(folder: str | Path) -> RunConfig | None:
     try:
         return saved_config(json.loads(path.read_text()), path)
     except (ValueError, OSError) as err:      # CheckpointError is a ValueError
+        if isinstance(err, ConfigError):      # its task does not import here (`saved_config`): the file is sound
+            raise
         raise RunFolderError(f"{path} is unreadable ({err}); pass --overwrite to start over") from None
 
 

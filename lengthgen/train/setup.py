@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from lengthgen.config import ConfigError, counted, differences
+from lengthgen.config import ConfigError, counted, differences, raised_in_user_code
 from lengthgen.data.config import make_source
+from lengthgen.data.tasks.base import check_batch, contract_error
 from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.train.config import RunConfig, load_config
 
@@ -28,7 +29,8 @@ def as_config(config: RunConfig | dict | str | Path) -> RunConfig:
 
 
 def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
-    """Set model.vocab_size / head / num_classes from the data source (errors if they contradict it)."""
+    """Set model.vocab_size / head / num_classes from the data source (errors if they contradict it, or, naming the
+    source, if its own are not valid)."""
     model = cfg.model
     head = getattr(source, "head", "lm")
     name = getattr(source, "name", cfg.data.task)
@@ -49,6 +51,11 @@ def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
     try:
         return RunConfig(model.replace(**changes), cfg.train, cfg.data, cfg.name)
     except ConfigError as err:
+        field = err.key.partition(".")[2]
+        if field in changes and not (field == "vocab_size" and model.vocab_size is not None):   # the task's value
+            _, _, why = str(err).partition(" is not valid")
+            raise contract_error(source, f"{field}={changes[field]!r}", f"is not valid{why.removesuffix(', or none')}"
+                                 " (the model takes it from the task: its class or data.task_kwargs)") from None
         raise err.under("model") from None
 
 
@@ -72,7 +79,8 @@ def check_lengths(cfg: RunConfig, source: Any) -> None:
 
 def check_length(source: Any, key: str, length: int, cfg: RunConfig | None = None) -> None:
     """``length`` must be within the source's ``max_length`` and sample (one sequence is drawn); else a
-    `ConfigError` naming ``key``. With ``cfg``, first `check_memory`."""
+    `ConfigError` naming ``key``; the sequence must keep the Batch contract (`check_batch`). With
+    ``cfg``, first `check_memory`."""
     max_length = getattr(source, "max_length", None)
     if max_length is not None and length > max_length:
         raise ConfigError(f"{key}: length {length} exceeds the data's maximum length {max_length}", key)
@@ -81,9 +89,10 @@ def check_length(source: Any, key: str, length: int, cfg: RunConfig | None = Non
     try:
         with warnings.catch_warnings():     # a probe: what the length's own batches say, they say when drawn
             warnings.simplefilter("ignore")
-            source.sample(1, length, torch.Generator().manual_seed(0))
+            batch = source.sample(1, length, torch.Generator().manual_seed(0))
     except ValueError as err:
-        raise ConfigError(f"{key}: length {length}: {err}", key) from None
+        raise ConfigError(f"{key}: length {length}: {err}{raised_in_user_code(err)}", key) from None
+    check_batch(source, batch, 1, length)
 
 
 def check_world(cfg: RunConfig, world: int) -> None:

@@ -39,12 +39,15 @@ def task_class(name: str) -> type[Task]:
     """The class of task ``name``: a built-in one (`TASKS`) or ``"package.module:Class"``, a `Task` subclass imported
     from the current folder (first on the path, as under ``python -m``) or PYTHONPATH. Otherwise a `ConfigError`
     keyed ``task`` that says why: an unknown name, a module that cannot be imported, no such attribute, not a Task
-    subclass."""
+    subclass, or one without its own ``sample`` or ``metrics``."""
     if isinstance(name, str) and name in TASKS:
         return TASKS[name]
     module_name, colon, attribute = name.partition(":") if isinstance(name, str) else ("", "", "")
     if not (module_name and colon and attribute):
         raise invalid("task", name, TASK_CHOICES)
+    if not all(part.isidentifier() for part in module_name.split(".")):     # a path: import_module raises TypeError
+        raise ConfigError(f"task={name!r}: {module_name!r} is not a module name; name the module as Python imports "
+                          "it, dotted names without a path or .py (./my_tasks.py: my_tasks:Class)", "task")
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -63,17 +66,24 @@ def task_class(name: str) -> type[Task]:
         what = "the base class" if cls is Task else f"a {'class' if isinstance(cls, type) else type(cls).__name__}"
         raise ConfigError(f"task={name!r}: {attribute} is {what}, not a subclass of lengthgen.data.tasks.Task",
                           "task")
+    undefined = [f"{method}()" for method in ("sample", "metrics") if getattr(cls, method) is getattr(Task, method)]
+    if undefined:
+        raise ConfigError(f"task={name!r}: {attribute} does not define {' or '.join(undefined)}, which every task "
+                          "defines (lengthgen/data/tasks/base.py: a Batch of any length; per-position metrics, {} "
+                          "for none)", "task")
     return cls
 
 
 def make_task(name: TaskName | str, **kwargs) -> Task:
     """Build the task ``name`` (`task_class`) with constructor ``kwargs``; a `ConfigError` for an unknown name or
-    kwarg, or a bad value (``counting.vocab_size=1 is not valid; ...``)."""
+    kwarg (a ``**kwargs`` constructor takes any), or a bad value (``counting.vocab_size=1 is not valid; ...``)."""
     cls = task_class(name)
-    valid = list(inspect.signature(cls).parameters)
-    for kwarg in kwargs:
-        if kwarg not in valid:
-            raise unknown_key(name if name in TASKS else "task", kwarg, valid)
+    parameters = inspect.signature(cls).parameters.values()
+    if all(p.kind is not p.VAR_KEYWORD for p in parameters):     # a ``**kwargs`` constructor takes any key
+        valid = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for kwarg in kwargs:
+            if kwarg not in valid:
+                raise unknown_key(name if name in TASKS else "task", kwarg, valid)
     return cls(**kwargs)
 
 

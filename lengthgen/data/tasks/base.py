@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lengthgen.config import invalid
+from lengthgen.config import ConfigError, invalid
 
 
 def check_generator(key: str, generator: torch.Generator) -> torch.Generator:
@@ -60,6 +60,69 @@ class Batch:
                        extra={k: cut(v) if k in self.position_extras else v for k, v in self.extra.items()})
 
 
+def _is_integer(t: torch.Tensor) -> bool:
+    return not t.dtype.is_floating_point and not t.dtype.is_complex and t.dtype != torch.bool
+
+
+#: each field of a Batch by head: (shape in words, dtype in words, dtype test); B rows, L positions
+_CONTRACT = {
+    "tokens": ("(B, L)", "long", lambda t: t.dtype in (torch.long, torch.int32)),
+    "targets": ("(B, L)", "long", lambda t: t.dtype == torch.long),
+    "loss_mask": ("(B, L)", "bool", lambda t: t.dtype == torch.bool),
+    "doc_ids": ("(B, L)", "long", _is_integer),
+}
+_TARGETS = {"regress": ("(B, L)", "float", lambda t: t.dtype.is_floating_point or _is_integer(t)),
+            "classify": ("(B,)", "long", lambda t: t.dtype == torch.long)}
+
+
+def check_batch(source, batch, rows: int, length: int) -> None:
+    """``batch``, drawn by ``source.sample(rows, length, generator)``, must keep the `Batch` contract for the
+    source's head (shapes, dtypes, token ids in [0, vocab_size)); else a `contract_error`, before a step trips over
+    it deep in the model."""
+    call = f"sample({rows}, {length}, generator)"
+    if not isinstance(batch, Batch):
+        raise contract_error(source, call, f"returned a {type(batch).__name__}, not a lengthgen.data.tasks.Batch")
+    head = getattr(source, "head", "lm")
+    for name, (shape, dtype, fits) in {**_CONTRACT, **({"targets": _TARGETS[head]} if head in _TARGETS else {})
+                                       }.items():
+        t = getattr(batch, name)
+        if t is None and name == "doc_ids":
+            continue
+        want = (rows,) if shape == "(B,)" else (rows, length)
+        if not torch.is_tensor(t) or tuple(t.shape) != want or not fits(t):
+            got = f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else f"a {type(t).__name__}"
+            raise contract_error(source, call, f"returned {name} {got}; with head {head!r} it must be {shape} = "
+                                 f"{want} {dtype} (B sequences of length L: the Batch contract, "
+                                 "lengthgen/data/tasks/base.py)")
+    vocab = getattr(source, "vocab_size", None)
+    low, high = int(batch.tokens.min()), int(batch.tokens.max())
+    if isinstance(vocab, int) and (low < 0 or high >= vocab):
+        raise contract_error(source, call, f"returned token ids in [{low}, {high}]; they must be in [0, vocab_size) "
+                             f"= [0, {vocab})")
+
+
+def check_metrics(source, values, shape: torch.Size) -> None:
+    """``values``, returned by ``source.metrics``, must map names to tensors of the loss's ``shape`` ((B, L) per
+    position, (B,) for ``classify``); else a `contract_error`."""
+    if not isinstance(values, dict):
+        raise contract_error(source, "metrics(output, batch)", f"returned a {type(values).__name__}, not a dict of "
+                             "tensors")
+    for name, v in values.items():
+        if not torch.is_tensor(v) or v.shape != shape:
+            got = tuple(v.shape) if torch.is_tensor(v) else f"a {type(v).__name__}"
+            raise contract_error(source, "metrics(output, batch)", f"returned {name} {got}; each metric must be "
+                                 + ("(B,) = {}, one value per sequence" if len(shape) == 1 else
+                                    "(B, L) = {}, per position").format(tuple(shape))
+                                 + ", NaN where undefined (Task.metrics, lengthgen/data/tasks/base.py)")
+
+
+def contract_error(source, call: str, problem: str) -> ConfigError:
+    """A `ConfigError` keyed data.task (``data`` for a source that is not a `Task`) naming the source's class, the
+    ``call`` and its ``problem``."""
+    cls, key = type(source), "data.task" if isinstance(source, Task) else "data"
+    return ConfigError(f"{key}: {cls.__module__}.{cls.__qualname__}.{call} {problem}", key)
+
+
 def metric_directions(source) -> dict[str, bool]:
     """Whether higher is better, for each quantity whose direction a source (a `Task`, or any object with
     ``metric`` and ``higher_is_better``) states: the loss, its headline metric and those it also reports."""
@@ -108,6 +171,6 @@ class Task:
         """The chance level of ``metric`` (``loss`` or a metric of `metrics`) at ``length``: the expected
         value of the best predictor that knows the task's format and each position but not the sampled
         tokens (the trivial baseline). A (length,) float64 tensor per position, NaN where the metric is
-        undefined, for per-position metrics; a float for per-sequence ones; None where the task defines
-        none."""
+        undefined, or a float (the same at every position), for per-position metrics; a float for per-sequence
+        ones; None where the task defines none."""
         return None
