@@ -25,3 +25,11 @@ def _close_figures():
     yield
     if "matplotlib.pyplot" in sys.modules:
         sys.modules["matplotlib.pyplot"].close("all")
+
+
+@pytest.fixture(autouse=True)
+def _denormals_as_torch_starts():
+    """Float32 denormals kept after each test, as torch starts: a benchmark worker called in-process flushes them,
+    as the lengthgen command does (`flush_denormals`), and hypothesis then refuses to draw subnormal floats."""
+    yield
+    torch.set_flush_denormal(False)
