@@ -9,7 +9,8 @@ mask, cpu_flash, tiled, dense), ALiBi (cpu_flash, tiled, dense), p = 2 with and 
 scale-invariant (tiled, dense). ``time_ms`` is the median of 5 (3 above L = 512) steps after one untimed step,
 process CPU time with one thread; each row names the fastest backend and `auto`'s pick. The thresholds in
 `lengthgen.attention.backends` (``SDPA_MASK_MAX_PAIRS``, ``FLASH_DENSE_MAX_LOGITS``, ``TILED_DENSE_MAX_*``)
-come from these rows.
+come from these rows. Float32 denormals are flushed to zero, as the ``lengthgen`` command runs
+(`lengthgen.train.setup.flush_denormals`; since 2026-11-24).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from lengthgen.atomic import atomic_write_text
 from lengthgen.attention import AttentionSpec, attend, backends
 from lengthgen.experiments.bench import packed_doc_ids
+from lengthgen.train.setup import flush_denormals
 
 SPECS = {"window": AttentionSpec(position="nope", window=1), "doc": AttentionSpec(position="nope", doc_masking=True),
          "alibi": AttentionSpec.preset("alibi"), "l2": AttentionSpec(position="nope", softmax_p=2.0),
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = ap.parse_args(argv)
     bench_args.fresh(ap, [args.out + ".json", args.out + ".md"] if args.out else [], args.overwrite)
+    flush_denormals()                   # as the lengthgen command runs
     torch.set_num_threads(args.threads)
     rows = []
     for shape in args.shapes:
