@@ -111,8 +111,10 @@ def test_compare_command_bad_variant_exits_2(tmp_path, capsys):
 
 
 def test_compare_command_bad_metric_exits_2_before_training(tmp_path, capsys):
+    """The line names the key --metric sets (it named none: ``metric 'accuracy' is not reported by ...``)."""
     assert main(["compare", "--task", "counting", "--metric", "accuracy", "--out", str(tmp_path)]) == 2
-    assert "choose loss, abs_error" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("lengthgen compare: error: compare.metric='accuracy' is not reported by "
+                                       "'counting'; choose loss, abs_error, sq_error, rel_error\n")
     assert not (tmp_path / "runs").exists()
 
 

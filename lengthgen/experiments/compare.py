@@ -145,11 +145,12 @@ def parse_variants(text: str | list[str] | tuple[str, ...], defined: dict[str, A
 
 def check_metric(source, metric: str | None) -> tuple[str, bool]:
     """The headline metric and whether higher is better: ``metric`` if the source reports it (``loss`` always),
-    else ValueError; None: the source's own."""
+    else a `ConfigError` naming compare.metric; None: the source's own."""
     directions = metric_directions(source)
     metric = source.metric if metric is None else metric
     if metric not in directions:
-        raise ValueError(f"metric {metric!r} is not reported by {source.name!r}; choose {', '.join(directions)}")
+        raise ConfigError(f"compare.metric={metric!r} is not reported by {source.name!r}; choose "
+                          f"{', '.join(directions)}", "compare.metric")
     return metric, directions[metric]
 
 
