@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,15 +49,18 @@ class Parity(Task):
 def in_folder(tmp_path, monkeypatch):
     """The current folder is ``tmp_path`` (not on sys.path: the resolver puts it there, as ``python -m`` would),
     with ``user_tasks.py`` (`MODULE`), ``broken.py`` (whose own import fails) and the README's example task as the
-    ``my_tasks.py`` it names; sys.path and the imported modules are restored afterwards."""
+    ``my_tasks.py`` it names; sys.path is restored afterwards, and every module imported from the folder (the
+    tests write more) is forgotten."""
     (tmp_path / "user_tasks.py").write_text(MODULE)
     (tmp_path / "broken.py").write_text("import not_installed_anywhere_xyz\n")
     (tmp_path / "my_tasks.py").write_text(next(code for code in blocks("python") if "(Task):" in code))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     yield tmp_path
-    for name in ("user_tasks", "broken", "my_tasks"):
-        sys.modules.pop(name, None)
+    folder = tmp_path.resolve()
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) and Path(module.__file__).resolve().is_relative_to(folder):
+            del sys.modules[name]
 
 
 def test_an_import_path_names_a_task_class_of_the_current_folder(in_folder):
@@ -77,7 +81,6 @@ def test_a_constructor_taking_keyword_arguments_accepts_any_task_kwargs(in_folde
     assert task.flip and task.options == {"width": 3, "mode": "x"}
     assert main(["config", "show", "--set", "data.task=open_tasks:Parity", "--set", "data.task_kwargs.width=3"]) == 0
     assert "task_kwargs = {width = 3}" in capsys.readouterr().out
-    sys.modules.pop("open_tasks", None)
 
 
 @pytest.mark.parametrize("task, message", [
@@ -157,7 +160,6 @@ def test_a_sample_breaking_the_batch_contract_is_one_line_naming_the_class(in_fo
     err = capsys.readouterr().err
     assert err.startswith(f"lengthgen config: error: data.task: broken_tasks.{task}.sample(1, 8, generator) {message}")
     assert err.count("\n") == 1, err
-    sys.modules.pop("broken_tasks", None)
 
 
 @pytest.mark.parametrize("metrics, message", [
@@ -178,7 +180,6 @@ def test_metrics_breaking_the_contract_is_one_line_naming_the_class(in_folder, c
     err = capsys.readouterr().err
     assert err.startswith(f"lengthgen train: error: data.task: metric_tasks.Parity.metrics(output, batch) {message}")
     assert err.count("\n") == 1, err
-    sys.modules.pop("metric_tasks", None)
 
 
 def test_a_chance_level_may_be_one_float_for_every_position(in_folder, capsys):
@@ -199,8 +200,6 @@ def test_a_chance_level_may_be_one_float_for_every_position(in_folder, capsys):
     assert capsys.readouterr().err.endswith(
         "error: data.task: short_chance.Parity.chance('loss', 8) returned (7,); it must be a float or a (8,) tensor "
         "(per position), or None (Task.chance)\n")
-    for name in ("chance_tasks", "short_chance"):
-        sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize("task, setting, message", [
@@ -259,7 +258,6 @@ def test_a_value_error_from_the_researchers_own_code_says_where_it_was_raised(in
         assert main(["config", "show", "--set", "data.task=buggy_tasks:Parity", "--set", setting]) == 2
         assert capsys.readouterr().err == (f"lengthgen config: error: {error} (raised at {path}:{line + 1}, in "
                                            f"{function})\n")
-    sys.modules.pop("buggy_tasks", None)
 
 
 def test_compare_task_flag_takes_an_import_path(in_folder, capsys):
@@ -288,7 +286,6 @@ def test_config_show_lists_every_kind_of_task_argument(in_folder, capsys, constr
     setting = ["--set", "data.task_kwargs.flip=true"] if "required" in listed else []
     assert main(["config", "show", "--set", "data.task=args_tasks:Parity", *setting]) == 0
     assert capsys.readouterr().out.rstrip().endswith(f"# data.task_kwargs of args_tasks:Parity: {listed}")
-    sys.modules.pop("args_tasks", None)
 
 
 def test_the_readme_task_trains_compares_with_workers_and_evaluates(in_folder, capsys):
