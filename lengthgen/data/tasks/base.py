@@ -83,8 +83,7 @@ def check_batch(source, batch, rows: int, length: int) -> None:
     if not isinstance(batch, Batch):
         raise contract_error(source, call, f"returned a {type(batch).__name__}, not a lengthgen.data.tasks.Batch")
     head = getattr(source, "head", "lm")
-    for name, (shape, dtype, fits) in {**_CONTRACT, **({"targets": _TARGETS[head]} if head in _TARGETS else {})
-                                       }.items():
+    for name, (shape, dtype, fits) in {**_CONTRACT, "targets": _TARGETS.get(head, _CONTRACT["targets"])}.items():
         t = getattr(batch, name)
         if t is None and name == "doc_ids":
             continue
