@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from lengthgen.config import counted, differences, toml_value
+from lengthgen.data.tasks import own_task
 from lengthgen.eval.results import Comparison, Provenance, RunEval
 from lengthgen.model.config import final_norm_note
 from lengthgen.report.needle import needle_section
@@ -110,8 +111,8 @@ def setup(results: Comparison) -> list[str]:
     protocol = results.retrofit or {}
     trained = (f"per finetuning run; each base pretrained {counted(protocol['pretrain_steps'], 'step')} per seed first"
                if "pretrain_steps" in protocol else "the finetuning; before: its own run" if protocol else "per run")
-    path = data.get("task") if ":" in str(data.get("task")) else None     # a researcher's own Task subclass
-    task = f"`{results.source}`" + (f" (class `{path}`)" if path else "") + (f" ({kwargs})" if kwargs else "")
+    task = (f"`{results.source}`" + (f" (class `{data['task']}`)" if own_task(data.get("task")) else "")
+            + (f" ({kwargs})" if kwargs else ""))
     lines = [f"- **Task**: {task}; headline `{results.metric}`"
              + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
              f"- **Model**: {counted(model.get('layers'), 'layer')}, width {model.get('dim')}, "

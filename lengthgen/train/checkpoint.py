@@ -42,6 +42,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 
 from lengthgen.atomic import atomic_write, atomic_write_text, fsync
 from lengthgen.config import ConfigError
+from lengthgen.data.tasks import own_task
 from lengthgen.train.config import RunConfig
 
 LATEST = "latest.json"
@@ -197,7 +198,7 @@ def saved_config(data: Any, where: Path) -> RunConfig:
     except ConfigError as err:
         task = data.get("data", {}).get("task") if isinstance(data, dict) and isinstance(data.get("data"), dict) \
             else None
-        if err.key == "data.task" and ":" in str(task):
+        if err.key == "data.task" and own_task(task):
             raise ConfigError(f"{where}: {err}", err.key) from None
         raise CheckpointError(f"{where}: its config does not load ({err})") from None
 

@@ -35,6 +35,11 @@ TASK_CHOICES = (f"one of {', '.join(TASKS)}, or 'module:Class' naming a lengthge
                 "importable from the current folder or PYTHONPATH")
 
 
+def own_task(name: object) -> bool:
+    """Whether ``name`` (a ``data.task``) names a researcher's own class, ``"module:Class"``, not a built-in task."""
+    return isinstance(name, str) and ":" in name
+
+
 def task_class(name: str) -> type[Task]:
     """The class of task ``name``: a built-in one (`TASKS`) or ``"package.module:Class"``, a `Task` subclass imported
     from the current folder (first on the path, as under ``python -m``) or PYTHONPATH. Otherwise a `ConfigError`
@@ -88,4 +93,5 @@ def make_task(name: TaskName | str, **kwargs) -> Task:
 
 
 __all__ = ["TASKS", "Batch", "CountingTask", "DyckTask", "MQARTask", "MaxRetrievalTask", "PasskeyTask",
-           "SetComplementTask", "TASK_CHOICES", "Task", "TaskName", "TomitaTask", "make_task", "roc_auc", "task_class"]
+           "SetComplementTask", "TASK_CHOICES", "Task", "TaskName", "TomitaTask", "make_task", "own_task", "roc_auc",
+           "task_class"]
