@@ -2174,10 +2174,11 @@ def test_the_command_flushes_denormals_before_torch_starts_its_threads():
     """ALiBi's far keys give exp(s - max) below 1.2e-38, float32 denormals, which Intel CPUs compute in slow
     microcode (its training step at 4096 tokens took 3.3x the baseline's): the lengthgen command flushes them, in
     the threads torch starts too (a product over 2^20 elements runs on 2). A library user's process is as it was."""
-    probe = ("import torch\nfrom lengthgen.train.setup import denormals_flushed\ntorch.set_num_threads(2)\n"
-             "print(denormals_flushed(), torch.ones(1 << 20).mul(1e-39).sum().item() == 0.0)\n")
-    command = ("import runpy, sys\nsys.argv = ['lengthgen', 'config', 'show', 'counting']\ntry:\n"
-               "    runpy.run_module('lengthgen', run_name='__main__', alter_sys=True)\nexcept SystemExit:\n    pass\n")
-    shown = [subprocess.run([sys.executable, "-c", code + probe], env={**os.environ, "PYTHONPATH": str(ROOT)},
-                            capture_output=True, text=True, timeout=300, cwd=ROOT) for code in ("", command)]
-    assert [run.stdout.splitlines()[-1] for run in shown] == ["False False", "True True"], shown[1].stderr
+    probe = ("def probe():\n    import torch\n    from lengthgen.train.setup import denormals_flushed\n"
+             "    torch.set_num_threads(2)\n"
+             "    print(denormals_flushed(), torch.ones(1 << 20).mul(1e-39).sum().item() == 0.0)\n")
+    command = _python_m_lengthgen(probe + "import atexit\natexit.register(probe)", "config", "show", "counting")
+    plain = subprocess.run([sys.executable, "-c", probe + "probe()"], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert plain.stdout == "False False\n", plain.stderr
+    assert command.returncode == 0 and command.stdout.splitlines()[-1] == "True True", command.stderr
