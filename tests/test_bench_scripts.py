@@ -54,6 +54,8 @@ def _refused(main, argv, capsys) -> str:
     (attention_crossover.main, ["--shapes", "foo"], "--shapes: foo is not valid; choose from single, demo"),
     (attention_crossover.main, ["--lengths", "16,x"], "--lengths: '16,x' is not valid"),
     (attention_crossover.main, ["--threads", "0"], "--threads: '0' is not valid"),
+    (attention_crossover.main, ["--specs", "alibi,rope"], "--specs: rope is not valid; choose from window, doc"),
+    (attention_crossover.main, ["--backends", "flex"], "--backends: flex is not valid; choose from dense, sdpa"),
     (triton_configs.main, ["--out", "x.json", "--length", "0"], "--length: '0' is not valid; give a positive integer"),
     (triton_configs.main, ["--out", "x.json", "--head-dims", "64", "-1"], "--head-dims: '-1' is not valid"),
     (triton_configs.main, ["--out", "x.json", "--ps", "2", "0"], "--ps: '0' is not valid; give a finite number > 0"),
@@ -143,6 +145,24 @@ def test_a_runs_files_are_refused_before_measuring(script, tmp_path, capsys):
     line = _refused(main, [*argv, "--out", str(run / "checkpoints" / "new" / "r")], capsys)
     assert f"is inside the folder {run} that lengthgen wrote" in line
     assert (run / "config.json").read_text() == "{}" and not any((run / "checkpoints").iterdir())
+
+
+def test_crossover_times_the_chosen_specs_and_backends(tmp_path, monkeypatch):
+    """``--specs`` and ``--backends`` reach the timing (at long lengths dense's L x L logits must be left out); a
+    spec none of the chosen backends runs is a row without a fastest backend, not a crash."""
+    calls = []
+
+    def time_backends(spec, batch, length, head_dim, names):
+        calls.append((spec.distance, spec.softmax_p, names))
+        return {} if spec.softmax_p != 1 else {name: float(len(calls) + i) for i, name in enumerate(names)}
+    monkeypatch.setattr(attention_crossover, "time_backends", time_backends)
+    out = tmp_path / "r"
+    argv = ["--shapes", "single", "--lengths", "16", "--specs", "log_bias,l2", "--backends", "tiled,cpu_flash"]
+    assert attention_crossover.main([*argv, "--out", str(out)]) == 0
+    assert calls == [("log_bias", 1.0, ("tiled", "cpu_flash")), ("none", 2.0, ("tiled", "cpu_flash"))]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["spec"], r["fastest"]) for r in rows] == [("log_bias", "tiled"), ("l2", None)]
+    assert "| single | 16 | 1 | l2 | - | - | - | - | - | dense |" in out.with_suffix(".md").read_text()
 
 
 def test_triton_configs_keeps_an_existing_sweep(tmp_path, capsys):

@@ -50,6 +50,9 @@ _EAGER: dict[str, Callable] = {name: torch.compiler.disable(m.attention) for nam
 # heads = 4 * 2048 / L at head_dim 16; benchmarks/results/*-crossover.md). Against the fastest backend of each
 # measured case, the pick was at worst 1.33x slower (documents at 256 x 256, where cpu_flash skips what the
 # documents hide), 1.15-1.18x for p = 2 with documents at 4 x 128 x 128 and 32 x 64 x 64, else within 1.11x.
+# Softmax with masks or an additive distance term stays on cpu_flash at every length: at 2K-16K `tiled` was 0.82-0.98x
+# its time for windows, ALiBi and log-bias only from 8K at head_dim 64, and 1.13-1.93x at the demo's head_dim 16
+# (cpu2-epyc-2026-11-24-crossover-long.md).
 #: sdpa with an (Lq, Lk) boolean mask (windows, documents, explicit masks) up to this many pairs per head: it
 #: was the fastest up to 128 x 128 and tied at 256 x 256; from 512 x 512 cpu_flash was 1.6-2x faster.
 SDPA_MASK_MAX_PAIRS = 1 << 16
