@@ -5,6 +5,7 @@ import re
 import warnings
 
 import pytest
+from helpers import TINY_RUN_WARNINGS
 
 from lengthgen.cli import main
 from lengthgen.config import ConfigWarning
@@ -40,6 +41,7 @@ def tiny_compare(tmp_path_factory):
     return out, results
 
 
+@TINY_RUN_WARNINGS
 def test_compare_writes_all_four_report_files(tiny_compare):
     out, results = tiny_compare
     for name in ("results.json", "report.md", "extrapolation.png", "diagnostics.png"):
@@ -154,6 +156,7 @@ def test_a_task_may_headline_another_metric_it_reports():
     assert check_metric(counting, "rel_error") == ("rel_error", False)
 
 
+@TINY_RUN_WARNINGS
 def test_default_compare_headlines_loss_and_reports_the_task_metric_too(tmp_path):
     from lengthgen.experiments.compare import default_metric
 
@@ -249,6 +252,7 @@ def test_a_once_per_length_warning_comes_once_with_workers_too(tmp_path, capsys,
         "documents (train split, which the run trained on)"]
 
 
+@TINY_RUN_WARNINGS
 def test_compare_evaluates_under_the_runs_autocast(tmp_path, monkeypatch):
     import torch
 
@@ -322,6 +326,7 @@ def test_each_variant_is_warned_once_about_what_its_run_never_reaches_before_any
                     "(Muon's momentum only)"]
 
 
+@TINY_RUN_WARNINGS
 def test_a_variant_that_diverges_in_one_seed_is_reported_as_diverged_and_the_comparison_finishes(tmp_path,
                                                                                                  monkeypatch):
     """A run whose loss turned NaN ended the whole comparison (NonFiniteLossError): the other variants' runs were
@@ -508,6 +513,7 @@ def test_the_error_line_names_the_run_it_came_from(tmp_path, capsys, monkeypatch
     assert code == 1 and err.startswith("lengthgen compare: error: [baseline seed 0] out of memory (MemoryError)"), err
 
 
+@TINY_RUN_WARNINGS
 def test_resuming_a_finished_comparison_leaves_its_results_and_report_as_they_were(tmp_path):
     """compare --resume of a finished comparison rewrote results.json and report.md with the new evaluation date
     and seconds as their only change, and said nothing about it. Both are now kept byte for byte, and the log says

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import TINY_RUN_WARNINGS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -356,6 +357,7 @@ def test_text_runs_hide_needles_in_their_corpus(tmp_path, capsys):
     assert nmap.source == "text:stdlib/val:byte" and all(c.chance == {} for c in nmap.cells)
 
 
+@TINY_RUN_WARNINGS
 def test_compare_adds_the_maps_to_its_report(tmp_path, capsys):
     from lengthgen.experiments.compare import base_config, run_compare
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import TINY_RUN_WARNINGS
 
 from lengthgen.cli import main
 from lengthgen.config import ConfigError
@@ -20,6 +21,7 @@ VARIANTS = 'compare.variants={l1 = {}, avnorm = {model.attention.out_norm = "hea
 QUIET = dict(progress=False, log=lambda _: None)
 
 
+@TINY_RUN_WARNINGS
 def test_variants_and_bases_are_config_changes(tmp_path):
     cfg = base_config(None, TINY + [PLACEMENTS, BASES])
     results = run_compare(cfg, tmp_path, **QUIET)
@@ -36,6 +38,7 @@ def test_variants_and_bases_are_config_changes(tmp_path):
     assert selected.config("nope/l2", 0).model.attention.softmax_p == 2.0
 
 
+@TINY_RUN_WARNINGS
 def test_pretrain_protocol_finetunes_every_variant_from_its_base_and_evaluates_bema(tmp_path):
     """Seed 000: pretrain each base, then finetune every variant from it (the unchanged one is 'continued')."""
     cfg = base_config(None, TINY + [BASES, "compare.pretrain_steps=3", "train.bema.enabled=true",
@@ -64,6 +67,7 @@ def test_pretrain_protocol_finetunes_every_variant_from_its_base_and_evaluates_b
 
 
 
+@TINY_RUN_WARNINGS
 def test_a_finetune_keeps_the_bases_checkpoints_so_resume_continues_it(tmp_path):
     """A compare's finetunes were checkpointed at their end only (`finetune_config` sets 0 for `retrofit`), so a
     finetune cut short (preempted, killed) restarted from step 0 on --resume even where the config asks for
@@ -92,6 +96,7 @@ def test_protocol_is_one_command_from_a_config(tmp_path, capsys):
     assert "nope/rms" in capsys.readouterr().out
 
 
+@TINY_RUN_WARNINGS
 def test_workers_give_the_sequential_results(tmp_path):
     """compare.workers=2 trains the pretraining and finetuning runs two at a time in their own processes; every
     evaluation (and BEMA's) equals the sequential comparison's, in the same order, and every run's log lines
@@ -138,6 +143,7 @@ def test_unknown_names_exit_2_before_training(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+@TINY_RUN_WARNINGS
 def test_each_run_is_evaluated_on_its_own_data(tmp_path):
     """Bases may change the data (e.g. one Tomita grammar each): a run's numbers are `lengthgen eval`'s."""
     from lengthgen.experiments.eval_run import eval_run

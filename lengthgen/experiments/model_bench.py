@@ -97,7 +97,9 @@ def top_kernels(fn: Callable[[], Any], device: torch.device, n: int = 10) -> lis
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    # one cycle: acc_events changes nothing but torch 2.11's warning that it is off (2.13 no longer warns)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 acc_events=True) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize(device)
