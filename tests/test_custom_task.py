@@ -207,13 +207,17 @@ def test_a_chance_level_may_be_one_float_for_every_position(in_folder, capsys):
                                                                 "it must be an integer in [1, 2147483647]"),
     ("user_tasks:Parity", "model.dim=16", "user_tasks.Parity.vocab_size=0 is not valid; it must be an integer in "
                                           "[1, 2147483647]"),
+    ("my_tasks:FirstToken", ('data.task_kwargs.vocab_size="16"', "model.vocab_size=16"),
+     "my_tasks.FirstToken.vocab_size='16' is not valid; it must be an integer in [1, 2147483647]"),
 ])
 def test_a_tasks_own_bad_vocabulary_names_the_task_not_model_vocab_size(in_folder, capsys, task, setting, message):
     """A task argument of the wrong type, or a class whose vocab_size is unset, was reported as model.vocab_size
-    (a key the researcher never set): it names data.task and the class."""
+    (a key the researcher never set): it names data.task and the class. With model.vocab_size set too, the
+    comparison of the two was a TypeError traceback ('<' between int and str)."""
     if "Parity" in task:
         (in_folder / "user_tasks.py").write_text(MODULE.replace("    vocab_size = 2\n", ""))
-    assert main(["config", "show", "--set", f"data.task={task}", "--set", setting]) == 2
+    sets = [x for s in ([setting] if isinstance(setting, str) else setting) for x in ("--set", s)]
+    assert main(["config", "show", "--set", f"data.task={task}", *sets]) == 2
     assert capsys.readouterr().err == (f"lengthgen config: error: data.task: {message}"
                                        + " (the model takes it from the task: its class or data.task_kwargs)\n")
 

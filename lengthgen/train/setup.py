@@ -36,26 +36,29 @@ def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
     name = getattr(source, "name", cfg.data.task)
     if model.head is not None and model.head != head:
         raise ConfigError(f"model.head={model.head!r} does not fit the data: {name!r} needs head {head!r}")
-    vocab = source.vocab_size
-    if model.vocab_size is not None:
-        if model.vocab_size < vocab:
-            raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the data's vocabulary "
-                              f"({vocab}); leave it unset to take it from the data")
-        vocab = model.vocab_size
-    changes: dict[str, Any] = {"head": head, "vocab_size": vocab}
+    own = {"head": head, "vocab_size": source.vocab_size}
     if head == "classify":
-        classes = source.num_classes
-        if model.num_classes not in (0, classes):
-            raise ConfigError(f"model.num_classes={model.num_classes} does not fit {name!r} ({classes} classes)")
-        changes["num_classes"] = classes
+        own["num_classes"] = source.num_classes
+    try:                                    # the source's own values first, before any comparison with the config's
+        model.replace(**own)
+    except ConfigError as err:
+        field = err.key.partition(".")[2]
+        if field not in own:
+            raise err.under("model") from None
+        _, _, why = str(err).partition(" is not valid")
+        raise contract_error(source, f"{field}={own[field]!r}", f"is not valid{why.removesuffix(', or none')}"
+                             " (the model takes it from the task: its class or data.task_kwargs)") from None
+    changes = dict(own)
+    if model.vocab_size is not None:
+        if model.vocab_size < own["vocab_size"]:
+            raise ConfigError(f"model.vocab_size={model.vocab_size} is smaller than the data's vocabulary "
+                              f"({own['vocab_size']}); leave it unset to take it from the data")
+        changes["vocab_size"] = model.vocab_size
+    if head == "classify" and model.num_classes not in (0, own["num_classes"]):
+        raise ConfigError(f"model.num_classes={model.num_classes} does not fit {name!r} ({own['num_classes']} classes)")
     try:
         return RunConfig(model.replace(**changes), cfg.train, cfg.data, cfg.name)
     except ConfigError as err:
-        field = err.key.partition(".")[2]
-        if field in changes and not (field == "vocab_size" and model.vocab_size is not None):   # the task's value
-            _, _, why = str(err).partition(" is not valid")
-            raise contract_error(source, f"{field}={changes[field]!r}", f"is not valid{why.removesuffix(', or none')}"
-                                 " (the model takes it from the task: its class or data.task_kwargs)") from None
         raise err.under("model") from None
 
 
