@@ -168,9 +168,12 @@ def test_a_sample_breaking_the_batch_contract_is_one_line_naming_the_class(in_fo
     ('{"acc": accuracy}', "gave no accuracy, which the task states (metric, also_reported); it gave loss, acc (with "
                           "batch_metrics)"),
 ])
-def test_metrics_breaking_the_contract_is_one_line_naming_the_class(in_folder, capsys, metrics, message):
+def test_metrics_breaking_the_contract_is_one_line_naming_the_class(in_folder, capsys, monkeypatch, metrics,
+                                                                     message):
     """Metrics of the wrong shape were a traceback from the evaluator (IndexError), and a metric the task names as its
-    headline but never returns was an n/a at every length of a report: both one line naming the class."""
+    headline but never returns was an n/a at every length of a report: both one line naming the class, before a
+    step is trained (they came at the first evaluation, after training when train.eval_every = 0)."""
+    monkeypatch.setattr("lengthgen.train.trainer.Trainer._train_step", _no_training)
     (in_folder / "metric_tasks.py").write_text(MODULE.replace(
         'return {"accuracy": masked_accuracy(output, batch.targets, batch.loss_mask)}',
         f"accuracy = masked_accuracy(output, batch.targets, batch.loss_mask)\n        return {metrics}"))
@@ -182,7 +185,11 @@ def test_metrics_breaking_the_contract_is_one_line_naming_the_class(in_folder, c
     assert err.count("\n") == 1, err
 
 
-def test_a_chance_level_may_be_one_float_for_every_position(in_folder, capsys):
+def _no_training(self, step):
+    pytest.fail("a step was trained before the task's contract was checked")
+
+
+def test_a_chance_level_may_be_one_float_for_every_position(in_folder, capsys, monkeypatch):
     """A per-position metric's chance as a float (as for a per-sequence one) was a TypeError traceback from the
     evaluator ('float' object is not subscriptable): it is the level at every position; a tensor of another length is
     one line naming the class."""
@@ -196,6 +203,7 @@ def test_a_chance_level_may_be_one_float_for_every_position(in_folder, capsys):
     evaluation = json.loads((in_folder / "run" / "eval.json").read_text())["lengths"][0]
     assert evaluation["chance"] == {"accuracy": 0.5} and evaluation["chance_buckets"]["accuracy"][0]["mean"] == 0.5
     (in_folder / "short_chance.py").write_text(MODULE + chance.replace("{CHANCE}", "torch.zeros(length - 1)"))
+    monkeypatch.setattr("lengthgen.train.trainer.Trainer._train_step", _no_training)
     assert main(["train", "--set", "data.task=short_chance:Parity", *tiny, "--out", "run2", "--no-progress"]) == 2
     assert capsys.readouterr().err.endswith(
         "error: data.task: short_chance.Parity.chance('loss', 8) returned (7,); it must be a float or a (8,) tensor "

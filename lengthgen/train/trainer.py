@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from lengthgen.config import ConfigError, ConfigWarning, check_value
 from lengthgen.data.config import step_generator
+from lengthgen.data.tasks import own_task
 from lengthgen.data.tasks.base import Batch
 from lengthgen.eval import Provenance, ResultsError, RunEval, eval_source, evaluate
 from lengthgen.eval.evaluate import sequences
@@ -124,6 +125,9 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.model = GPT(cfg.model).to(self.device)
         check_backend(self.model, cfg, self.device)
+        if own_task(cfg.data.task):     # its metrics and chance levels meet the contract, or fail before training
+            evaluate(self.model, self.source, [cfg.data.length], tokens_per_length=2 * cfg.data.length, seed=tc.seed,
+                     autocast=self.autocast_dtype, diagnostics=False)
         self.initialized_from: dict[str, Any] | None = None
         self.step, self.tokens = 0, 0
         self.train_seconds: float | None = 0.0          # in the training loop, summed over sessions (None: unknown)
