@@ -230,6 +230,23 @@ def test_a_tasks_own_bad_vocabulary_names_the_task_not_model_vocab_size(in_folde
                                        + " (the model takes it from the task: its class or data.task_kwargs)\n")
 
 
+@pytest.mark.parametrize("declared, message", [
+    ('name = ""', "name='' is not valid; it must be a non-empty string (the task's title in reports)"),
+    ("metric = 5", "metric=5 is not valid; it must be a non-empty string, the headline"),
+    ('higher_is_better = "no"', "higher_is_better='no' is not valid; it must be True or False"),
+    ('also_reported = ["acc"]', "also_reported=['acc'] is not valid; it must be a dict of metric name -> whether"),
+    ('max_length = "10"', "max_length='10' is not valid; it must be None (unbounded) or an integer >= 1"),
+])
+def test_a_tasks_declared_attributes_of_the_wrong_kind_are_one_line(in_folder, capsys, declared, message):
+    """``metric = 5``, ``also_reported`` as a list and ``max_length`` as a string were TypeError tracebacks; a
+    ``higher_is_better`` of "no" read as True and an empty name made an untitled report, silently."""
+    vocab = "    vocab_size = 2\n"
+    (in_folder / "declared.py").write_text(MODULE.replace(vocab, f"{vocab}    {declared}\n", 1))
+    assert main(["config", "show", "--set", "data.task=declared:Parity"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lengthgen config: error: data.task: declared.Parity.{message}") and err.count("\n") == 1
+
+
 def test_a_run_whose_task_does_not_import_here_is_not_called_damaged(in_folder, capsys):
     """Evaluating a run away from its task's module said 'no readable checkpoint' (each checkpoint 'its config does
     not load'), and a run folder's config.json was 'unreadable; pass --overwrite to start over' (compare --resume),

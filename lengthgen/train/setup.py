@@ -14,7 +14,7 @@ import torch
 
 from lengthgen.config import ConfigError, counted, differences, raised_in_user_code
 from lengthgen.data.config import make_source
-from lengthgen.data.tasks.base import check_batch, contract_error
+from lengthgen.data.tasks.base import Task, check_batch, check_declared, contract_error
 from lengthgen.eval.evaluate import check_row_fits
 from lengthgen.train.config import RunConfig, load_config
 
@@ -30,7 +30,9 @@ def as_config(config: RunConfig | dict | str | Path) -> RunConfig:
 
 def fill_model_from_source(cfg: RunConfig, source: Any) -> RunConfig:
     """Set model.vocab_size / head / num_classes from the data source (errors if they contradict it, or, naming the
-    source, if its own are not valid)."""
+    source, if its own are not valid: those and, for a task, its other declared attributes, `check_declared`)."""
+    if isinstance(source, Task):
+        check_declared(source)
     model = cfg.model
     head = getattr(source, "head", "lm")
     name = getattr(source, "name", cfg.data.task)

@@ -115,6 +115,30 @@ def check_metrics(source, values, shape: torch.Size) -> None:
                                  + ", NaN where undefined (Task.metrics, lengthgen/data/tasks/base.py)")
 
 
+#: a task's declared attributes that no model key checks: (test, what the value must be)
+_DECLARED = {
+    "name": (lambda v: isinstance(v, str) and v != "", "a non-empty string (the task's title in reports)"),
+    "metric": (lambda v: isinstance(v, str) and v != "", "a non-empty string, the headline: 'loss' or a key that "
+               "metrics() returns"),
+    "higher_is_better": (lambda v: isinstance(v, bool), "True or False"),
+    "also_reported": (lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(b, bool)
+                                                            for k, b in v.items()),
+                      "a dict of metric name -> whether higher is better (True or False)"),
+    "max_length": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+                   "None (unbounded) or an integer >= 1"),
+}
+
+
+def check_declared(source) -> None:
+    """A task's ``name``, ``metric``, ``higher_is_better``, ``also_reported`` and ``max_length`` must be of their
+    kind (a researcher's own class may set anything); else a `contract_error` (a string "no" would read as True)."""
+    for attribute, (fits, must) in _DECLARED.items():
+        value = getattr(source, attribute)
+        if not fits(value):
+            raise contract_error(source, f"{attribute}={value!r}", f"is not valid; it must be {must} (Task, "
+                                 "lengthgen/data/tasks/base.py)")
+
+
 def contract_error(source, call: str, problem: str) -> ConfigError:
     """A `ConfigError` keyed data.task (``data`` for a source that is not a `Task`) naming the source's class, the
     ``call`` and its ``problem``."""
