@@ -871,4 +871,4 @@ def test_the_task_line_names_a_researchers_own_task_class():
             run.config["data"] = {"task": "my_tasks:Counting", "task_kwargs": {"width": 3}}
     results.source = "counting"
     text = markdown_report(results)
-    assert "- **Task**: `counting` (class `my_tasks:Counting`) (width=3); headline `accuracy`" in text
+    assert "- **Task**: `counting` (class `my_tasks:Counting`, width=3); headline `accuracy`" in text

@@ -111,8 +111,8 @@ def setup(results: Comparison) -> list[str]:
     protocol = results.retrofit or {}
     trained = (f"per finetuning run; each base pretrained {counted(protocol['pretrain_steps'], 'step')} per seed first"
                if "pretrain_steps" in protocol else "the finetuning; before: its own run" if protocol else "per run")
-    task = (f"`{results.source}`" + (f" (class `{data['task']}`)" if own_task(data.get("task")) else "")
-            + (f" ({kwargs})" if kwargs else ""))
+    about = ([f"class `{data['task']}`"] if own_task(data.get("task")) else []) + ([kwargs] if kwargs else [])
+    task = f"`{results.source}`" + (f" ({', '.join(about)})" if about else "")
     lines = [f"- **Task**: {task}; headline `{results.metric}`"
              + (f", chance level {chance:.4g} at the longest length" if chance is not None else ""),
              f"- **Model**: {counted(model.get('layers'), 'layer')}, width {model.get('dim')}, "
