@@ -361,3 +361,19 @@ def test_generate_of_an_export_masks_documents_at_its_bos(tmp_path, use_cache):
     assert not torch.equal(got, native.generate(prompt, 6))           # the masking matters here
     plain = LengthgenForCausalLM.from_gpt(native)                     # no BOS declared: one document
     assert torch.equal(plain.generate(prompt, **kw), native.generate(prompt, 6))
+
+
+def test_export_into_a_symlink_writes_the_folder_it_names(tmp_path, capsys):
+    """An --out that is a link to an empty folder (or to a new one) was refused as 'written by another process
+    meanwhile': the rename cannot replace a link. The folder the link names is written now, and the link stays."""
+    run = written_run(tmp_path / "run", {})
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "disk")
+    (tmp_path / "dangling").symlink_to(tmp_path / "new")
+    for link, folder in (("link", "disk"), ("dangling", "new")):
+        assert main(["export", str(run), "--out", str(tmp_path / link)]) == 0
+        assert (tmp_path / link).is_symlink() and (tmp_path / folder / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "link")]) == 2
+    assert capsys.readouterr().err == f"lengthgen export: error: export folder {tmp_path / 'link'} is not empty: " \
+                                      "choose a new folder\n"
