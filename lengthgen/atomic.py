@@ -61,6 +61,7 @@ def atomic_write_folder(path: str | Path, write: Callable[[Path], None]) -> Path
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync(file)
+                os.chmod(file, _creation_mode())  # open()'s permissions: safetensors' files are private
         os.chmod(tmp, _creation_mode(0o777))  # mkdir's permissions: mkdtemp's folder is private
         try:
             os.replace(tmp, path)

@@ -173,6 +173,9 @@ def test_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     os.umask(umask)
     assert (tmp_path / "empty" / "model.safetensors").is_file()
     assert (tmp_path / "empty").stat().st_mode & 0o777 == 0o777 & ~umask
+    # every file too: model.safetensors was private (0o600), unreadable by the group a folder is shared with
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "empty").iterdir()} == \
+        {f.name: 0o666 & ~umask for f in (tmp_path / "empty").iterdir()}
 
 
 def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
