@@ -87,6 +87,16 @@ def test_bad_sampling_arguments_are_one_line_errors(tmp_path, capsys, args, matc
     assert exit_.value.code == 2 and err.count("\n") == 1 and match in err
 
 
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
+    """Bytes the shell passes that are not UTF-8 (here 0xff) reach Python as surrogates: the byte tokenizer encoded
+    each as three other bytes, an hf: tokenizer as <unk>, and sample continued a prompt nobody typed."""
+    written_run(tmp_path / "run", TEXT)
+    prompt = b"ab\xffc".decode("utf-8", "surrogateescape")           # what sys.argv holds
+    assert main(["sample", str(tmp_path / "run"), "--prompt", prompt]) == 2
+    assert capsys.readouterr().err == ("lengthgen sample: error: --prompt is not UTF-8 text (byte b'\\xff' at "
+                                       "character 2); give UTF-8 text, as the run's tokenizer reads\n")
+
+
 def test_a_run_recorded_with_a_backend_this_machine_lacks_falls_back_to_auto(tmp_path, capsys):
     """A GPU run that named model.attention_backend = triton still samples and evaluates on a CPU (with a
     warning): every backend matches the same dense oracle."""
