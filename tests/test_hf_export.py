@@ -380,3 +380,24 @@ def test_export_into_a_symlink_writes_the_folder_it_names(tmp_path, capsys):
     assert main(["export", str(run), "--out", str(tmp_path / "link")]) == 2
     assert capsys.readouterr().err == f"lengthgen export: error: export folder {tmp_path / 'link'} is not empty: " \
                                       "choose a new folder\n"
+
+
+def test_an_export_of_a_gpu_run_runs_on_the_cpu_with_its_logits(tmp_path, capsys):
+    """A run that trained with model.attention_backend = triton: its export loaded on a CPU raised a raw ValueError at
+    its first forward (and ``lengthgen eval --hf`` a traceback), where the run itself falls back to auto. The export
+    now does too, with a one-line warning, and keeps the native logits."""
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for machines without CUDA; this one has it")
+    run = written_run(tmp_path / "run", {"attention_backend": "triton"})
+    lhf.export_run(run, tmp_path / "hf")
+    _, native = load_run(run)
+    for attn in native.attentions:
+        attn.backend = "auto"
+    model = lhf.from_pretrained(tmp_path / "hf")
+    ids = tokens()
+    with pytest.warns(UserWarning, match=r"attention_backend='triton' cannot run on cpu .*; layers 0, 1 use 'auto'"):
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, native(ids), rtol=0, atol=0)
+    prompt = tokens(length=6)
+    assert torch.equal(model.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0),
+                       native.generate(prompt, 3))

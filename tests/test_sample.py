@@ -113,6 +113,16 @@ def test_a_run_recorded_with_a_backend_this_machine_lacks_falls_back_to_auto(tmp
     assert text == "ab" + bytes(gpt.generate(prompt, 3)[0, 3:].tolist()).decode("utf-8", "replace")
 
 
+def test_the_backend_fallback_is_a_one_line_warning(tmp_path, capsys):
+    """The fallback's warning was a plain UserWarning: the command printed it with its source line under it."""
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for machines without CUDA; this one has it")
+    written_run(tmp_path / "run", TEXT, attention_backend="triton")
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lengthgen sample: warning: model.attention_backend='triton' ")
+
+
 def test_sample_runs_under_the_runs_threads(tmp_path, capsys, monkeypatch):
     """train.threads applies to sampling as to training and evaluation; the caller's threads come back after."""
     written_run(tmp_path / "run", TEXT, train={"threads": 1})
