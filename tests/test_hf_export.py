@@ -401,3 +401,22 @@ def test_an_export_of_a_gpu_run_runs_on_the_cpu_with_its_logits(tmp_path, capsys
     prompt = tokens(length=6)
     assert torch.equal(model.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0),
                        native.generate(prompt, 3))
+
+
+def test_export_names_the_checkpoint_it_wrote(tmp_path, capsys):
+    """'weights of runs/lm' did not say which step a run still training (or one whose newest checkpoint is damaged)
+    was exported at; the line names the checkpoint read, the newest readable one."""
+    run = written_run(tmp_path / "run", {})
+    _, older = load_run(run)
+    newer = written_run(tmp_path / "newer", {}, seed=1)
+    (run / "checkpoints" / "step_00000002").mkdir()
+    for f in (newer / "checkpoints" / "step_00000001").iterdir():
+        (run / "checkpoints" / "step_00000002" / f.name).write_bytes(f.read_bytes())
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert f"(weights of {run / 'checkpoints' / 'step_00000002'})" in capsys.readouterr().out
+    (run / "checkpoints" / "step_00000002" / "model.safetensors").write_bytes(b"damaged")
+    assert main(["export", str(run), "--out", str(tmp_path / "hf-older")]) == 0
+    assert f"(weights of {run / 'checkpoints' / 'step_00000001'})" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(lhf.from_pretrained(tmp_path / "hf-older")(input_ids=tokens()).logits,
+                                   older(tokens()), rtol=0, atol=0)
