@@ -77,6 +77,9 @@ def test_a_task_run_is_refused_in_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, match", [(["--temperature", "-1"], "--temperature: -1 is not valid"),
                                          (["--temperature", "nan"], "--temperature: nan is not valid"),
+                                         # was temperature=1e+300 from GPT.generate, once the model had loaded
+                                         (["--temperature", "1e300"], "--temperature: 1e300 is not valid; give a "
+                                                                      "finite number >= 0, up to 3.4e+38"),
                                          (["--top-k", "0"], "--top-k: 0 is not valid"),
                                          (["--seed", str(10**20)], f"--seed: {10**20} is not valid"),
                                          (["--seed", "-1"], "--seed: -1 is not valid; give a seed from 0")])
