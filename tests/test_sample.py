@@ -90,6 +90,20 @@ def test_bad_sampling_arguments_are_one_line_errors(tmp_path, capsys, args, matc
     assert exit_.value.code == 2 and err.count("\n") == 1 and match in err
 
 
+def test_a_folder_without_checkpoints_says_what_it_is(tmp_path, capsys):
+    """sample (and export, eval) of a run that has no checkpoint yet, or of an exported Hugging Face model folder,
+    said only 'no checkpoint in DIR (expected checkpoints/step_N ...)'."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(RunConfig().to_json())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "lengthgen", "gpt": {}}')
+    for folder, what in (("run", "its run has written no checkpoint yet (one every train.checkpoint_every steps"),
+                         ("hf", "it is a Hugging Face model folder, which eval --hf and needle --hf read")):
+        assert main(["sample", str(tmp_path / folder), "--prompt", "a"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"no checkpoint in {tmp_path / folder} " in err and what in err
+
+
 def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
     """Bytes the shell passes that are not UTF-8 (here 0xff) reach Python as surrogates: the byte tokenizer encoded
     each as three other bytes, an hf: tokenizer as <unk>, and sample continued a prompt nobody typed."""
