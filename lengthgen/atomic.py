@@ -5,6 +5,7 @@ folder likewise (`atomic_write_folder`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -48,8 +49,11 @@ def fsync(path: str | Path) -> None:
 def atomic_write_folder(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_folder)`` on a new folder beside ``path``, then rename it to ``path``, which must be missing
     or empty (else `FileExistsError`: another process wrote there meanwhile); its files are flushed to disk first,
-    and the temporary folder is removed on failure, so nothing partial is left."""
+    and the temporary folder is removed on failure, so nothing partial is left. A symbolic link at ``path`` is
+    followed: the folder it names is written (a rename would not replace the link), and the link stays."""
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
@@ -57,10 +61,13 @@ def atomic_write_folder(path: str | Path, write: Callable[[Path], None]) -> Path
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync(file)
+                os.chmod(file, _creation_mode())  # open()'s permissions: safetensors' files are private
         os.chmod(tmp, _creation_mode(0o777))  # mkdir's permissions: mkdtemp's folder is private
         try:
             os.replace(tmp, path)
         except OSError as err:              # ENOTEMPTY / EEXIST: a folder with files
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
             raise FileExistsError(f"{path} is not empty") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -173,6 +173,9 @@ def test_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     os.umask(umask)
     assert (tmp_path / "empty" / "model.safetensors").is_file()
     assert (tmp_path / "empty").stat().st_mode & 0o777 == 0o777 & ~umask
+    # every file too: model.safetensors was private (0o600), unreadable by the group a folder is shared with
+    assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "empty").iterdir()} == \
+        {f.name: 0o666 & ~umask for f in (tmp_path / "empty").iterdir()}
 
 
 def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
@@ -361,3 +364,59 @@ def test_generate_of_an_export_masks_documents_at_its_bos(tmp_path, use_cache):
     assert not torch.equal(got, native.generate(prompt, 6))           # the masking matters here
     plain = LengthgenForCausalLM.from_gpt(native)                     # no BOS declared: one document
     assert torch.equal(plain.generate(prompt, **kw), native.generate(prompt, 6))
+
+
+def test_export_into_a_symlink_writes_the_folder_it_names(tmp_path, capsys):
+    """An --out that is a link to an empty folder (or to a new one) was refused as 'written by another process
+    meanwhile': the rename cannot replace a link. The folder the link names is written now, and the link stays."""
+    run = written_run(tmp_path / "run", {})
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "disk")
+    (tmp_path / "dangling").symlink_to(tmp_path / "new")
+    for link, folder in (("link", "disk"), ("dangling", "new")):
+        assert main(["export", str(run), "--out", str(tmp_path / link)]) == 0
+        assert (tmp_path / link).is_symlink() and (tmp_path / folder / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(tmp_path / "link")]) == 2
+    assert capsys.readouterr().err == f"lengthgen export: error: export folder {tmp_path / 'link'} is not empty: " \
+                                      "choose a new folder\n"
+
+
+def test_an_export_of_a_gpu_run_runs_on_the_cpu_with_its_logits(tmp_path, capsys):
+    """A run that trained with model.attention_backend = triton: its export loaded on a CPU raised a raw ValueError at
+    its first forward (and ``lengthgen eval --hf`` a traceback), where the run itself falls back to auto. The export
+    now does too, with a one-line warning, and keeps the native logits."""
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for machines without CUDA; this one has it")
+    run = written_run(tmp_path / "run", {"attention_backend": "triton"})
+    lhf.export_run(run, tmp_path / "hf")
+    _, native = load_run(run)
+    for attn in native.attentions:
+        attn.backend = "auto"
+    model = lhf.from_pretrained(tmp_path / "hf")
+    ids = tokens()
+    with pytest.warns(UserWarning, match=r"attention_backend='triton' cannot run on cpu .*; layers 0, 1 use 'auto'"):
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, native(ids), rtol=0, atol=0)
+    prompt = tokens(length=6)
+    assert torch.equal(model.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0),
+                       native.generate(prompt, 3))
+
+
+def test_export_names_the_checkpoint_it_wrote(tmp_path, capsys):
+    """'weights of runs/lm' did not say which step a run still training (or one whose newest checkpoint is damaged)
+    was exported at; the line names the checkpoint read, the newest readable one."""
+    run = written_run(tmp_path / "run", {})
+    _, older = load_run(run)
+    newer = written_run(tmp_path / "newer", {}, seed=1)
+    (run / "checkpoints" / "step_00000002").mkdir()
+    for f in (newer / "checkpoints" / "step_00000001").iterdir():
+        (run / "checkpoints" / "step_00000002" / f.name).write_bytes(f.read_bytes())
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert f"(weights of {run / 'checkpoints' / 'step_00000002'})" in capsys.readouterr().out
+    (run / "checkpoints" / "step_00000002" / "model.safetensors").write_bytes(b"damaged")
+    assert main(["export", str(run), "--out", str(tmp_path / "hf-older")]) == 0
+    assert f"(weights of {run / 'checkpoints' / 'step_00000001'})" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(lhf.from_pretrained(tmp_path / "hf-older")(input_ids=tokens()).logits,
+                                   older(tokens()), rtol=0, atol=0)

@@ -77,6 +77,9 @@ def test_a_task_run_is_refused_in_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, match", [(["--temperature", "-1"], "--temperature: -1 is not valid"),
                                          (["--temperature", "nan"], "--temperature: nan is not valid"),
+                                         # was temperature=1e+300 from GPT.generate, once the model had loaded
+                                         (["--temperature", "1e300"], "--temperature: 1e300 is not valid; give a "
+                                                                      "finite number >= 0, up to 3.4e+38"),
                                          (["--top-k", "0"], "--top-k: 0 is not valid"),
                                          (["--seed", str(10**20)], f"--seed: {10**20} is not valid"),
                                          (["--seed", "-1"], "--seed: -1 is not valid; give a seed from 0")])
@@ -85,6 +88,30 @@ def test_bad_sampling_arguments_are_one_line_errors(tmp_path, capsys, args, matc
         main(["sample", str(tmp_path / "run"), "--prompt", "a", *args])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and match in err
+
+
+def test_a_folder_without_checkpoints_says_what_it_is(tmp_path, capsys):
+    """sample (and export, eval) of a run that has no checkpoint yet, or of an exported Hugging Face model folder,
+    said only 'no checkpoint in DIR (expected checkpoints/step_N ...)'."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(RunConfig().to_json())
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "lengthgen", "gpt": {}}')
+    for folder, what in (("run", "its run has written no checkpoint yet (one every train.checkpoint_every steps"),
+                         ("hf", "it is a Hugging Face model folder, which eval --hf and needle --hf read")):
+        assert main(["sample", str(tmp_path / folder), "--prompt", "a"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"no checkpoint in {tmp_path / folder} " in err and what in err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
+    """Bytes the shell passes that are not UTF-8 (here 0xff) reach Python as surrogates: the byte tokenizer encoded
+    each as three other bytes, an hf: tokenizer as <unk>, and sample continued a prompt nobody typed."""
+    written_run(tmp_path / "run", TEXT)
+    prompt = b"ab\xffc".decode("utf-8", "surrogateescape")           # what sys.argv holds
+    assert main(["sample", str(tmp_path / "run"), "--prompt", prompt]) == 2
+    assert capsys.readouterr().err == ("lengthgen sample: error: --prompt is not UTF-8 text (byte b'\\xff' at "
+                                       "character 2); give UTF-8 text, as the run's tokenizer reads\n")
 
 
 def test_a_run_recorded_with_a_backend_this_machine_lacks_falls_back_to_auto(tmp_path, capsys):
@@ -101,6 +128,16 @@ def test_a_run_recorded_with_a_backend_this_machine_lacks_falls_back_to_auto(tmp
     gpt.attentions[0].backend = gpt.attentions[1].backend = "auto"
     prompt = torch.tensor([[ByteTokenizer().bos_id, *b"ab"]])
     assert text == "ab" + bytes(gpt.generate(prompt, 3)[0, 3:].tolist()).decode("utf-8", "replace")
+
+
+def test_the_backend_fallback_is_a_one_line_warning(tmp_path, capsys):
+    """The fallback's warning was a plain UserWarning: the command printed it with its source line under it."""
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for machines without CUDA; this one has it")
+    written_run(tmp_path / "run", TEXT, attention_backend="triton")
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "ab", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("lengthgen sample: warning: model.attention_backend='triton' ")
 
 
 def test_sample_runs_under_the_runs_threads(tmp_path, capsys, monkeypatch):

@@ -125,6 +125,8 @@ def test_limit_values():
         (lambda: monte_carlo_max(10, 0), "trials"),
         (lambda: theory_table([], [16]), "rs"),
         (lambda: theory_table([2.0], []), "ns"),
+        (lambda: theory_table([2.0], [16], seed=-1), "seed"),         # was numpy's "expected non-negative integer"
+        (lambda: main_theory("unused", seed="a"), "seed"),
     ],
 )
 def test_bad_inputs_raise_naming_argument(call, name):

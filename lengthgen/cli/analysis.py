@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import os
 import re
 from pathlib import Path
 
@@ -255,6 +256,11 @@ def sample_command(args: argparse.Namespace) -> int:
     """Continue a text prompt with a trained text run's model (KV-cached generation); prints prompt and continuation."""
     from lengthgen.experiments.sample import sample_run
 
+    try:        # bytes the shell passed that are not UTF-8 come as surrogates, which tokenizers would change
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise CommandError(f"--prompt is not UTF-8 text (byte {os.fsencode(args.prompt[err.start])!r} at character "
+                           f"{err.start}); give UTF-8 text, as the run's tokenizer reads") from None
     print(sample_run(args.run, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, seed=args.seed, bema=args.bema))
     return 0

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from lengthgen.config import MAX_SIZE
+from lengthgen.config import FLOAT32_MAX, MAX_SIZE
 
 
 class CommandError(Exception):
@@ -54,8 +54,8 @@ def non_negative_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a number >= 0") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} is not valid; give a finite number >= 0")
+    if not 0 <= value <= FLOAT32_MAX:       # floats fit float32, as config keys do (also refuses nan and inf)
+        raise argparse.ArgumentTypeError(f"{text} is not valid; give a finite number >= 0, up to {FLOAT32_MAX:.3g}")
     return value
 
 

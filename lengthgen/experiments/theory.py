@@ -252,6 +252,7 @@ def theory_table(
     trials, min_trials = _check_trials(trials), _check_trials(min_trials, "min_trials")
     conditional_trials = _check_trials(conditional_trials, "conditional_trials")
     check_value("element_budget", element_budget, int, ge=1)
+    seed = check_value("seed", seed, int, ge=0)             # `_seed_for`'s SeedSequence takes no negative seed
     by_key = {}
     for n in ns:
         t = min(trials, max(min_trials, element_budget // n))

@@ -20,7 +20,7 @@ from lengthgen.config import ConfigError
 from lengthgen.data.text import make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
 from lengthgen.train import load_run
-from lengthgen.train.run_folder import RunFolderError, outside_checkpoints
+from lengthgen.train.run_folder import RunFolderError, load_newest, outside_checkpoints
 from lengthgen.train.weights import check_trained_tokenizer
 
 
@@ -66,8 +66,9 @@ def _tokenizer(cfg: Any, run: str | Path) -> tuple[Any | None, str]:
 
 def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[str]:
     """Write the run folder or checkpoint ``run`` (its BEMA weights with ``bema``) as a transformers model folder
-    ``out`` (new or empty); returns what was written, one line each. `RunFolderError` if ``out`` holds files or is
-    inside a run's checkpoints (`outside_checkpoints`); `ConfigError` for a run whose head is not ``lm``."""
+    ``out`` (new or empty); returns what was written, one line each (naming the checkpoint exported). `RunFolderError`
+    if ``out`` holds files or is inside a run's checkpoints (`outside_checkpoints`); `ConfigError` for a run whose
+    head is not ``lm``."""
     out = outside_checkpoints(out)
     register()
     from lengthgen.hf.model import LengthgenForCausalLM
@@ -75,11 +76,12 @@ def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RunFolderError(f"export folder {out} " + ("is not empty" if out.is_dir() else "is a file")
                              + ": choose a new folder")
-    cfg, gpt = load_run(run, bema=bema)
+    # the checkpoint read, named in the output and read again for its tokenizer (a run training meanwhile writes newer)
+    ckpt, (cfg, gpt) = load_newest(run, lambda checkpoint: load_run(checkpoint, bema=bema))
     if gpt.head_kind != "lm":
         raise ConfigError(f"{run}: model.head={gpt.head_kind!r} cannot be exported; transformers models are causal "
                           "LMs, so only runs with the lm head are (not regress or classify)", "model.head")
-    tokenizer, note = _tokenizer(cfg, run)
+    tokenizer, note = _tokenizer(cfg, ckpt)
     ids = {} if tokenizer is None else {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id")
                                         for k in ("bos", "eos", "pad")}
     model = LengthgenForCausalLM.from_gpt(gpt, **ids)
@@ -94,7 +96,7 @@ def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[
         raise RunFolderError(f"export folder {out} was written by another process meanwhile: choose a new "
                              "folder") from None
     weights = "BEMA weights" if bema else "weights"
-    return [f"model: {out / 'config.json'}, {out / 'model.safetensors'} ({weights} of {run})", note]
+    return [f"model: {out / 'config.json'}, {out / 'model.safetensors'} ({weights} of {ckpt})", note]
 
 
 __all__ = ["byte_tokenizer", "export_run"]

@@ -78,6 +78,7 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
             raise ConfigError(f"GPTConfig.head={gpt.head!r} has no transformers causal-LM form; only lm heads are "
                               "exported (regress and classify heads are not)", "GPTConfig.head")
         self.model = GPT(gpt)
+        self._backends_checked: tuple[str, torch.dtype] | None = None     # (device, dtype) `_runnable_backends` saw
         self._tied_weights_keys = self._shared_parameters()
         self.post_init()
 
@@ -141,6 +142,16 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
         return {"input_ids": input_ids[:, cache.length:], "attention_mask": attention_mask,
                 "doc_ids": None if doc_ids is None else doc_ids[:, cache.length:], "cache": cache}
 
+    def _runnable_backends(self, kind: str) -> None:
+        """The run's attention backends where they can run on device ``kind``, else ``auto`` with a warning
+        (`fall_back_backends`, as ``lengthgen eval`` does for the run): a GPU run's triton layers on a CPU."""
+        from lengthgen.train.setup import fall_back_backends
+
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.model.embed.weight.dtype
+        if self._backends_checked != (kind, dtype):
+            fall_back_backends(self.model, kind, dtype)
+            self._backends_checked = (kind, dtype)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 past_key_values: KVCache | None = None, cache: KVCache | None = None,
@@ -158,6 +169,7 @@ class LengthgenForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and not isinstance(cache, KVCache):
             raise ValueError(f"LengthgenForCausalLM caches with lengthgen.attention.KVCache, not "
                              f"{type(cache).__name__}")
+        self._runnable_backends(input_ids.device.type)
         logits = self.model(input_ids, doc_ids=doc_ids, cache=cache)
         loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
                                                               vocab_size=self.config.vocab_size)

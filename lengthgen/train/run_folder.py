@@ -280,6 +280,21 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
 
+def _config_kind(config: Path) -> str:
+    """What a folder without checkpoints is, by its ``config.json``: a run that wrote none yet, or a Hugging Face
+    model folder (``lengthgen export``'s); nothing to say otherwise."""
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return ""
+    if isinstance(data, dict) and "model_type" in data:
+        return "; it is a Hugging Face model folder, which eval --hf and needle --hf read"
+    if isinstance(data, dict) and "train" in data:
+        return ("; its run has written no checkpoint yet (one every train.checkpoint_every steps, or only at the "
+                "end where that is 0)")
+    return ""
+
+
 def checkpoints_at(path: str | Path) -> tuple[list[Path], bool]:
     """(the checkpoints ``path`` names, newest first; whether it is a run folder): a checkpoint folder or a file in
     one names itself, a run folder its complete checkpoints. FileNotFoundError when there are none."""
@@ -295,7 +310,7 @@ def checkpoints_at(path: str | Path) -> tuple[list[Path], bool]:
         runs = {"comparison": f"whose runs are in {path / 'runs'}",
                 "retrofit": f"whose finetuned run is {path / 'finetune'}"}
         kind = next((kind for kind in kinds_held(path) if kind in runs), None)
-        where = f"; it holds a {kind}, {runs[kind]}" if kind else ""
+        where = f"; it holds a {kind}, {runs[kind]}" if kind else _config_kind(path / "config.json")
         raise FileNotFoundError(f"no checkpoint in {path} (expected checkpoints/step_N of a run folder, or a "
                                 f"checkpoint folder){where}")
     return found, True

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lengthgen.config import ConfigError, counted, differences, raised_in_user_code
+from lengthgen.config import ConfigError, ConfigWarning, counted, differences, raised_in_user_code
 from lengthgen.data.config import make_source
 from lengthgen.data.tasks.base import Task, check_batch, check_declared, contract_error
 from lengthgen.eval.evaluate import check_row_fits
@@ -231,14 +231,20 @@ def inference_device(train: Any) -> str:
 def for_inference(model: torch.nn.Module, train: Any) -> tuple[torch.nn.Module, str]:
     """A loaded run's model on the device it is evaluated or sampled on, and that device: ``train.device``, or the
     CPU when it asks for CUDA and there is none here; a layer whose recorded ``model.attention_backend`` cannot
-    run there (e.g. triton without CUDA) falls back to ``auto``, which matches the same dense oracle. Both warn."""
-    from lengthgen.attention import backends
-
+    run there falls back to ``auto`` (`fall_back_backends`). Both warn (`ConfigWarning`)."""
     kind = inference_device(train)
     if train.device == "cuda" and kind == "cpu":
         warnings.warn("the run trained with train.device='cuda'; CUDA is not available here, so it runs on the CPU",
-                      stacklevel=2)
-    dtype = autocast_dtype(train, kind) or torch.float32
+                      ConfigWarning, stacklevel=2)
+    fall_back_backends(model, kind, autocast_dtype(train, kind) or torch.float32)
+    return model.to(kind), kind
+
+
+def fall_back_backends(model: torch.nn.Module, kind: str, dtype: torch.dtype) -> None:
+    """Each layer of ``model`` whose ``attention_backend`` cannot run on device ``kind`` at ``dtype`` (e.g. triton
+    without CUDA) falls back to ``auto``, which matches the same dense oracle; a `ConfigWarning` names them."""
+    from lengthgen.attention import backends
+
     failing: dict[str, list[int]] = {}
     for attn in model.attentions:
         q = torch.empty(1, attn.heads, 1, attn.head_dim, device=kind, dtype=dtype)
@@ -249,8 +255,7 @@ def for_inference(model: torch.nn.Module, train: Any) -> tuple[torch.nn.Module, 
             attn.backend = "auto"
     for reason, layers in failing.items():
         warnings.warn(f"{reason}; layers {', '.join(map(str, layers))} use 'auto', which matches the same dense "
-                      "oracle", stacklevel=2)
-    return model.to(kind), kind
+                      "oracle", ConfigWarning, stacklevel=3)
 
 
 def flush_denormals(on: bool = True) -> None:
@@ -290,5 +295,5 @@ def autocast_dtype(train: Any, device_type: str) -> torch.dtype | None:
 
 
 __all__ = ["DATA_LOCATION", "MAY_CHANGE_ON_RESUME", "as_config", "autocast_dtype", "check_length", "check_lengths",
-           "check_memory", "check_resume", "check_world", "device_type", "fill_model_from_source", "for_inference",
-           "inference_device", "resolve", "run_threads", "world_change_note"]
+           "check_memory", "check_resume", "check_world", "device_type", "fall_back_backends", "fill_model_from_source",
+           "for_inference", "inference_device", "resolve", "run_threads", "world_change_note"]
