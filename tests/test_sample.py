@@ -104,6 +104,15 @@ def test_a_folder_without_checkpoints_says_what_it_is(tmp_path, capsys):
         assert err.count("\n") == 1 and f"no checkpoint in {tmp_path / folder} " in err and what in err
 
 
+def test_a_diverged_model_is_one_line_exit_1(tmp_path, capsys):
+    """Weights that make the logits NaN (diverged, or damaged by hand) were a ValueError traceback from next_token."""
+    written_run(tmp_path / "run", TEXT, edit=lambda gpt: gpt.blocks[0].attn.v_proj.weight.fill_(float("nan")))
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "a"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("lengthgen sample: error: next_token: the logits hold NaN or +inf (the model's weights or "
+                   "activations diverged); there is no distribution to pick a token from\n")
+
+
 def test_a_prompt_that_is_not_utf8_is_refused_in_one_line(tmp_path, capsys):
     """Bytes the shell passes that are not UTF-8 (here 0xff) reach Python as surrogates: the byte tokenizer encoded
     each as three other bytes, an hf: tokenizer as <unk>, and sample continued a prompt nobody typed."""

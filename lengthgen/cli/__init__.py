@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from lengthgen.config import ConfigError, ConfigWarning
         from lengthgen.eval import ResultsError
+        from lengthgen.model.gpt import NonFiniteLogitsError
         from lengthgen.optional import MissingPackageError
         from lengthgen.train import NonFiniteLossError, distributed
         from lengthgen.train.checkpoint import CheckpointError
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         except (FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as err:  # bad --out paths
             report(err, f"error: {err.filename}: {err.strerror.lower()}")
             return 2
-        except NonFiniteLossError as err:       # the run diverged: not bad input, but no traceback either
+        except (NonFiniteLossError, NonFiniteLogitsError) as err:   # diverged: not bad input, no traceback either
             report(err, f"error: {err}")
             return 1
         except KeyboardInterrupt as err:        # Ctrl-C: checkpoints on disk are intact (atomic writes)

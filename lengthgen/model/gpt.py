@@ -296,16 +296,20 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+class NonFiniteLogitsError(ValueError):
+    """`next_token`'s logits hold NaN or +inf: the model diverged, and there is no distribution to pick from."""
+
+
 def next_token(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, 1) next tokens from (B, V) logits: the argmax at ``temperature`` 0, else a draw (with ``generator``)
     from softmax(logits / temperature) over the ``top_k`` largest logits (all without top_k; nanoGPT's sampling).
     The logits are shifted by their maximum and divided in float64, so a tiny temperature still gives a
-    distribution (the argmax's) rather than inf / inf. NaN or +inf logits (a diverged model) are a ValueError:
-    argmax would return the NaN's index and a draw has no distribution."""
+    distribution (the argmax's) rather than inf / inf. NaN or +inf logits (a diverged model) are a
+    `NonFiniteLogitsError`: argmax would return the NaN's index and a draw has no distribution."""
     if bool((logits.isnan() | logits.isposinf()).any()):
-        raise ValueError("next_token: the logits hold NaN or +inf (the model's weights or activations diverged); "
-                         "there is no distribution to pick a token from")
+        raise NonFiniteLogitsError("next_token: the logits hold NaN or +inf (the model's weights or activations "
+                                   "diverged); there is no distribution to pick a token from")
     if temperature == 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.double()
@@ -332,4 +336,4 @@ def forward_memory(cfg: GPTConfig, tokens: int, element_size: int = 4) -> int:
     return tokens * ((kept + 2 * cfg.dim + widest) * element_size + 8)
 
 
-__all__ = ["GPT", "GPTConfig", "LOGIT_CHUNK", "draw_", "forward_memory", "next_token"]
+__all__ = ["GPT", "GPTConfig", "LOGIT_CHUNK", "NonFiniteLogitsError", "draw_", "forward_memory", "next_token"]
