@@ -6,6 +6,7 @@ Offline: runs are tiny (written directly, or trained for two steps), nothing is 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -205,6 +206,28 @@ def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
     note = lhf.export_run(run, tmp_path / "hf-gpt2")[1]
     assert note.startswith("no tokenizer: 'gpt2' is a tiktoken encoding")
     assert not (tmp_path / "hf-gpt2" / "tokenizer.json").exists()
+
+
+def test_a_tiktoken_export_names_its_end_of_text_id(tmp_path, monkeypatch):
+    """A tiktoken run's export recorded no BOS or EOS id, so its document-masked model's generate and eval --hf took
+    each row as one document and generation never stopped at end-of-text: the encoding's id is BOS and EOS (as the
+    run put it); where tiktoken cannot load it here, the export says so."""
+    import lengthgen.hf.export as export
+    from lengthgen.optional import MissingPackageError
+
+    run = written_run(tmp_path / "gpt2", {}, data={"kind": "text", "text": {"tokenizer": "gpt2"}})
+
+    def missing(name):
+        raise MissingPackageError("TiktokenTokenizer('gpt2') needs tiktoken")
+    monkeypatch.setattr(export, "make_tokenizer", missing)
+    assert "config.json names no BOS or EOS id (tiktoken or its encoding's file is not here)" in \
+        lhf.export_run(run, tmp_path / "none")[1]
+    assert "bos_token_id" not in json.loads((tmp_path / "none" / "config.json").read_text())
+    monkeypatch.setattr(export, "make_tokenizer", lambda name: types.SimpleNamespace(bos_id=7, eos_id=7))
+    assert lhf.export_run(run, tmp_path / "hf")[1].endswith("; config.json names its end-of-text id 7 as BOS and "
+                                                            "EOS, as the run put it")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (7, 7)
 
 
 def test_a_tokenizer_file_changed_since_training_is_refused_by_export_and_sample(tmp_path, capsys):

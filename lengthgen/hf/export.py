@@ -19,6 +19,7 @@ from lengthgen.atomic import atomic_write_folder
 from lengthgen.config import ConfigError
 from lengthgen.data.text import make_tokenizer
 from lengthgen.hf.registry import register, require_transformers
+from lengthgen.optional import MissingPackageError
 from lengthgen.train import load_run
 from lengthgen.train.run_folder import RunFolderError, load_newest, outside_checkpoints
 from lengthgen.train.weights import check_trained_tokenizer
@@ -64,6 +65,24 @@ def _tokenizer(cfg: Any, run: str | Path) -> tuple[Any | None, str]:
                   "folder; save the matching transformers tokenizer there (e.g. GPT-2's for gpt2)")
 
 
+def _special_ids(cfg: Any, tokenizer: Any | None) -> tuple[dict[str, int | None], str]:
+    """config.json's ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` (a document starts at each BOS, as in
+    training; generation stops at EOS): the saved tokenizer's, else, for a tiktoken run, its encoding's end-of-text
+    id (BOS = EOS, `TiktokenTokenizer`) where tiktoken and the encoding's file are here; and what the export says
+    where they are not."""
+    if tokenizer is not None:
+        return {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("bos", "eos", "pad")}, ""
+    if cfg.data.kind != "text":
+        return {}, ""
+    try:
+        trained = make_tokenizer(cfg.data.text.get("tokenizer", "byte"))
+    except (FileNotFoundError, MissingPackageError):
+        return {}, ("; config.json names no BOS or EOS id (tiktoken or its encoding's file is not here), so neither "
+                    "generate nor eval --hf split documents at its end-of-text id: set bos_token_id and eos_token_id")
+    return ({"bos_token_id": trained.bos_id, "eos_token_id": trained.eos_id},
+            f"; config.json names its end-of-text id {trained.bos_id} as BOS and EOS, as the run put it")
+
+
 def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[str]:
     """Write the run folder or checkpoint ``run`` (its BEMA weights with ``bema``) as a transformers model folder
     ``out`` (new or empty); returns what was written, one line each (naming the checkpoint exported). `RunFolderError`
@@ -82,8 +101,8 @@ def export_run(run: str | Path, out: str | Path, *, bema: bool = False) -> list[
         raise ConfigError(f"{run}: model.head={gpt.head_kind!r} cannot be exported; transformers models are causal "
                           "LMs, so only runs with the lm head are (not regress or classify)", "model.head")
     tokenizer, note = _tokenizer(cfg, ckpt)
-    ids = {} if tokenizer is None else {f"{k}_token_id": getattr(tokenizer, f"{k}_token_id")
-                                        for k in ("bos", "eos", "pad")}
+    ids, ids_note = _special_ids(cfg, tokenizer)
+    note += ids_note
     model = LengthgenForCausalLM.from_gpt(gpt, **ids)
 
     def write(folder: Path) -> None:
