@@ -403,3 +403,14 @@ def test_hf_maps_a_tiny_local_model(tmp_path, capsys):
         right = measure_needle_hf(Oracle(data.vocab_size, text_rule), None, batch)
     assert all(torch.allclose(fast[k], full[k], atol=1e-5) for k in full)
     assert right["exact_match"].tolist() == [1.0, 1.0]
+
+
+def test_compare_needle_samples_without_depths_is_a_warning(tmp_path, capsys):
+    """compare.needle_samples alone made no maps, silently."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")        # stops the comparison after its checks
+    assert main(["compare", "--task", "passkey", "--steps", "2", "--set", "compare.needle_samples=5",
+                 "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "warning: compare.needle_samples=5: no effect without compare.needle_depths" in err
+    assert (tmp_path / "c" / "notes.txt").read_text() == "mine"
