@@ -299,6 +299,21 @@ def test_bad_requests_are_one_line_errors_naming_the_value():
             needle_map(model, make_task("passkey"), [16], [0.5], samples=samples, progress=False)
 
 
+def test_samples_too_many_for_memory_are_refused_before_any_cell(monkeypatch):
+    """Was a MemoryError at the longest length, after the shorter lengths' cells were computed (and lost), whose
+    message named no --samples."""
+    import importlib
+
+    evaluate_module, needle_module = map(importlib.import_module, ("lengthgen.eval.evaluate", "lengthgen.eval.needle"))
+
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: (64 * 8 * 1000, "host"))   # 1000 x 64 ids
+    monkeypatch.setattr(needle_module, "evaluate", lambda *a, **k: pytest.fail("a cell was computed"))
+    model = GPT(GPTConfig(vocab_size=32, dim=16, layers=1, heads=2))
+    with pytest.raises(ConfigError, match=r"^samples=1000: evaluating length 64 \(1,?000 sequences\) needs at least "
+                                          r".*; map fewer sequences per cell \(lengthgen needle --samples"):
+        needle_map(model, make_task("passkey"), [16, 64], [0.5], samples=1000, progress=False)
+
+
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["needle", "--hf", str(tmp_path)]) == 2
     assert "give --out" in capsys.readouterr().err
