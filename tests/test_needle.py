@@ -429,3 +429,25 @@ def test_compare_needle_samples_without_depths_is_a_warning(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: compare.needle_samples=5: no effect without compare.needle_depths" in err
     assert (tmp_path / "c" / "notes.txt").read_text() == "mine"
+
+
+def test_hf_lengths_beyond_a_learned_position_embedding_are_refused(tmp_path, capsys):
+    """Was an IndexError traceback from GPT-2's position embedding (eval --hf and needle --hf)."""
+    transformers = pytest.importorskip("transformers",
+                                       reason="the HF path needs transformers (pip install -e '.[dev]')")
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300, n_positions=128,
+                                     bos_token_id=None, eos_token_id=None)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    for command in (["needle", "--depths", "0", "--samples", "1", "--out", str(tmp_path / "m")],
+                    ["eval", "--tokens", "400", "--out", str(tmp_path / "e.json")]):
+        assert main([*command, "--hf", str(tmp_path / "gpt2"), "--tokenizer", "byte", "--lengths", "100,200"]) == 2
+        err = capsys.readouterr().err
+        assert ("error: lengths: length 200 is longer than the 128 positions of the learned position embedding of "
+                "the model at") in err and "give lengths up to 128" in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "e.json").exists()
+    from lengthgen.hf.eval import learned_positions, load_local_model
+
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=300)
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    assert learned_positions(load_local_model(tmp_path / "llama")) is None       # RoPE: any length
