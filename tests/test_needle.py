@@ -451,3 +451,26 @@ def test_hf_lengths_beyond_a_learned_position_embedding_are_refused(tmp_path, ca
                                      num_key_value_heads=1, vocab_size=300)
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
     assert learned_positions(load_local_model(tmp_path / "llama")) is None       # RoPE: any length
+
+
+def test_a_bema_map_says_so_and_does_not_replace_the_live_map(tmp_path, capsys):
+    """needle --bema wrote needle.json with nothing saying it was the BEMA weights', over the live weights' map."""
+    assert main(["train", "--set", "data.task=passkey", "--set", "data.task_kwargs={num_digits=2}",
+                 "--set", "data.length=16", "--set", "train.steps=3", "--set", "model.dim=16",
+                 "--set", "model.layers=1", "--set", "model.heads=2", "--set", "train.batch_size=4",
+                 "--set", "train.eval_batches=0",
+                 "--set", "train.bema.enabled=true", "--set", "train.bema.tau=1", "--out", str(tmp_path / "run"),
+                 "--no-progress"]) == 0
+    cells = ["--lengths", "16", "--depths", "0", "--samples", "1", "--no-progress"]
+    assert main(["needle", str(tmp_path / "run"), *cells]) == 0
+    live = (tmp_path / "run" / "needle.json").read_bytes()
+    assert main(["needle", str(tmp_path / "run"), *cells, "--bema"]) == 2
+    assert ("holds a map of live weights (needle.json), which this map of BEMA weights would replace; choose another "
+            "--out") in capsys.readouterr().err
+    assert (tmp_path / "run" / "needle.json").read_bytes() == live
+    assert not NeedleMap.load(tmp_path / "run" / "needle.json").bema
+    assert main(["needle", str(tmp_path / "run"), *cells, "--bema", "--out", str(tmp_path / "b")]) == 0
+    assert NeedleMap.load(tmp_path / "b" / "needle.json").bema
+    assert "`, its BEMA weights, training length 16" in (tmp_path / "b" / "needle.md").read_text()
+    assert main(["needle", str(tmp_path / "run"), *cells, "--out", str(tmp_path / "b")]) == 2
+    assert "holds a map of BEMA weights" in capsys.readouterr().err
