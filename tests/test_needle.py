@@ -299,6 +299,21 @@ def test_bad_requests_are_one_line_errors_naming_the_value():
             needle_map(model, make_task("passkey"), [16], [0.5], samples=samples, progress=False)
 
 
+def test_samples_too_many_for_memory_are_refused_before_any_cell(monkeypatch):
+    """Was a MemoryError at the longest length, after the shorter lengths' cells were computed (and lost), whose
+    message named no --samples."""
+    import importlib
+
+    evaluate_module, needle_module = map(importlib.import_module, ("lengthgen.eval.evaluate", "lengthgen.eval.needle"))
+
+    monkeypatch.setattr(evaluate_module, "available_memory", lambda: (64 * 8 * 1000, "host"))   # 1000 x 64 ids
+    monkeypatch.setattr(needle_module, "evaluate", lambda *a, **k: pytest.fail("a cell was computed"))
+    model = GPT(GPTConfig(vocab_size=32, dim=16, layers=1, heads=2))
+    with pytest.raises(ConfigError, match=r"^samples=1000: evaluating length 64 \(1,?000 sequences\) needs at least "
+                                          r".*; map fewer sequences per cell \(lengthgen needle --samples"):
+        needle_map(model, make_task("passkey"), [16, 64], [0.5], samples=1000, progress=False)
+
+
 def test_cli_errors_exit_2(tmp_path, capsys):
     assert main(["needle", "--hf", str(tmp_path)]) == 2
     assert "give --out" in capsys.readouterr().err
@@ -403,3 +418,59 @@ def test_hf_maps_a_tiny_local_model(tmp_path, capsys):
         right = measure_needle_hf(Oracle(data.vocab_size, text_rule), None, batch)
     assert all(torch.allclose(fast[k], full[k], atol=1e-5) for k in full)
     assert right["exact_match"].tolist() == [1.0, 1.0]
+
+
+def test_compare_needle_samples_without_depths_is_a_warning(tmp_path, capsys):
+    """compare.needle_samples alone made no maps, silently."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("mine")        # stops the comparison after its checks
+    assert main(["compare", "--task", "passkey", "--steps", "2", "--set", "compare.needle_samples=5",
+                 "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "warning: compare.needle_samples=5: no effect without compare.needle_depths" in err
+    assert (tmp_path / "c" / "notes.txt").read_text() == "mine"
+
+
+def test_hf_lengths_beyond_a_learned_position_embedding_are_refused(tmp_path, capsys):
+    """Was an IndexError traceback from GPT-2's position embedding (eval --hf and needle --hf)."""
+    transformers = pytest.importorskip("transformers",
+                                       reason="the HF path needs transformers (pip install -e '.[dev]')")
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300, n_positions=128,
+                                     bos_token_id=None, eos_token_id=None)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    for command in (["needle", "--depths", "0", "--samples", "1", "--out", str(tmp_path / "m")],
+                    ["eval", "--tokens", "400", "--out", str(tmp_path / "e.json")]):
+        assert main([*command, "--hf", str(tmp_path / "gpt2"), "--tokenizer", "byte", "--lengths", "100,200"]) == 2
+        err = capsys.readouterr().err
+        assert ("error: lengths: length 200 is longer than the 128 positions of the learned position embedding of "
+                "the model at") in err and "give lengths up to 128" in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "e.json").exists()
+    from lengthgen.hf.eval import learned_positions, load_local_model
+
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=300)
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    assert learned_positions(load_local_model(tmp_path / "llama")) is None       # RoPE: any length
+
+
+def test_a_bema_map_says_so_and_does_not_replace_the_live_map(tmp_path, capsys):
+    """needle --bema wrote needle.json with nothing saying it was the BEMA weights', over the live weights' map."""
+    assert main(["train", "--set", "data.task=passkey", "--set", "data.task_kwargs={num_digits=2}",
+                 "--set", "data.length=16", "--set", "train.steps=3", "--set", "model.dim=16",
+                 "--set", "model.layers=1", "--set", "model.heads=2", "--set", "train.batch_size=4",
+                 "--set", "train.eval_batches=0",
+                 "--set", "train.bema.enabled=true", "--set", "train.bema.tau=1", "--out", str(tmp_path / "run"),
+                 "--no-progress"]) == 0
+    cells = ["--lengths", "16", "--depths", "0", "--samples", "1", "--no-progress"]
+    assert main(["needle", str(tmp_path / "run"), *cells]) == 0
+    live = (tmp_path / "run" / "needle.json").read_bytes()
+    assert main(["needle", str(tmp_path / "run"), *cells, "--bema"]) == 2
+    assert ("holds a map of live weights (needle.json), which this map of BEMA weights would replace; choose another "
+            "--out") in capsys.readouterr().err
+    assert (tmp_path / "run" / "needle.json").read_bytes() == live
+    assert not NeedleMap.load(tmp_path / "run" / "needle.json").bema
+    assert main(["needle", str(tmp_path / "run"), *cells, "--bema", "--out", str(tmp_path / "b")]) == 0
+    assert NeedleMap.load(tmp_path / "b" / "needle.json").bema
+    assert "`, its BEMA weights, training length 16" in (tmp_path / "b" / "needle.md").read_text()
+    assert main(["needle", str(tmp_path / "run"), *cells, "--out", str(tmp_path / "b")]) == 2
+    assert "holds a map of BEMA weights" in capsys.readouterr().err

@@ -114,6 +114,14 @@ def test_retrofit_command_errors(checkpoint, tmp_path, capsys):
     assert main(["retrofit", str(checkpoint), "--set", "model.attention.out_norm=head_layer", "--set", "train.steps=9",
                  "--steps", "1", "--out", str(tmp_path / "o4")]) == 2
     assert "--set train.steps=9: the finetuning steps are --steps" in capsys.readouterr().err
+    # were silently ignored (init_from) or trained other steps than the report says (a train table)
+    for change, message in (("train.init_from=/elsewhere", "--set train.init_from=/elsewhere: the retrofit starts "
+                                                           "from its checkpoint argument"),
+                            ("train={steps=9}", "--set train={steps=9}: the finetuning steps are --steps (a train "
+                                                "table sets every train key")):
+        assert main(["retrofit", str(checkpoint), "--set", "model.attention.out_norm=head_layer", "--set", change,
+                     "--steps", "1", "--out", str(tmp_path / "o4")]) == 2
+        assert message in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in ("o3", "o4"))
     # data.* overrides the checkpoint's model does not fit: one line before any evaluation, not a tensor error
     for changes, message in ((["data.task=dyck", "data.task_kwargs={}"], "model.head='regress' does not fit the "

@@ -183,6 +183,7 @@ def needle_command(args: argparse.Namespace) -> int:
     A run's own retrieval task (passkey, mqar) or, for text runs and --hf models, key-value sentences hidden in
     real text (the run's corpus; with --hf --corpus, default the embedded stdlib) with a query for each at the end.
     Writes needle.json (every cell), needle.md (tables) and needle.png (the heatmap, training length marked)."""
+    from lengthgen.eval import NeedleMap
     from lengthgen.report.needle import NEEDLE_PLOT, grid_rows, write_needle
     from lengthgen.report.tables import table
     from lengthgen.train.run_folder import check_outputs, lock, results_file
@@ -202,6 +203,10 @@ def needle_command(args: argparse.Namespace) -> int:
         raise CommandError(f"--out {out} holds a comparison's report (results.json), whose needle.png this map would "
                            "replace; choose another folder")
     check_outputs(out, ["needle.json", "needle.md", NEEDLE_PLOT])
+    if results_file(out / "needle.json") == "needle" and NeedleMap.load(out / "needle.json").bema != args.bema:
+        raise CommandError(f"--out {out} holds a map of {'live' if args.bema else 'BEMA'} weights (needle.json), "
+                           f"which this map of {'BEMA' if args.bema else 'live'} weights would replace; choose "
+                           "another --out")
     with lock(out):
         if args.hf:
             from lengthgen.hf import needle_hf

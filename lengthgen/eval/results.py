@@ -162,6 +162,7 @@ class NeedleMap:
     seed: int | None = None
     run_dir: str | None = None
     eval_seconds: float | None = None
+    bema: bool = False                                     # mapped with the run's BEMA weights (needle --bema)
 
     def grid(self, value: str) -> list[list[float]]:
         """``value`` (a `NeedleCell` field) by depth (rows) and length (columns)."""

@@ -260,6 +260,9 @@ def run_compare(cfg: RunConfig, out: str | Path, *, variants: list[str] | None =
         check_memory(run_cfg, f"compare.eval_lengths (run {run})", eval_lengths[-1])
     if cc.needle_depths:
         check_needles(needle_filler(cfg.data, source), eval_lengths, cc.needle_depths, 1, "compare.needle_depths")
+    elif cc.needle_samples != CompareConfig().needle_samples:
+        warnings.warn(f"compare.needle_samples={cc.needle_samples}: no effect without compare.needle_depths (no "
+                      "retrieval maps), e.g. compare.needle_depths=[0, 0.5, 1]", ConfigWarning, stacklevel=2)
     metric, higher_is_better = check_metric(source, cc.metric)
     _warn_unused(cfg, runs, sorted({train_length, *eval_lengths}))
     _warn_seeds(runs, cfg.train.bema.enabled)

@@ -57,7 +57,7 @@ def needle_run(path: str | Path, *, lengths: list[int] | None = None, depths: li
     with run_threads(cfg.train):
         result = run_map(model, cfg, source, lengths, list(depths), needles=needles, samples=samples,
                          autocast=autocast_dtype(cfg.train, kind), progress=progress)
-    return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path))
+    return dataclasses.replace(result, config=cfg.to_dict(), seed=cfg.train.seed, run_dir=str(path), bema=bema)
 
 
 __all__ = ["needle_filler", "needle_run", "run_map"]

@@ -50,14 +50,19 @@ def finetune_config(base: RunConfig, checkpoint: str | Path, steps: int, overrid
     from the checkpoint's weights, then the user's ``overrides`` (which may change anything, e.g. the lr)."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"--steps={steps!r} is not valid; it must be an integer >= 1")
-    for override in overrides:
-        if override.partition("=")[0].strip() == "train.steps":
-            raise ConfigError(f"--set {override}: the finetuning steps are --steps")
     train_length = max(base.lengths())
     defaults = [f"train.steps={steps}", f"data.length={train_length}", "train.stages=[]",
                 f"train.warmup_steps={min(base.train.warmup_steps, steps // 10)}", "train.eval_every=0",
                 "train.checkpoint_every=0"]
-    cfg = base.override(*defaults, *overrides)
+    plain, cfg = base.override(*defaults), base.override(*defaults, *overrides)
+    for key, given in (("steps", "the finetuning steps are --steps"),
+                       ("init_from", "the retrofit starts from its checkpoint argument")):
+        named = [o for o in overrides if o.partition("=")[0].strip() == f"train.{key}"]
+        if named or getattr(cfg.train, key) != getattr(plain.train, key):   # also when set in a table, train={...}
+            table = [o for o in overrides if o.partition("=")[0].strip() == "train"]
+            if not named and table:
+                given += " (a train table sets every train key; set them one by one, e.g. --set train.lr=1e-3)"
+            raise ConfigError(f"--set {(named or table or overrides)[0]}: {given}")
     return RunConfig(cfg.model, dataclasses.replace(cfg.train, init_from=str(checkpoint)), cfg.data,
                      f"{base.name or 'run'}-retrofit")
 

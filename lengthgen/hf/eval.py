@@ -203,11 +203,23 @@ def _tokenizer(path: str | os.PathLike, name: str | None) -> Any:
     return tok
 
 
-def _text_and_model(path: str | os.PathLike, tokenizer: str | None, corpus: str, split: str
+def learned_positions(model: nn.Module) -> int | None:
+    """The positions a model's learned absolute position embedding holds (GPT-2's ``wpe``, OPT's
+    ``embed_positions`` less its offset); None for a model without one (RoPE, ALiBi, NoPE), which runs at any
+    length."""
+    tokens = model.get_input_embeddings()
+    tables = [module.num_embeddings - getattr(module, "offset", 0) for name, module in model.named_modules()
+              if isinstance(module, nn.Embedding) and module is not tokens
+              and ("pos" in name.rsplit(".", 1)[-1] or name.rsplit(".", 1)[-1] == "wpe")]
+    return min(tables, default=None)
+
+
+def _text_and_model(path: str | os.PathLike, tokenizer: str | None, corpus: str, split: str, lengths: list[int]
                     ) -> tuple[Any, Any, nn.Module]:
     """The tokenizer (`_tokenizer`), ``corpus``'s ``split`` tokenized with it (`make_text_data`) and the model
     (`load_local_model`), checked in that order, before the model loads; `ConfigError` naming the corpus when it
-    cannot be read or has no documents there, or when the tokenizer has more ids than the model's embedding."""
+    cannot be read or has no documents there, when the tokenizer has more ids than the model's embedding, or when
+    one of ``lengths`` is longer than its learned position embedding (`learned_positions`) holds."""
     from lengthgen.data.text import make_text_data
 
     model_folder(path)
@@ -221,6 +233,11 @@ def _text_and_model(path: str | os.PathLike, tokenizer: str | None, corpus: str,
     if tok.vocab_size > rows:
         raise ConfigError(f"tokenizer: {tok.name!r} has {tok.vocab_size} ids but the model at {str(path)!r} embeds "
                           f"only {rows}", "tokenizer")
+    positions = learned_positions(model)
+    if positions is not None and max(lengths, default=0) > positions:
+        raise ConfigError(f"lengths: length {max(lengths)} is longer than the {positions} positions of the learned "
+                          f"position embedding of the model at {str(path)!r}; give lengths up to {positions}",
+                          "lengths")
     return tok, data, model
 
 
@@ -241,7 +258,7 @@ def evaluate_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: lis
     the model's embedding raises `ConfigError`, and so does, on the CPU, a length whose one row cannot fit the
     memory left beside the loaded model (`measure_hf_memory`), before any length runs.
     """
-    tok, data, model = _text_and_model(path, tokenizer, corpus, split)
+    tok, data, model = _text_and_model(path, tokenizer, corpus, split, list(lengths))
     device = next(model.parameters()).device.type
     for length in lengths:
         check_row_fits("lengths", model.config, device, length, row=measure_hf_memory(model, length))
@@ -258,12 +275,12 @@ def needle_hf(path: str | os.PathLike, *, corpus: str = "stdlib", lengths: list[
     """The retrieval map of a local HF model (`lengthgen.eval.needle_map`): text needles in ``corpus``'s ``split``
     tokenized with ``tokenizer`` (as `evaluate_hf`), in the model's own dtype, ``forward_tokens`` tokens per
     forward pass at most (None: a cell's sequences at once). ``train_length`` marks the map."""
-    tok, data, model = _text_and_model(path, tokenizer, corpus, split)
+    tok, data, model = _text_and_model(path, tokenizer, corpus, split, list(lengths))
     result = needle_map(model, data, list(lengths), list(depths), needles=needles, samples=samples, seed=seed,
                         forward_tokens=forward_tokens, measure=measure_needle_hf, progress=progress,
                         train_length=train_length)
     return replace(result, config={"hf_model": str(path), "corpus": corpus, "split": split, "tokenizer": tok.name})
 
 
-__all__ = ["MAX_LOGITS", "evaluate_hf", "load_local_model", "measure_hf", "measure_hf_memory", "measure_needle_hf",
-           "model_folder", "needle_hf", "token_losses"]
+__all__ = ["MAX_LOGITS", "evaluate_hf", "learned_positions", "load_local_model", "measure_hf", "measure_hf_memory",
+           "measure_needle_hf", "model_folder", "needle_hf", "token_losses"]

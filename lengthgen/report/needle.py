@@ -112,7 +112,8 @@ def needle_markdown(nmap: NeedleMap) -> str:
     """``needle.md`` of ``lengthgen needle``: what was measured, the exact-match and answer-loss tables, the map."""
     model = nmap.run_dir or nmap.config.get("hf_model", "the model")
     lines = [f"# Retrieval map: {nmap.source}", "",
-             f"- **Model**: `{model}`" + (f", training length {nmap.train_length}" if nmap.train_length else ""),
+             f"- **Model**: `{model}`" + (", its BEMA weights" if nmap.bema else "")
+             + (f", training length {nmap.train_length}" if nmap.train_length else ""),
              f"- **Needles**: {nmap.needles} per context, {counted(nmap.cells[0].samples, 'sequence')} per cell, "
              f"evaluation seed {nmap.eval_seed} (every depth of one length sees the same haystacks; only the needles "
              "move)",
