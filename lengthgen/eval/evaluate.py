@@ -252,7 +252,8 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
             raise ValueError(f"{getattr(source, 'name', 'the source')!r} cannot generate length {length} "
                              f"(max_length {limit})")
     # rows per forward pass at each length, found before any runs: a length that cannot fit fails here
-    steps = {n: _rows(model, sequences(tokens_per_length, n), n, forward_tokens, autocast, memory) for n in lengths}
+    steps = {n: model_rows_at_once(model, sequences(tokens_per_length, n), n, forward_tokens, autocast, memory)
+             for n in lengths}
     device = _device(model)
 
     def context():
@@ -294,8 +295,10 @@ def _check_fits(model: nn.Module, source: Any) -> None:
         raise ValueError(f"evaluate: the model embeds {vocab} token ids but task {name!r} uses {used}")
 
 
-def _rows(model: nn.Module, rows: int, length: int, forward_tokens: int | None, autocast: torch.dtype | None,
-          memory: Callable[[nn.Module, int], int] | None) -> int:
+def model_rows_at_once(model: nn.Module, rows: int, length: int, forward_tokens: int | None,
+                       autocast: torch.dtype | None, memory: Callable[[nn.Module, int], int] | None = None) -> int:
+    """`rows_at_once` for ``model`` on its own device (its config, where lengthgen's, and ``memory``, as `evaluate`
+    takes them): a MemoryError when not even one row of ``length`` fits."""
     return rows_at_once(getattr(model, "config", None), _device(model).type, rows, length, forward_tokens, autocast,
                         None if memory is None else memory(model, length))
 
@@ -305,5 +308,5 @@ def _device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if parameter is None else parameter.device
 
 
-__all__ = ["EVAL_STREAM", "Measure", "check_row_fits", "eval_generator", "evaluate", "measure_gpt", "rows_at_once",
-           "sequences"]
+__all__ = ["EVAL_STREAM", "Measure", "check_row_fits", "eval_generator", "evaluate", "measure_gpt",
+           "model_rows_at_once", "rows_at_once", "sequences"]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from lengthgen.config import ConfigError, check_value
 from lengthgen.data.needles import needle_source
 from lengthgen.data.tasks.base import Batch
-from lengthgen.eval.evaluate import Measure, evaluate, rows_at_once
+from lengthgen.eval.evaluate import Measure, evaluate, model_rows_at_once
 from lengthgen.eval.results import NeedleCell, NeedleMap
 
 #: default depths: 0, 0.1, ..., 1 (fractions of the filler before the needle)
@@ -111,9 +111,7 @@ def needle_map(model: nn.Module, source: Any, lengths: list[int], depths: list[f
     check_value("samples", samples, int, ge=1)
     check_needles(source, lengths, depths, needles)
     try:        # each cell's batch of ``samples`` sequences, at the longest length: before any cell is computed
-        parameter = next(model.parameters(), None)
-        rows_at_once(getattr(model, "config", None), "cpu" if parameter is None else parameter.device.type, samples,
-                     lengths[-1], forward_tokens, autocast)
+        model_rows_at_once(model, samples, lengths[-1], forward_tokens, autocast)
     except MemoryError as err:
         raise ConfigError(f"samples={samples}: {err}; map fewer sequences per cell (lengthgen needle --samples, "
                           "compare.needle_samples)", "samples") from None
