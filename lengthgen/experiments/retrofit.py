@@ -55,14 +55,15 @@ def finetune_config(base: RunConfig, checkpoint: str | Path, steps: int, overrid
                 f"train.warmup_steps={min(base.train.warmup_steps, steps // 10)}", "train.eval_every=0",
                 "train.checkpoint_every=0"]
     plain, cfg = base.override(*defaults), base.override(*defaults, *overrides)
+    by_key = {o.partition("=")[0].strip(): o for o in reversed(overrides)}     # each key's first --set
+    table = " (a train table sets every train key; set them one by one, e.g. --set train.lr=1e-3)"
     for key, given in (("steps", "the finetuning steps are --steps"),
                        ("init_from", "the retrofit starts from its checkpoint argument")):
-        named = [o for o in overrides if o.partition("=")[0].strip() == f"train.{key}"]
-        if named or getattr(cfg.train, key) != getattr(plain.train, key):   # also when set in a table, train={...}
-            table = [o for o in overrides if o.partition("=")[0].strip() == "train"]
-            if not named and table:
-                given += " (a train table sets every train key; set them one by one, e.g. --set train.lr=1e-3)"
-            raise ConfigError(f"--set {(named or table or overrides)[0]}: {given}")
+        if f"train.{key}" in by_key:
+            raise ConfigError(f"--set {by_key[f'train.{key}']}: {given}")
+        if getattr(cfg.train, key) != getattr(plain.train, key):           # set in a table, train={...}
+            raise ConfigError(f"--set {by_key['train']}: {given}{table}" if "train" in by_key else
+                              f"--set {overrides[0]}: {given}")
     return RunConfig(cfg.model, dataclasses.replace(cfg.train, init_from=str(checkpoint)), cfg.data,
                      f"{base.name or 'run'}-retrofit")
 
