@@ -117,7 +117,7 @@ def test_keys_with_dots_inside_quotes_are_one_part():
      "model.layer_attention[0].every=0 is not valid; it must be an integer >= 1"),
     ("model.layer_attention=[{every = 2, spec = {window = 0}}]",
      "model.layer_attention[0].spec.window=0 is not valid; it must be an integer in [1, 2147483647], or none"),
-    ("train.optimizer=sgd", "train.optimizer='sgd' is not valid; it must be one of adamw, muon"),
+    ("train.optimizer=sgd", "train.optimizer='sgd' is not valid; it must be one of adamw, adamw_palm, muon"),
     ("train.steps=abc", "train.steps='abc' is not valid; it must be an integer >= 1"),
     ("train.steps=1.5", "train.steps=1.5 is not valid; it must be an integer >= 1"),
     ("train.lr=fast", "train.lr='fast' is not valid; it must be a finite float32 number >= 0"),

@@ -76,7 +76,7 @@ def test_config_show_prints_every_key_with_value_meaning_and_choices(capsys, mon
         assert keys[key][1] == f"{doc} [{what}]", key
     assert keys["train.steps"][0] == "7" and keys["model.attention.softmax_p"][0] == "2.0"
     assert keys["data.task"][0] == '"counting"' and keys["train.eval_lengths"][0] == "[32, 128]"
-    assert keys["train.optimizer"][1].endswith("[one of adamw, muon, normuon]")
+    assert keys["train.optimizer"][1].endswith("[one of adamw, adamw_palm, muon, normuon]")
 
 
 def test_config_show_values_read_back_as_overrides(capsys, monkeypatch):

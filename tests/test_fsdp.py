@@ -3,7 +3,7 @@ hold full weights that load anywhere and resume exactly.
 
 The test launches this file with ``torchrun --standalone --nproc_per_node=2``; run as a script, it trains
 run A (AdamW, 2 micro-batches per rank: the path that skips gradient sync) for 3 steps, then resumes it to 5
-from its checkpoint, and runs M (Muon on the hidden weights) and N (NorMuon, cautious weight decay) straight
+from its checkpoint (run P, seed 001's PaLMAdamW, likewise), and runs M (Muon on the hidden weights) and N (NorMuon, cautious weight decay) straight
 through. AdamW on shards is exact to float32 rounding; Muon's Newton-Schulz iteration runs in bfloat16
 (torch.optim.Muon), and a sharded matrix product sums in another order, which moves its update by about
 bfloat16's precision (measured: 3% of the update's norm, as far as either is from the float64 iteration), so
@@ -33,6 +33,8 @@ RUN_T = BASE + ["data.kind=text", "data.task_kwargs={}", 'data.text={corpus = "s
 #: skip weight and a global query-scaling multiplier shared by every layer
 RUN_S = BASE + ["model.skips=[[0, 1]]", "model.attention.query_scaling=log_n",
                 "model.attention.learnable_scaling=global"]
+#: seed 001's optimizer (PaLMAdamW) on shards, stopped and resumed from its gathered state as run A
+RUN_P = BASE + ["train.optimizer=adamw_palm", "train.weight_decay=0.1", "train.weight_decay_on=all"]
 
 
 def test_two_sharded_processes_match_one(tmp_path):
@@ -44,7 +46,7 @@ def test_two_sharded_processes_match_one(tmp_path):
     proc = torchrun_two(__file__, tmp_path)
     assert "returned a view tensor" not in proc.stderr          # FSDP2's warning, once per rank, before
     for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("n", RUN_N, 3e-3), ("t", RUN_T, 1e-5),
-                                 ("s", RUN_S, 1e-5)):
+                                 ("s", RUN_S, 1e-5), ("p", RUN_P, 1e-5)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
         sharded = logged_losses(tmp_path / f"fsdp-{name}")
         assert len(sharded) == 5
@@ -54,7 +56,7 @@ def test_two_sharded_processes_match_one(tmp_path):
         # bfloat16 differences grow through 5 steps of a tiny model: its losses are the check)
         cfg, model = load_run(tmp_path / f"fsdp-{name}")
         assert cfg.train.parallel == "fsdp"
-        if name in ("a", "s"):
+        if name in ("a", "s", "p"):
             for (key, got), want in zip(model.state_dict().items(), single.model.state_dict().values()):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=key)
         evaluation = RunEval.load(tmp_path / f"fsdp-{name}" / "eval.json")
@@ -64,6 +66,8 @@ def test_two_sharded_processes_match_one(tmp_path):
                 assert got.at_length["loss"] == pytest.approx(want.at_length["loss"], rel=1e-4), name
     records = [json.loads(line) for line in (tmp_path / "fsdp-a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]       # steps 4-5 after the resume
+    records = [json.loads(line) for line in (tmp_path / "fsdp-p" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("key", ["train.bema.enabled=true", "train.qk_clip=1.0"])
@@ -135,6 +139,9 @@ def _worker(out: Path) -> None:
     train(RunConfig().override(*RUN_N, "train.parallel=fsdp"), out / "fsdp-n", progress=False)
     train(RunConfig().override(*RUN_T, "train.parallel=fsdp"), out / "fsdp-t", progress=False)
     train(RunConfig().override(*RUN_S, "train.parallel=fsdp"), out / "fsdp-s", progress=False)
+    cfg = RunConfig().override(*RUN_P, "train.parallel=fsdp")
+    Trainer(cfg, out / "fsdp-p", progress=False).fit(stop_at=3)
+    Trainer(cfg, out / "fsdp-p", progress=False, resume=True).fit()
     cleanup()
 
 

@@ -4,6 +4,8 @@ optimizer and warmup at every stage, and its counting MSE; BEMA's update frequen
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from lengthgen.config import ConfigError
 from lengthgen.data.tasks import CountingTask
 from lengthgen.model import GPT
 from lengthgen.train import Trainer, build_optimizers, lr_multiplier, train
-from lengthgen.train.config import RunConfig
+from lengthgen.train.config import RunConfig, load_config
+from lengthgen.train.palm_adamw import PaLMAdamW
 from lengthgen.train.schedule import momentum_at
 
 
@@ -224,6 +227,90 @@ def test_normuon_cautious_run_resumes_exactly(tmp_path):
         assert torch.equal(a, b), name
     muon = full.trainer.optimizers[0]
     assert all("second_moment" in muon.state[p] for g in muon.param_groups for p in g["params"])
+
+
+def heavyball_palm_step(p: list[float], g: list[float], m: list[float], v: list[float], t: int, lr: float,
+                        decay: float, eps: float, beta1: float = 0.9) -> None:
+    """Update ``t`` (from 1) of seed 001's heavyball AdamW(palm=True), restated entry by entry in Python floats:
+    heavyball's beta_debias(beta, t) = 1 - (1 - beta) / (1 - beta^t) on beta1 and on PaLM's beta2 = 1 - t^-0.8, the
+    moments as lerps towards g and g^2, sqrt(v) floored at eps, then p (1 - lr wd) - lr m / denominator."""
+    b1 = 1 - (1 - beta1) / (1 - beta1 ** t)
+    palm = 1 - t ** -0.8
+    b2 = 1 - (1 - palm) / (1 - palm ** t)
+    for i, gi in enumerate(g):
+        m[i] += (gi - m[i]) * (1 - b1)
+        v[i] += (gi * gi - v[i]) * (1 - b2)
+        p[i] = p[i] * (1 - lr * decay) - lr * m[i] / max(math.sqrt(v[i]), eps)
+
+
+def test_palm_adamw_is_seed_001s_heavyball_adamw():
+    """PaLMAdamW (float64) against the entry-by-entry restatement over 12 updates with a changing lr, and a
+    first step of -lr sign(g) (Adam's), 0 where g = 0 (eps is a floor: no division by zero)."""
+    torch.manual_seed(0)
+    weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    opt = PaLMAdamW([weight], lr=0.1, betas=(0.9, 0.5), eps=1e-8, weight_decay=0.3)
+    p, m, v = weight.detach().flatten().tolist(), [0.0] * 12, [0.0] * 12
+    for t in range(1, 13):
+        grad = torch.randn(3, 4, dtype=torch.float64) * t
+        grad[0, 0] = 0.0 if t == 1 else grad[0, 0]
+        lr = 0.1 * min(1.0, t / 5)
+        opt.param_groups[0]["lr"] = lr
+        before = weight.detach().clone()
+        weight.grad = grad
+        opt.step()
+        heavyball_palm_step(p, grad.flatten().tolist(), m, v, t, lr, 0.3, 1e-8)
+        torch.testing.assert_close(weight.detach().flatten(), torch.tensor(p, dtype=torch.float64), rtol=1e-12,
+                                   atol=1e-12)
+        if t == 1:
+            step = before * (1 - lr * 0.3) - weight.detach()
+            assert step[0, 0] == 0 and torch.allclose(step.flatten()[1:], lr * grad.sign().flatten()[1:])
+    assert int(opt.state[weight]["step"]) == 12
+
+
+def test_palm_adamw_second_step_by_hand():
+    """g = 1 then 0, no decay: beta1's debias at t = 2 is 1 - 0.1 / 0.19 = 9 / 19 (m = 9/19); PaLM's beta2 at t = 2
+    is 1 - 2^-0.8 = 0.425651, debiased 1 - 0.574349 / (1 - 0.425651^2) = 0.298566 (v = 0.298566); the update is
+    lr m / sqrt(v) = 0.8668995 lr (torch's AdamW with beta2 0.99 would move 0.9 / 1.9 / sqrt(0.99 / 1.99) lr)."""
+    weight = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt = PaLMAdamW([weight], lr=1e-3)
+    for g in (1.0, 0.0):
+        weight.grad = torch.tensor([g], dtype=torch.float64)
+        opt.step()
+    assert weight.item() == pytest.approx(-1e-3 - 0.8668995e-3, rel=1e-7)
+
+
+def test_adamw_palm_is_built_for_every_parameter_and_resumes_exactly(tmp_path):
+    cfg = config("train.optimizer=adamw_palm", "train.weight_decay=0.1", "train.weight_decay_on=all",
+                 "train.stages=[[0, 8], [3, 16]]", "train.tokens_per_step=64", "train.restart_at_stages=true",
+                 "train.schedule=constant", "train.warmup_steps=2")
+    model = GPT(cfg.override("model.vocab_size=4").model)
+    (opt,) = build_optimizers(model, cfg.train)
+    assert type(opt) is PaLMAdamW and [g["weight_decay"] for g in opt.param_groups] == [0.1]
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    full = train(cfg, tmp_path / "full", progress=False)
+    assert {int(state["step"]) for state in full.trainer.optimizers[0].state.values()} == {3}   # fresh at stage 2
+    train(cfg, tmp_path / "resumed", progress=False, stop_at=4)
+    resumed = train(cfg, tmp_path / "resumed", progress=False, resume=True)
+    assert resumed.history == full.history
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match=r"train.cautious_weight_decay=True is not valid; it must be false with "
+                                          r"optimizer adamw_palm"):
+        config("train.optimizer=adamw_palm", "train.cautious_weight_decay=true")
+
+
+def test_seed001_preset_warms_up_as_heavyball_at_every_stage():
+    """heavyball's warmup multiplies lr by t / max(t, warmup + 1), t counting the re-created optimizer's updates
+    from 1 (warmup 1024 = 8192 / 8, the seed's): the preset's schedule gives the same multiplier at every step."""
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "seed001_counting.toml")
+    tc = cfg.train
+    assert tc.optimizer == "adamw_palm" and tc.restart_at_stages and tc.schedule == "constant"
+    for step in [0, 1, 1023, 1024, 1025, 8192, 8193, 8194, 9216, 9217, 9218, 49153, 50177, tc.steps - 1]:
+        start = 0 if step <= 8192 else 8192 * ((step - 1) // 8192) + 1     # the seed grows after update 8192 k
+        t = step - start + 1
+        got = lr_multiplier(step, total=tc.steps, schedule=tc.schedule, warmup=tc.warmup_steps,
+                            restart=cfg.stage_start(step))
+        assert got == pytest.approx(t / max(t, 1024 + 1), rel=1e-12), step
 
 
 def seed_muon_momentum(step: int, steps: int, warmup: int = 300, cooldown: int = 50, low: float = 0.85,

@@ -221,9 +221,10 @@ def _optimizer(train: dict) -> str:
         muls = ", ".join(f"x{m:g} on {pattern}" for pattern, m in (train.get(multipliers) or {}).items())
         return f"{text} {train.get(key)}" + (f" ({muls})" if muls else "")
     muon = train.get("optimizer") in ("muon", "normuon")
-    adamw = setting(f"{'adamw' if muon else train.get('optimizer')} lr", "lr", "adam_lr_mul")
+    adam = "adamw" if muon else train.get("optimizer")
+    adamw = setting(f"{adam} lr", "lr", "adam_lr_mul")
     text = f"{setting(train['optimizer'] + ' lr', 'muon_lr', 'muon_lr_mul')} + {adamw}" if muon else adamw
-    decays = [setting("adamw", "weight_decay", "weight_decay_mul")] if train.get("weight_decay") else []
+    decays = [setting(adam, "weight_decay", "weight_decay_mul")] if train.get("weight_decay") else []
     if muon and train.get("muon_weight_decay"):
         decays.append(f"{train['optimizer']} {train['muon_weight_decay']}")
     if decays:

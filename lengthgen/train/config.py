@@ -24,7 +24,7 @@ from lengthgen.data.tasks import task_class
 from lengthgen.model.config import GPTConfig
 
 Schedule = Literal["cosine", "wsd", "constant"]
-Optimizer = Literal["adamw", "muon", "normuon"]
+Optimizer = Literal["adamw", "adamw_palm", "muon", "normuon"]
 MuonAdjust = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16"]
@@ -62,10 +62,12 @@ class TrainConfig:
     cooldown_frac: float = option(0.2, "wsd: fraction of the steps in the linear cooldown", ge=0, le=1)
     min_lr_ratio: float = option(0.0, "lr / peak lr the decay reaches at train.steps (cosine and wsd; the last "
                                  "update, at steps - 1, is one decay step above it)", ge=0, le=1)
-    optimizer: Optimizer = option("adamw", "adamw, muon (torch Muon for 2-D hidden weights, AdamW for the rest) or "
-                                  "normuon (Muon with NorMuon's per-neuron normalization, seed 000)")
-    betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas", ge=0, lt=1)
-    eps: float = option(1e-8, "AdamW eps", ge=0)
+    optimizer: Optimizer = option("adamw", "adamw, adamw_palm (AdamW with PaLM's beta2 = 1 - step^-0.8 and eps as a "
+                                  "floor of sqrt(v): seed 001's heavyball AdamW(palm=True)), muon (torch Muon for "
+                                  "2-D hidden weights, AdamW for the rest) or normuon (Muon with NorMuon's "
+                                  "per-neuron normalization, seed 000)")
+    betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas (adamw_palm uses the first only)", ge=0, lt=1)
+    eps: float = option(1e-8, "AdamW eps (adamw_palm: the floor of sqrt(v))", ge=0)
     weight_decay: float = option(0.0, "AdamW weight decay (on the parameters weight_decay_on says)", ge=0)
     weight_decay_on: DecayOn = option("matrices", "AdamW decays matrices only (2-D weights, not norms, biases, "
                                       "scalars) or all parameters (seed 001)")
@@ -138,9 +140,9 @@ class TrainConfig:
         if steps != sorted(set(steps)) or any(length < 1 for _, length in self.stages):
             raise invalid("TrainConfig.stages", self.stages, "a list of [step, length] pairs with increasing "
                           "steps >= 0 and lengths >= 1, e.g. [[0, 32], [500, 64]]")
-        if self.cautious_weight_decay and self.optimizer == "muon":
-            raise invalid("TrainConfig.cautious_weight_decay", True, "false with optimizer muon (torch Muon decays "
-                          "every entry); set train.optimizer to normuon or adamw")
+        if self.cautious_weight_decay and self.optimizer in ("muon", "adamw_palm"):
+            raise invalid("TrainConfig.cautious_weight_decay", True, f"false with optimizer {self.optimizer} (it "
+                          "decays every entry); set train.optimizer to normuon or adamw")
         if self.wandb is not None and not self.wandb.strip():
             raise invalid("TrainConfig.wandb", self.wandb, "a W&B project name, or none (W&B off)")
         if self.init_from is not None and not self.init_from.strip():     # an empty shell variable: not a fresh start
@@ -162,8 +164,9 @@ class TrainConfig:
                          f"only reaches {self.steps / self.warmup_steps:.2g} x train.lr")
         scheduled = [f"train.{k}={getattr(self, k)}" for k in ("muon_momentum_warmup", "muon_momentum_cooldown")
                      if getattr(self, k)]
-        if scheduled and self.optimizer == "adamw":
-            notes.append(f"{' and '.join(scheduled)}: no effect with train.optimizer='adamw' (Muon's momentum only)")
+        if scheduled and self.optimizer not in ("muon", "normuon"):
+            notes.append(f"{' and '.join(scheduled)}: no effect with train.optimizer='{self.optimizer}' (Muon's "
+                         "momentum only)")
         if self.weight_decay_mul and self.weight_decay == 0:
             notes.append("train.weight_decay_mul: no effect with train.weight_decay=0 (it multiplies AdamW's weight "
                          "decay)")

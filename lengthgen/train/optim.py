@@ -1,4 +1,5 @@
-"""Optimizers (AdamW; Muon or NorMuon for 2-D hidden weights + AdamW for the rest) and QK-clip.
+"""Optimizers (AdamW or seed 001's `PaLMAdamW`; Muon or NorMuon for 2-D hidden weights + AdamW for the rest) and
+QK-clip.
 
 Muon (`torch.optim.Muon`, its orthogonalization batched by shape: `lengthgen.train.muon`) orthogonalizes the update
 of 2-D weight matrices; it is meant for hidden layers only. `muon_param_names` picks the 2-D parameters inside the
@@ -25,6 +26,7 @@ from lengthgen.attention import mods
 from lengthgen.config import ConfigError, pattern_matches
 from lengthgen.train.muon import Muon
 from lengthgen.train.normuon import CautiousAdamW, NorMuon
+from lengthgen.train.palm_adamw import PaLMAdamW
 
 
 def muon_param_names(model: nn.Module) -> list[str]:
@@ -43,8 +45,8 @@ def by_pattern(key: str, names: list[str], patterns: dict[str, Any], default: An
 
 
 def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]:
-    """[AdamW] or [Muon or NorMuon, AdamW] per ``train_cfg.optimizer``: Muon takes `muon_param_names` but those
-    ``muon_exclude`` matches, AdamW the rest. Muon has one group per ``muon_lr_mul``
+    """[AdamW], [PaLMAdamW] or [Muon or NorMuon, AdamW] per ``train_cfg.optimizer``: Muon takes
+    `muon_param_names` but those ``muon_exclude`` matches, AdamW the rest. Muon has one group per ``muon_lr_mul``
     multiplier (lr ``muon_lr * multiplier``), AdamW one per weight decay, ``adam_lr_mul`` multiplier and
     ``adam_betas`` (decayed groups first). With ``cautious_weight_decay``, `CautiousAdamW` and NorMuon decay
     cautiously (`lengthgen.train.normuon`). Each group records its peak lr in ``initial_lr``."""
@@ -91,9 +93,12 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
         if tc.cautious_weight_decay:
             for group in groups:
                 group["cautious_decay"], group["weight_decay"] = group["weight_decay"], 0.0
-        fused = all(p.is_cuda for g in groups for p in g["params"]) or None
-        adamw = CautiousAdamW if tc.cautious_weight_decay else torch.optim.AdamW
-        optimizers.append(adamw(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, fused=fused))
+        if tc.optimizer == "adamw_palm":
+            optimizers.append(PaLMAdamW(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps))
+        else:
+            fused = all(p.is_cuda for g in groups for p in g["params"]) or None
+            adamw = CautiousAdamW if tc.cautious_weight_decay else torch.optim.AdamW
+            optimizers.append(adamw(groups, lr=tc.lr, betas=tuple(tc.betas), eps=tc.eps, fused=fused))
     for opt in optimizers:
         for group in opt.param_groups:
             group["initial_lr"] = group["lr"]
