@@ -15,7 +15,7 @@ from lengthgen.config import ConfigError
 from lengthgen.data.tasks import CountingTask
 from lengthgen.model import GPT
 from lengthgen.train import Trainer, build_optimizers, lr_multiplier, train
-from lengthgen.train.checkpoint import CheckpointError, load_pending_grads
+from lengthgen.train.run_folder import RunFolderWarning
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.palm_adamw import PaLMAdamW
 from lengthgen.train.schedule import momentum_at
@@ -454,7 +454,7 @@ def test_adam_every_resumes_exactly_between_two_adamw_steps(tmp_path):
 def test_adam_every_with_adamw_alone_and_a_restart_at_an_odd_stage(tmp_path):
     """adamw alone: between its steps nothing steps, so nothing is clipped (no grad_norm logged). A restart at a
     stage hands the pending gradients to the fresh AdamW (its first step, at step 3, is on steps 2 and 3's sum),
-    and a run stopped there resumes exactly."""
+    and a run stopped there resumes exactly; without its pending gradients the checkpoint is not used."""
     cfg = config("train.stages=[[0, 8], [3, 16]]", "train.tokens_per_step=64", "train.restart_at_stages=true",
                  "train.schedule=constant", "train.warmup_steps=2", "train.adam_every=2")
     full = train(cfg, tmp_path / "full", progress=False)
@@ -471,7 +471,10 @@ def test_adam_every_with_adamw_alone_and_a_restart_at_an_odd_stage(tmp_path):
         "train.adam_every=7 > train.steps=6: AdamW never steps (it steps where (step + 1) % adam_every == 0)"]
     with pytest.raises(ConfigError, match=r"^train.adam_every=0 is not valid; it must be an integer >= 1$"):
         config("train.adam_every=0")
-    dropped = train(cfg, tmp_path / "dropped", progress=False, stop_at=3)
-    (dropped.checkpoint / "adamw_grads.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"adamw_grads.safetensors is missing"):
-        load_pending_grads(dropped.checkpoint, pending=True)
+    # a checkpoint whose pending gradients are gone is unreadable: the resume falls back to the one before, exactly
+    cfg = cfg.override("train.checkpoint_every=1")
+    train(cfg, tmp_path / "dropped", progress=False, stop_at=3)
+    (tmp_path / "dropped" / "checkpoints" / "step_00000003" / "adamw_grads.safetensors").unlink()
+    with pytest.warns(RunFolderWarning, match=r"adamw_grads.safetensors is missing; using the older checkpoint "
+                                              r"step_00000002"):
+        assert train(cfg, tmp_path / "dropped", progress=False, resume=True).history == full.history
