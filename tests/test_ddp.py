@@ -5,7 +5,8 @@ tiny counting runs under DDP: A through `train` (2 micro-batches per rank: DDP's
 ``lengthgen train`` (with QK-clip active every step; its max logit is all-reduced over ranks, though at this
 size the ranks' own maxima are so close that the losses would not tell the difference). Run A also evaluates every
 2 steps: rank 0 alone evaluates, and the other rank gets its results (each rank counts its evaluations). First it
-resumes on 2 ranks a batch-norm run stopped in one process, which warns that its trajectory changes.
+resumes on 2 ranks a batch-norm run stopped in one process, which warns that its trajectory changes. Run E steps AdamW
+every other step on summed gradients (train.adam_every=2), stopped at step 3 with one pending and resumed.
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ RUN_A = BASE + ["train.grad_accum=2", "train.eval_every=2"]
 RUN_B = BASE + ["train.qk_clip=0.03"]
 #: batch norm: per-rank statistics, so a resume on another number of ranks leaves the trajectory (it warns)
 RUN_BN = BASE + ["model.norm=batch"]
+#: AdamW every other step (seed 000's DistAdam) on the two steps' summed gradients, stopped at step 3 with a summed
+#: gradient pending and resumed: DDP syncs the sum (synced before, plus the step's)
+RUN_E = BASE + ["train.grad_accum=2", "train.adam_every=2"]
 
 
 def test_two_processes_match_one(tmp_path, monkeypatch):
     from lengthgen.train.config import RunConfig
     from lengthgen.eval import RunEval
     from lengthgen.train import train
+    from lengthgen.train.weights import load_run
+    import torch
 
     train(RunConfig().override(*RUN_BN), tmp_path / "bn", progress=False, stop_at=3)     # in one process
     proc = torchrun_two(__file__, tmp_path)
@@ -57,9 +63,15 @@ def test_two_processes_match_one(tmp_path, monkeypatch):
         losses = lambda entry: {length: means["loss"] for length, means in entry["eval"].items()}  # noqa: E731
         assert losses(logged[-1]) == pytest.approx(losses(single.metrics), rel=1e-4)
     assert "trained 5 steps" in proc.stdout and proc.stdout.count("trained 5 steps") == 1   # rank 0 prints
-    # rank 0 evaluated as often as one process (runs A and B: 3 + 1 times), the other rank never
+    single = train(RunConfig().override(*RUN_E), tmp_path / "single-e", progress=False)
+    ddp = logged_losses(tmp_path / "ddp-e")
+    assert len(ddp) == 5 and ddp == pytest.approx(single.history, rel=1e-5, abs=1e-5)
+    for (key, got), want in zip(load_run(tmp_path / "ddp-e")[1].state_dict().items(),
+                                single.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=key)
+    # rank 0 evaluated as often as one process (runs A, B and E: 3 + 1 + 1 times), the other rank never
     counts = [json.loads((tmp_path / f"evaluations-{rank}.json").read_text()) for rank in (0, 1)]
-    assert counts == [evaluations(), 0] == [4, 0]
+    assert counts == [evaluations(), 0] == [5, 0]
 
 
 def test_batch_must_split_into_equal_shares(tmp_path, monkeypatch):
@@ -97,6 +109,8 @@ def _worker(out: Path) -> None:
     evaluations = _count_evaluations()
     train(RunConfig().override(*RUN_A), out / "ddp-a", progress=False)
     args = ["train"] + [a for o in RUN_B for a in ("--set", o)] + ["--out", str(out / "ddp-b"), "--no-progress"]
+    train(RunConfig().override(*RUN_E), out / "ddp-e", progress=False, stop_at=3)
+    train(RunConfig().override(*RUN_E), out / "ddp-e", progress=False, resume=True)
     code = main(args)
     (out / f"evaluations-{os.environ['RANK']}.json").write_text(json.dumps(evaluations()))
     sys.exit(code)

@@ -35,6 +35,9 @@ RUN_S = BASE + ["model.skips=[[0, 1]]", "model.attention.query_scaling=log_n",
                 "model.attention.learnable_scaling=global"]
 #: seed 001's optimizer (PaLMAdamW) on shards, stopped and resumed from its gathered state as run A
 RUN_P = BASE + ["train.optimizer=adamw_palm", "train.weight_decay=0.1", "train.weight_decay_on=all"]
+#: seed 000's AdamW every other step on summed (sharded) gradients, stopped at step 3 with one pending (gathered into
+#: the checkpoint, sharded back on resume), with a 0-d parameter FSDP2 leaves whole
+RUN_E = BASE + ["train.grad_accum=2", "train.adam_every=2", "model.skips=[[0, 1]]"]
 
 
 def test_two_sharded_processes_match_one(tmp_path):
@@ -46,7 +49,7 @@ def test_two_sharded_processes_match_one(tmp_path):
     proc = torchrun_two(__file__, tmp_path)
     assert "returned a view tensor" not in proc.stderr          # FSDP2's warning, once per rank, before
     for name, overrides, tol in (("a", RUN_A, 1e-5), ("m", RUN_M, 3e-3), ("n", RUN_N, 3e-3), ("t", RUN_T, 1e-5),
-                                 ("s", RUN_S, 1e-5), ("p", RUN_P, 1e-5)):
+                                 ("s", RUN_S, 1e-5), ("p", RUN_P, 1e-5), ("e", RUN_E, 1e-5)):
         single = train(RunConfig().override(*overrides), tmp_path / f"single-{name}", progress=False)
         sharded = logged_losses(tmp_path / f"fsdp-{name}")
         assert len(sharded) == 5
@@ -56,7 +59,7 @@ def test_two_sharded_processes_match_one(tmp_path):
         # bfloat16 differences grow through 5 steps of a tiny model: its losses are the check)
         cfg, model = load_run(tmp_path / f"fsdp-{name}")
         assert cfg.train.parallel == "fsdp"
-        if name in ("a", "s", "p"):
+        if name in ("a", "s", "p", "e"):
             for (key, got), want in zip(model.state_dict().items(), single.model.state_dict().values()):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=key)
         evaluation = RunEval.load(tmp_path / f"fsdp-{name}" / "eval.json")
@@ -66,8 +69,9 @@ def test_two_sharded_processes_match_one(tmp_path):
                 assert got.at_length["loss"] == pytest.approx(want.at_length["loss"], rel=1e-4), name
     records = [json.loads(line) for line in (tmp_path / "fsdp-a" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]       # steps 4-5 after the resume
-    records = [json.loads(line) for line in (tmp_path / "fsdp-p" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    for name in ("p", "e"):
+        records = [json.loads(line) for line in (tmp_path / f"fsdp-{name}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("key", ["train.bema.enabled=true", "train.qk_clip=1.0"])
@@ -142,6 +146,9 @@ def _worker(out: Path) -> None:
     cfg = RunConfig().override(*RUN_P, "train.parallel=fsdp")
     Trainer(cfg, out / "fsdp-p", progress=False).fit(stop_at=3)
     Trainer(cfg, out / "fsdp-p", progress=False, resume=True).fit()
+    cfg = RunConfig().override(*RUN_E, "train.parallel=fsdp")
+    Trainer(cfg, out / "fsdp-e", progress=False).fit(stop_at=3)
+    Trainer(cfg, out / "fsdp-e", progress=False, resume=True).fit()
     cleanup()
 
 

@@ -108,6 +108,18 @@ def test_seed000_protocol_runs_tiny(tmp_path):
 
 
 @pytest.mark.parametrize("path", [ROOT / "seed000_avnorm.toml", ROOT / "cpu" / "seed000_avnorm.toml"], ids=label)
+def test_seed000_adamw_steps_on_odd_steps_as_the_seeds_distadam(path):
+    """The seed's DistAdam (odd_step_only) steps on odd steps, on the two steps' summed gradients: no longer a
+    deviation in the GPU preset's header, which says it."""
+    assert load_config(path).train.adam_every == 2
+    header = " ".join(line.lstrip("# ") for line in path.read_text().split("\nname")[0].splitlines())
+    assert "AdamW updates every step" not in header
+    if path.parent == ROOT:
+        assert "DistAdam (lr 0.008, eps 1e-10, the multipliers and betas above) on odd steps only, on the two " \
+            "steps' summed gradients (train.adam_every = 2;" in header
+
+
+@pytest.mark.parametrize("path", [ROOT / "seed000_avnorm.toml", ROOT / "cpu" / "seed000_avnorm.toml"], ids=label)
 def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
     """The seed's NorMuon lr per matrix is muon_lr x max(1, rows / cols)^0.5 x lr_mul of its stored parameter: Q, K,
     V and O share one 3072 x 768 parameter (x2, each 768 x 768 block orthogonalized on its own), the MLP input is

@@ -413,6 +413,9 @@ def test_the_cells_promise_a_ratio_only_where_the_training_length_was_evaluated(
      "; muon lr 0.023 + adamw lr 0.008 (x75 on value_embeds.*, x0.05 on skip.*), "),
     ({"optimizer": "adamw", "lr": 0.001, "adam_lr_mul": {"embed.weight": 2.0}},
      "; adamw lr 0.001 (x2 on embed.weight), "),
+    ({"optimizer": "normuon", "lr": 0.008, "muon_lr": 0.023, "adam_every": 2},      # seed 000's DistAdam
+     "; normuon lr 0.023 + adamw lr 0.008 every 2 steps, "),
+    ({"optimizer": "adamw", "lr": 0.001, "adam_every": 1}, "; adamw lr 0.001, "),
 ])
 def test_report_names_each_optimizers_learning_rate(train, says):
     results = comparison({"a": [0.8, 0.9], "b": [0.5, 0.6]})

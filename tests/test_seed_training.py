@@ -3,6 +3,7 @@ optimizer and warmup at every stage, and its counting MSE; BEMA's update frequen
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from lengthgen.config import ConfigError
 from lengthgen.data.tasks import CountingTask
 from lengthgen.model import GPT
 from lengthgen.train import Trainer, build_optimizers, lr_multiplier, train
+from lengthgen.train.run_folder import RunFolderWarning
 from lengthgen.train.config import RunConfig, load_config
 from lengthgen.train.palm_adamw import PaLMAdamW
 from lengthgen.train.schedule import momentum_at
@@ -373,3 +375,106 @@ def test_normuon_and_fused_cautious_adamw_on_cuda_match_the_cpu():
         results.append((a.detach().cpu(), m.detach().cpu()))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=2e-2, atol=2e-3)     # bf16 Newton-Schulz
+
+
+def test_adamw_steps_every_other_step_on_the_summed_gradients(tmp_path):
+    """train.adam_every=2 (seed 000's DistAdam): AdamW's parameters stay put on even steps and move on odd ones by
+    torch AdamW's update of the two steps' summed gradients (each at its step's weights) at the odd step's lr;
+    Muon's move every step. A finetune (train.init_from) starts at step 0 with nothing pending."""
+    from lengthgen.data.config import step_generator
+    from lengthgen.train.optim import set_lr
+
+    cfg = config("train.optimizer=muon", "train.adam_every=2", "train.grad_clip=0", "train.schedule=wsd",
+                 "train.cooldown_frac=0.5", "model.tie_embeddings=false")
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    muon, adamw = trainer.optimizers
+    adam_params = [p for g in adamw.param_groups for p in g["params"]]
+    reference = copy.deepcopy(adamw.param_groups)
+    shadow = [p.detach().clone() for p in adam_params]
+    for shadow_group, group in zip(reference, adamw.param_groups):
+        shadow_group["params"] = [shadow[next(i for i, q in enumerate(adam_params) if q is p)] for p in group["params"]]
+    by_hand = torch.optim.AdamW(reference, lr=cfg.train.lr, betas=cfg.train.betas, eps=cfg.train.eps)
+    summed = None
+    for step in range(cfg.train.steps):
+        before = copy.deepcopy(trainer.model)           # the step's gradient at its weights, apart from the run
+        batch = trainer.source.sample(cfg.batch_size_at(step), cfg.length_at(step), step_generator(0, step))
+        ((micro, weight),) = trainer._micro_batches(batch)
+        before.loss(before(micro.tokens, micro.doc_ids), micro)[0].backward()
+        grads = {id(q): p.grad for q, p in zip(trainer.model.parameters(), before.parameters())}
+        summed = [grads[id(p)] + (summed[i] if summed else 0) for i, p in enumerate(adam_params)]
+        adam_before = [p.detach().clone() for p in adam_params]
+        muon_before = [p.detach().clone() for g in muon.param_groups for p in g["params"]]
+        entry = trainer._train_step(step)
+        muon_after = [p.detach() for g in muon.param_groups for p in g["params"]]
+        assert all(not torch.equal(a, b) for a, b in zip(muon_before, muon_after)), step
+        if step % 2 == 0:
+            assert all(torch.equal(a, p) for a, p in zip(adam_before, adam_params)), step
+            continue
+        for p, g in zip(shadow, summed):
+            p.grad = g
+        set_lr([by_hand], entry["lr_mult"])
+        by_hand.step()
+        summed = None
+        for p, want in zip(adam_params, shadow):
+            torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+    assert {int(state["step"]) for state in adamw.state.values()} == {3}
+    trainer.save_checkpoint()
+    trainer.close()
+    finetune = Trainer(cfg.override(f"train.init_from={tmp_path / 'run'}"), tmp_path / "finetune", progress=False)
+    start = [p.detach().clone() for p in finetune.optimizers[1].param_groups[0]["params"]]
+    finetune._train_step(0)
+    assert all(torch.equal(a, p) for a, p in zip(start, finetune.optimizers[1].param_groups[0]["params"]))
+    finetune.close()
+
+
+def test_adam_every_resumes_exactly_between_two_adamw_steps(tmp_path):
+    """Stopped at step 3 (AdamW's summed gradient of step 2 pending), the checkpoint keeps it and the resumed run
+    is the uninterrupted one, bit for bit, with micro-batches, gradient clipping, QK-clip and BEMA on."""
+    cfg = config("train.optimizer=normuon", "train.cautious_weight_decay=true", "train.weight_decay=0.1",
+                 "train.adam_every=2", "train.grad_accum=2", "train.grad_clip=0.05", "train.qk_clip=0.5",
+                 "train.bema.enabled=true", "train.schedule=constant", "train.warmup_steps=3")
+    full = train(cfg, tmp_path / "full", progress=False)
+    stopped = train(cfg, tmp_path / "resumed", progress=False, stop_at=3)
+    assert (stopped.checkpoint / "adamw_grads.safetensors").is_file()
+    assert not (full.checkpoint / "adamw_grads.safetensors").exists()       # step 6: nothing pending
+    resumed = train(cfg, tmp_path / "resumed", progress=False, resume=True)
+    assert resumed.history == full.history
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(full.trainer.bema_state_dict().items(), resumed.trainer.bema_state_dict().values()):
+        assert torch.equal(a, b), name
+    entries = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert all(e["grad_norm"] > 0 for e in entries if "loss" in e)     # NorMuon's matrices are clipped every step
+    # an odd train.steps ends with a gradient pending: the final checkpoint keeps it, and --extend goes on exactly
+    train(cfg.override("train.steps=5"), tmp_path / "extended", progress=False)
+    extended = train(cfg, tmp_path / "extended", progress=False, resume=True, extend=True)
+    assert extended.history == full.history
+
+
+def test_adam_every_with_adamw_alone_and_a_restart_at_an_odd_stage(tmp_path):
+    """adamw alone: between its steps nothing steps, so nothing is clipped (no grad_norm logged). A restart at a
+    stage hands the pending gradients to the fresh AdamW (its first step, at step 3, is on steps 2 and 3's sum),
+    and a run stopped there resumes exactly; without its pending gradients the checkpoint is not used."""
+    cfg = config("train.stages=[[0, 8], [3, 16]]", "train.tokens_per_step=64", "train.restart_at_stages=true",
+                 "train.schedule=constant", "train.warmup_steps=2", "train.adam_every=2")
+    full = train(cfg, tmp_path / "full", progress=False)
+    (adamw,) = full.trainer.optimizers
+    assert {int(state["step"]) for state in adamw.state.values()} == {2}       # steps 3 and 5 of the fresh one
+    entries = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "grad_norm" in e] == [2, 4, 6]     # after steps 1, 3, 5
+    train(cfg, tmp_path / "resumed", progress=False, stop_at=3)
+    resumed = train(cfg, tmp_path / "resumed", progress=False, resume=True)
+    assert resumed.history == full.history
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert cfg.train.unused() == [] and config("train.adam_every=7").train.unused() == [
+        "train.adam_every=7 > train.steps=6: AdamW never steps (it steps where (step + 1) % adam_every == 0)"]
+    with pytest.raises(ConfigError, match=r"^train.adam_every=0 is not valid; it must be an integer >= 1$"):
+        config("train.adam_every=0")
+    # a checkpoint whose pending gradients are gone is unreadable: the resume falls back to the one before, exactly
+    cfg = cfg.override("train.checkpoint_every=1")
+    train(cfg, tmp_path / "dropped", progress=False, stop_at=3)
+    (tmp_path / "dropped" / "checkpoints" / "step_00000003" / "adamw_grads.safetensors").unlink()
+    with pytest.warns(RunFolderWarning, match=r"adamw_grads.safetensors is missing; using the older checkpoint "
+                                              r"step_00000002"):
+        assert train(cfg, tmp_path / "dropped", progress=False, resume=True).history == full.history

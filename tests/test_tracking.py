@@ -41,6 +41,23 @@ def test_step_and_eval_lines():
                                           " | BEMA length 32 loss 0.4")
 
 
+def test_run_header_says_how_often_adamw_steps(tmp_path):
+    from lengthgen.eval import Provenance
+    from lengthgen.train.tracking import run_header
+
+    provenance = Provenance.capture("cpu")
+
+    def optimizer(*overrides: str) -> str:
+        header = run_header(tiny("train.lr=0.001", *overrides), tmp_path, parameters=1, dtype="float32", world=1,
+                            start=0, provenance=provenance)
+        return next(line for line in header.splitlines() if "optimizer:" in line)
+
+    assert "optimizer: adamw lr 0.001, " in optimizer()
+    assert "optimizer: adamw lr 0.001 every 2 steps, " in optimizer("train.adam_every=2")
+    assert "optimizer: normuon lr 0.02 (adamw lr 0.001 every 2 steps for the rest), " in optimizer(
+        "train.optimizer=normuon", "train.adam_every=2")
+
+
 def test_redirected_run_prints_plain_lines_and_records_tensorboard_and_versions(tmp_path, capsys):
     result = train(tiny(), tmp_path / "run")                  # progress=True, but stdout is not a terminal
     out = capsys.readouterr().out

@@ -215,14 +215,15 @@ def _by_variant(results: Comparison, attr: str, unit: str) -> str:
 
 def _optimizer(train: dict) -> str:
     """``adamw lr 0.001``, or ``muon lr 0.02 (x4 on blocks.*.mlp.proj.weight) + adamw lr 0.008 (x75 on
-    value_embeds.*)``: each learning rate with its multipliers by parameter pattern; then the weight decay, with
-    its multipliers, when there is one."""
+    value_embeds.*) every 2 steps``: each learning rate with its multipliers by parameter pattern, AdamW's with its
+    ``train.adam_every`` when above 1; then the weight decay, with its multipliers, when there is one."""
     def setting(text: str, key: str, multipliers: str) -> str:
         muls = ", ".join(f"x{m:g} on {pattern}" for pattern, m in (train.get(multipliers) or {}).items())
         return f"{text} {train.get(key)}" + (f" ({muls})" if muls else "")
     muon = train.get("optimizer") in ("muon", "normuon")
     adam = "adamw" if muon else train.get("optimizer")
-    adamw = setting(f"{adam} lr", "lr", "adam_lr_mul")
+    every = train.get("adam_every") or 1          # absent in results written before it was kept
+    adamw = setting(f"{adam} lr", "lr", "adam_lr_mul") + (f" every {every} steps" if every > 1 else "")
     text = f"{setting(train['optimizer'] + ' lr', 'muon_lr', 'muon_lr_mul')} + {adamw}" if muon else adamw
     decays = [setting(adam, "weight_decay", "weight_decay_mul")] if train.get("weight_decay") else []
     if muon and train.get("muon_weight_decay"):

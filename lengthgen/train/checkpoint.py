@@ -8,6 +8,8 @@ A run folder::
     checkpoints/step_000000N/
         model.safetensors  weights (shared/tied tensors stored once: safetensors.torch.save_model)
         bema.safetensors   BEMA state (theta0.*, ema.*, bema.*), when BEMA is on
+        adamw_grads.safetensors  AdamW's parameters' gradients summed since its last step, by name, when the
+                           step falls between two of its steps (train.adam_every > 1)
         optimizer.pt       optimizer states (torch.save)
         state.json         config, step, RNG states (torch, CUDA, data seed scheme), loss history, tokens, ranks
         digests.json       each file's digest, checked when it is read
@@ -48,6 +50,8 @@ from lengthgen.train.config import RunConfig
 LATEST = "latest.json"
 #: a checkpoint's record of each of its files' digest, written last (`file_digest`)
 DIGESTS = "digests.json"
+#: AdamW's gradients summed since its last step, in a checkpoint between two of its steps (`load_pending_grads`)
+PENDING_GRADS = "adamw_grads.safetensors"
 CHECKPOINTS = "checkpoints"
 #: the name of a complete checkpoint folder (``step_N.tmp-*`` is one being written)
 COMPLETE = re.compile(r"step_\d+")
@@ -94,9 +98,10 @@ def checkpoint_name(step: int) -> str:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_states: list[dict[str, Any]],
                     state: dict[str, Any], bema_tensors: dict[str, torch.Tensor] | None = None,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, pending_grads: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint ``step`` atomically, point ``latest.json`` at it, keep the newest ``keep``.
-    ``optimizer_states``: each optimizer's ``state_dict()``."""
+    ``optimizer_states``: each optimizer's ``state_dict()``; ``pending_grads``: AdamW's summed gradients between
+    two of its steps (``train.adam_every``), None when none are pending."""
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
@@ -108,6 +113,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_
         if bema_tensors:
             atomic_write(tmp_dir / "bema.safetensors",
                          lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in bema_tensors.items()}, p))
+        if pending_grads is not None:
+            atomic_write(tmp_dir / PENDING_GRADS,
+                         lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in pending_grads.items()}, p))
         atomic_write(tmp_dir / "optimizer.pt",
                      lambda p: torch.save({"optimizers": optimizer_states}, p))
         atomic_write_text(tmp_dir / "state.json", json.dumps({"step": step, **state}))
@@ -228,6 +236,16 @@ def load_bema_tensors(ckpt: Path, meta: dict[str, Any] | None, device: str | tor
         raise CheckpointError(f"{path} is unreadable (missing: BEMA had started, step {meta['step']} >= tau "
                               f"{meta['tau']})")
     return None
+
+
+def load_pending_grads(ckpt: Path, pending: bool, device: str | torch.device = "cpu"
+                       ) -> dict[str, torch.Tensor] | None:
+    """AdamW's parameters' gradients summed since its last step (by name) when the checkpoint's step falls between
+    two AdamW steps (``pending``: step % train.adam_every != 0), else None. Then a missing file is a
+    `CheckpointError` (resuming without them would drop those steps' gradients from AdamW's next update)."""
+    if not pending:
+        return None
+    return load_tensors(ckpt, PENDING_GRADS, device)
 
 
 def read_optimizers(ckpt: Path, device: str | torch.device = "cpu") -> list[dict[str, Any]]:

@@ -99,7 +99,12 @@ class TrainConfig:
                                                         "parameters (modded-nanogpt's per-group betas); later "
                                                         "patterns win", ge=0, lt=1)
     qk_clip: float | None = option(None, "QK-clip threshold tau (Kimi K2); none disables", gt=0)
-    grad_clip: float = option(1.0, "max global grad norm; 0 disables", ge=0)
+    adam_every: int = option(1, "AdamW (the only optimizer with adamw or adamw_palm; with muon or normuon, the one "
+                             "for the rest) steps where (step + 1) % adam_every == 0, on its parameters' gradients "
+                             "summed since its last step (not zeroed in between); Muon steps every step (seed 000's "
+                             "DistAdam: 2, odd steps)", ge=1)
+    grad_clip: float = option(1.0, "max global grad norm; 0 disables (it sees the gradients the step's optimizers "
+                              "step on: with adam_every > 1, AdamW's summed ones at its steps only)", ge=0)
     grad_accum: int = option(1, "micro-batches per step", ge=1)
     batch_size: int = option(32, "sequences per step at data.length (when tokens_per_step is none)", ge=1,
                             le=MAX_SIZE)
@@ -151,9 +156,9 @@ class TrainConfig:
 
     def unused(self) -> list[str]:
         """What this valid config asks for but a run of it never reaches: stages that start at or after the last
-        step, a warmup longer than the run, a Muon momentum schedule without Muon, weight decay multipliers without
-        weight decay, a BEMA burn-in as long as the run (one message each; ``train`` and ``compare`` warn with
-        them)."""
+        step, a warmup longer than the run, an AdamW that never steps (``adam_every`` > ``steps``), a Muon momentum
+        schedule without Muon, weight decay multipliers without weight decay, a BEMA burn-in as long as the run
+        (one message each; ``train`` and ``compare`` warn with them)."""
         notes = []
         late = [list(stage) for stage in self.stages if stage[0] >= self.steps]
         if late:
@@ -162,6 +167,9 @@ class TrainConfig:
         if self.warmup_steps > self.steps:
             notes.append(f"train.warmup_steps={self.warmup_steps} > train.steps={self.steps}: the learning rate "
                          f"only reaches {self.steps / self.warmup_steps:.2g} x train.lr")
+        if self.adam_every > self.steps:
+            notes.append(f"train.adam_every={self.adam_every} > train.steps={self.steps}: AdamW never steps (it steps "
+                         "where (step + 1) % adam_every == 0)")
         scheduled = [f"train.{k}={getattr(self, k)}" for k in ("muon_momentum_warmup", "muon_momentum_cooldown")
                      if getattr(self, k)]
         if scheduled and self.optimizer not in ("muon", "normuon"):

@@ -177,6 +177,21 @@ def gradient_sync(module: nn.Module | None, enabled: bool) -> Iterator[None]:
             yield
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``: collective (every rank calls it) for a tensor FSDP2 shards (a DTensor), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (e.g. a gradient from a checkpoint) split across ranks as ``param`` is when FSDP2 shards it (a
+    DTensor; collective), else ``full`` itself; the inverse of `full_tensor`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    return distribute_tensor(full, param.device_mesh, param.placements) if isinstance(param, DTensor) else full
+
+
 def _options(**kwargs: Any):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -303,5 +318,5 @@ def cleanup() -> None:
 
 
 __all__ = ["TIMEOUT", "active", "all_reduce_max", "all_reduce_mean", "barrier", "check_same", "cleanup", "env_world",
-           "gather_full", "gradient_sync", "is_sharded", "leave_report", "linger", "load_full", "lost_peer", "on_main",
-           "parallelize", "reported_by_rank0", "setup"]
+           "full_tensor", "gather_full", "gradient_sync", "is_sharded", "leave_report", "linger", "load_full",
+           "lost_peer", "on_main", "parallelize", "reported_by_rank0", "setup", "shard_like"]

@@ -88,8 +88,9 @@ def run_header(cfg: RunConfig, run_dir: Path, *, parameters: int, dtype: str, wo
     stages = "; stages " + ", ".join(f"{length} from step {s}" for s, length in t.stages) if t.stages else ""
     evals = ("evaluated at " + ", ".join(map(str, t.eval_lengths or [d.length]))) if t.eval_batches else \
         "no evaluation while training"
-    optimizer = f"{t.optimizer} lr {t.muon_lr:g} (adamw lr {t.lr:g} for the rest)" \
-        if t.optimizer in ("muon", "normuon") else f"{t.optimizer} lr {t.lr:g}"
+    every = f" every {t.adam_every} steps" if t.adam_every > 1 else ""
+    optimizer = f"{t.optimizer} lr {t.muon_lr:g} (adamw lr {t.lr:g}{every} for the rest)" \
+        if t.optimizer in ("muon", "normuon") else f"{t.optimizer} lr {t.lr:g}{every}"
     resumed = f"; resuming at step {start}" if start else ""
     ranks = f" x {world} ranks" if world > 1 else ""
     commit = f" (git {provenance.git_commit[:10]})" if provenance.git_commit else ""

@@ -4,10 +4,14 @@ One step (`Trainer._train_step`): draw the step's batch from a generator seeded 
 length (``batch = tokens_per_step // length``; with ``train.restart_at_stages`` a new stage starts with fresh
 optimizers and a new warmup), forward/backward it in ``grad_accum`` micro-batches under the
 run's autocast, stop on a non-finite loss, clip the gradient norm, set the scheduled learning rate, step AdamW
-(and Muon), apply QK-clip, update BEMA; `fit` then logs, checkpoints and evaluates (in that order: an evaluation
-that fails or is interrupted loses no step, and the resumed run evaluates that step first). On CPU a resumed run
-reproduces the losses of an uninterrupted run exactly (with the same ``train.threads`` and number of ranks: another
-count sums in another order; with batch norm or dropout, per rank, another number of ranks changes the steps: it warns).
+(and Muon), apply QK-clip, update BEMA. With ``train.adam_every`` > 1 AdamW steps only where (step + 1) %
+adam_every == 0 (seed 000's DistAdam: odd steps), on its parameters' gradients summed since its last step: they
+are not zeroed in between, the clip sees them at AdamW's steps only, a checkpoint between two AdamW steps keeps
+them, and a restart at a stage hands them to the fresh AdamW. `fit` then logs, checkpoints and evaluates (in that
+order: an evaluation that fails or is interrupted loses no step, and the resumed run evaluates that step first).
+On CPU a resumed run reproduces the losses of an uninterrupted run exactly (with the same ``train.threads`` and
+number of ranks: another count sums in another order; with batch norm or dropout, per rank, another number of ranks
+changes the steps: it warns).
 
 `Trainer.evaluate` is `lengthgen.eval.evaluate` under the training device and autocast: every
 ``train.eval_every`` steps and at the end it logs the mean loss and metrics at each eval length; when
@@ -218,14 +222,15 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):      # building the copy must not move the run's RNG
             full = GPT(self.config.model)
         ckpt_io.load_weights(full, ckpt)
+        pending = state["step"] % self.config.train.adam_every != 0
         self._read = (state, full.state_dict(), ckpt_io.read_optimizers(ckpt),
-                      ckpt_io.load_bema_tensors(ckpt, state.get("bema")))
+                      ckpt_io.load_bema_tensors(ckpt, state.get("bema")), ckpt_io.load_pending_grads(ckpt, pending))
         return state["step"]
 
     def _restore(self, ckpt: Path) -> None:
         """Every rank: the checkpoint read by `_read_checkpoint` becomes the run's weights (sharded with FSDP2),
         optimizer and BEMA states, step, history and RNG state."""
-        state, weights, optimizer_states, bema_tensors = self._read
+        state, weights, optimizer_states, bema_tensors, pending_grads = self._read
         self._read = None
         note = world_change_note(self.config, state.get("world"), self.world)
         if note is not None and self.is_main and state["step"] < self.config.train.steps:    # steps left to train
@@ -236,6 +241,9 @@ class Trainer:
             self.model.load_state_dict(weights)
             for opt, opt_state in zip(self.optimizers, optimizer_states, strict=True):
                 opt.load_state_dict(opt_state)
+        params = dict(self.model.named_parameters())
+        for name, grad in (pending_grads or {}).items():      # AdamW's, summed since its last step
+            params[name].grad = distributed.shard_like(params[name], grad.to(self.device))
         if self.bema is not None:     # no tensors: BEMA had not started (step < tau)
             self.bema.load({k: v.to(self.device) for k, v in (bema_tensors or {}).items()},
                            state.get("bema", {"step": state["step"]}))
@@ -253,18 +261,20 @@ class Trainer:
         the others wait until it is on disk and return None)."""
         model, optimizer_states = self.model, None
         self.train_seconds = self.seconds_trained()
+        pending_grads = self._pending_grads()
         if distributed.is_sharded(self.model):
             model, optimizer_states = distributed.gather_full(self.model, self.optimizers,
                                                               lambda: GPT(self.config.model))
         if self.is_main:
             if optimizer_states is None:
                 optimizer_states = [o.state_dict() for o in self.optimizers]
-            self.last_checkpoint = self._write_checkpoint(model, optimizer_states)
+            self.last_checkpoint = self._write_checkpoint(model, optimizer_states, pending_grads)
         self._saved_step = self.step
         distributed.barrier()           # no rank goes on (and perhaps resumes) before the checkpoint is complete
         return self.last_checkpoint if self.is_main else None
 
-    def _write_checkpoint(self, model: nn.Module, optimizer_states: list[dict[str, Any]]) -> Path:
+    def _write_checkpoint(self, model: nn.Module, optimizer_states: list[dict[str, Any]],
+                          pending_grads: dict[str, torch.Tensor] | None) -> Path:
         state = {
             "config": self.config.to_dict(),
             "rng": ckpt_io.rng_state(),
@@ -283,7 +293,16 @@ class Trainer:
             state["bema"] = self.bema.meta()
             bema_tensors = self.bema.tensors() or None
         return ckpt_io.save_checkpoint(self.run_dir, self.step, model, optimizer_states, state, bema_tensors,
-                                       keep=self.config.train.keep_checkpoints)
+                                       keep=self.config.train.keep_checkpoints, pending_grads=pending_grads)
+
+    def _pending_grads(self) -> dict[str, torch.Tensor] | None:
+        """Collective under FSDP2 (whole tensors): AdamW's parameters' gradients summed since its last step, by
+        name, when the run stands between two AdamW steps (``train.adam_every``), else None."""
+        if self.step % self.config.train.adam_every == 0:
+            return None
+        waiting = self._waiting(self.step - 1)
+        return {name: distributed.full_tensor(p.grad).detach() for name, p in self.model.named_parameters()
+                if id(p) in waiting and p.grad is not None}
 
     def seconds_trained(self) -> float | None:
         """Seconds in the training loop (steps, periodic evaluations, checkpoints) over every session of this run up
@@ -407,15 +426,31 @@ class Trainer:
                    and all(row.batch_size == sequences(tokens, row.length) for row in run.lengths) for run in stored)
 
     # -- the loop ------------------------------------------------------------------------------------
-    def _forward_backward(self, parts: list[tuple[Batch, float]]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """Accumulate the gradient of the batch's mean loss over its micro-batches ``parts`` (on the device), each
-        with its weight in that mean (`_micro_batches`); DDP / FSDP2 synchronize once, in the last one's backward.
+    def _stepping(self, step: int) -> list[torch.optim.Optimizer]:
+        """The optimizers that step at ``step``: Muon every step, AdamW where (step + 1) % ``train.adam_every`` == 0
+        (seed 000's DistAdam, `odd_step_only`: steps 1, 3, 5, ...)."""
+        every = self.config.train.adam_every
+        return [opt for opt in self.optimizers if isinstance(opt, torch.optim.Muon) or (step + 1) % every == 0]
+
+    def _waiting(self, step: int) -> set[int]:
+        """The ids of the parameters whose optimizer does not step at ``step``: their gradients are kept and summed
+        with the next steps' (seed 000 zeroes only Muon's gradients on those steps)."""
+        stepping = self._stepping(step)
+        return {id(p) for opt in self.optimizers if opt not in stepping for group in opt.param_groups
+                for p in group["params"]}
+
+    def _forward_backward(self, parts: list[tuple[Batch, float]], step: int
+                          ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Accumulate the gradient of step ``step``'s mean loss over its micro-batches ``parts`` (on the device), each
+        with its weight in that mean (`_micro_batches`), onto zeroed gradients but those of the optimizers that did
+        not step at ``step - 1`` (`_waiting`); DDP / FSDP2 synchronize once, in the last one's backward (the
+        summed gradients of AdamW's parameters, already synchronized, plus the step's: synchronized sums).
         Returns the loss, averaged over ranks, on the device (read after the optimizer step: reading it waits for
         the GPU), and with QK-clip each layer's max logits over every micro-batch (as one full-batch forward would
         see them)."""
         tc = self.config.train
         self.model.train()
-        for opt in self.optimizers:
+        for opt in self._stepping(step - 1):
             opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         maxima = None
@@ -461,13 +496,15 @@ class Trainer:
         set_muon_momentum(self.optimizers, momentum_at(step, total=tc.steps, peak=tc.muon_momentum,
                                                        low=tc.muon_momentum_min, warmup=tc.muon_momentum_warmup,
                                                        cooldown=tc.muon_momentum_cooldown))
-        loss, max_logits = self._forward_backward(parts)
+        loss, max_logits = self._forward_backward(parts, step)
         entry: dict[str, Any] = {}
         grad_norm = None
-        if tc.grad_clip > 0:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        for opt in self.optimizers:
+        if tc.grad_clip > 0:        # the gradients stepped on now: not AdamW's summed ones between its steps
+            waiting = self._waiting(step)
+            params = [p for p in self.model.parameters() if p.grad is not None and id(p) not in waiting]
+            if params:              # none: adamw alone, between its steps
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        for opt in self._stepping(step):
             opt.step()
         # read after the step, whose kernels are queued by then (reading waits for the GPU); a non-finite loss or
         # gradient has spoiled only the weights in memory, never a checkpoint
