@@ -3,11 +3,11 @@ hold full weights that load anywhere and resume exactly.
 
 The test launches this file with ``torchrun --standalone --nproc_per_node=2``; run as a script, it trains
 run A (AdamW, 2 micro-batches per rank: the path that skips gradient sync) for 3 steps, then resumes it to 5
-from its checkpoint (run P, seed 001's PaLMAdamW, likewise), and runs M (Muon on the hidden weights) and N (NorMuon, cautious weight decay) straight
-through. AdamW on shards is exact to float32 rounding; Muon's Newton-Schulz iteration runs in bfloat16
-(torch.optim.Muon), and a sharded matrix product sums in another order, which moves its update by about
-bfloat16's precision (measured: 3% of the update's norm, as far as either is from the float64 iteration), so
-runs M and N are compared more loosely.
+from its checkpoint (run P, seed 001's PaLMAdamW, likewise), and runs M (Muon on the hidden weights) and N
+(NorMuon, cautious weight decay) straight through. AdamW on shards is exact to float32 rounding; Muon's
+Newton-Schulz iteration runs in bfloat16 (torch.optim.Muon), and a sharded matrix product sums in another order,
+which moves its update by about bfloat16's precision (measured: 3% of the update's norm, as far as either is from
+the float64 iteration), so runs M and N are compared more loosely.
 """
 
 from __future__ import annotations
