@@ -279,8 +279,6 @@ def theory_command(args: argparse.Namespace) -> int:
     from lengthgen.experiments.theory import main_theory
     from lengthgen.train.run_folder import check_outputs, lock
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise CommandError(f"--out {args.out} is a file; give a folder")
     check_outputs(args.out, ["theory.json", "theory.png"])
     with lock(args.out):            # one writer per folder: not into a run that is training
         main_theory(args.out)
