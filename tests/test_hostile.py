@@ -2049,6 +2049,26 @@ def test_theory_writes_only_into_a_folder_it_holds(tmp_path, capsys):
     assert not any(theory.iterdir()) or [p.name for p in theory.iterdir()] == [".lengthgen.lock"]
 
 
+def test_theory_and_report_keep_out_of_each_others_folders(tmp_path, capsys, stopped, two_compares):
+    """theory --out a comparison (or a run) wrote theory.png there, and report of the comparison then listed it
+    as its own plot; report --out a theory folder did the same."""
+    merged = tmp_path / "merged"
+    assert cli(capsys, "report", *two_compares[:2], "--out", merged)[0] == 0
+    for folder, held in ((two_compares[0], "runs, results.json"), (stopped[0], "checkpoints, config.json"),
+                         (merged, "results.json")):
+        before = files(folder)
+        code, err = cli(capsys, "theory", "--out", folder)
+        assert code == 2 and err.endswith(f"--out {folder} holds another experiment ({held}); give theory a folder "
+                                          "of its own")
+        assert files(folder) == before
+    theory = tmp_path / "theory"
+    theory.mkdir()
+    (theory / "theory.json").write_text("{}")
+    code, err = cli(capsys, "report", two_compares[0], "--out", theory)
+    assert code == 2 and "holds lengthgen theory's output (theory.json), whose theory.png the report" in err
+    assert [p.name for p in theory.iterdir()] == ["theory.json"]
+
+
 def test_eval_and_report_on_the_wrong_kind_of_folder_say_what_it_is(tmp_path, capsys, stopped):
     """eval of a comparison said only "no checkpoint"; report of a training run only "no results file"."""
     comparison = tmp_path / "cmp"

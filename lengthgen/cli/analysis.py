@@ -53,6 +53,9 @@ def report_command(args: argparse.Namespace) -> int:
     if runs and out.resolve() != paths[0].parent.resolve():
         raise CommandError(f"--out {out} holds another experiment ({', '.join(runs)}), whose results.json and "
                            "report this would replace; give a folder of its own")
+    if (out / "theory.json").exists() and out.resolve() != paths[0].parent.resolve():
+        raise CommandError(f"--out {out} holds lengthgen theory's output (theory.json), whose theory.png the report "
+                           "would list as its own plot; give a folder of its own")
     merged = _current_keys(Comparison.load(paths[0]))
     for path in paths[1:]:
         merged.merge(_current_keys(Comparison.load(path)), str(path))
@@ -277,8 +280,14 @@ def theory_command(args: argparse.Namespace) -> int:
     """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.json
     and theory.png."""
     from lengthgen.experiments.theory import main_theory
-    from lengthgen.train.run_folder import check_outputs, lock
+    from lengthgen.train.run_folder import check_outputs, kinds_held, lock, results_file
 
+    out = Path(args.out)
+    held = [name for found in kinds_held(out).values() for name in found]
+    held += ["results.json"] if results_file(out / "results.json") == "comparison" else []
+    if held:                # a report there would list theory.png as its own plot
+        raise CommandError(f"--out {out} holds another experiment ({', '.join(held)}); give theory a folder of "
+                           "its own")
     check_outputs(args.out, ["theory.json", "theory.png"])
     with lock(args.out):            # one writer per folder: not into a run that is training
         main_theory(args.out)
