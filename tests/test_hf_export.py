@@ -216,6 +216,22 @@ def test_a_killed_exports_temporary_folder_goes_with_the_next_export(tmp_path):
     assert sorted(p.name for p in tmp_path.glob(".*")) == sorted(p.name for p in (live, other, foreign))
 
 
+def test_export_and_eval_hf_print_their_own_lines_without_transformers_bars(tmp_path, capsys):
+    """export printed transformers' "Writing model shards" bar and eval --hf its "Loading weights" bar; the CLI
+    turns them off inside those commands only: a library caller's transformers keeps its bars."""
+    from transformers.utils import logging
+
+    run = written_run(tmp_path / "run", {"vocab_size": 259})            # the byte tokenizer's ids
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["eval", "--hf", str(tmp_path / "hf"), "--tokenizer", "byte", "--lengths", "16", "--tokens",
+                 "32"]) == 0
+    err = capsys.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err
+    assert logging.is_progress_bar_enabled()
+    lhf.export_run(run, tmp_path / "hf2")
+    assert "Writing model shards" in capsys.readouterr().err
+
+
 def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"<s>": 0, **{c: i + 1 for i, c in enumerate("abc ")}, "<unk>": 5}

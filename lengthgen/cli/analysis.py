@@ -9,8 +9,8 @@ import os
 import re
 from pathlib import Path
 
-from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, non_negative_float,
-                                  positive_int, report_written, seed_int, writing)
+from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, no_transformers_bars,
+                                  non_negative_float, positive_int, report_written, seed_int, writing)
 
 HF_TOKENIZER_HELP = "with --hf: byte, gpt2, tiktoken:ENCODING or hf:PATH (default: the folder's tokenizer.json)"
 
@@ -141,8 +141,9 @@ def eval_command(args: argparse.Namespace) -> int:
         if args.hf:
             from lengthgen.hf import evaluate_hf
 
-            result = evaluate_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 1024],
-                                 tokens=args.tokens, tokenizer=args.tokenizer)
+            with no_transformers_bars():
+                result = evaluate_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 1024],
+                                     tokens=args.tokens, tokenizer=args.tokenizer)
             train_length = None
         else:
             from lengthgen.experiments.eval_run import eval_run
@@ -214,9 +215,11 @@ def needle_command(args: argparse.Namespace) -> int:
         if args.hf:
             from lengthgen.hf import needle_hf
 
-            result = needle_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 512, 1024, 2048],
-                               depths=args.depths, needles=args.needles, samples=args.samples,
-                               tokenizer=args.tokenizer, train_length=args.train_length, progress=progress)
+            with no_transformers_bars():
+                result = needle_hf(args.hf, corpus=args.corpus or "stdlib",
+                                   lengths=args.lengths or [256, 512, 1024, 2048], depths=args.depths,
+                                   needles=args.needles, samples=args.samples, tokenizer=args.tokenizer,
+                                   train_length=args.train_length, progress=progress)
         else:
             from lengthgen.experiments.needle import needle_run
 
@@ -242,7 +245,9 @@ def export_command(args: argparse.Namespace) -> int:
     """Write a trained run as a Hugging Face model folder (lengthgen.hf.from_pretrained or AutoModelForCausalLM)."""
     from lengthgen.hf import export_run
 
-    for line in export_run(args.run, args.out, bema=args.bema):
+    with no_transformers_bars():
+        lines = export_run(args.run, args.out, bema=args.bema)
+    for line in lines:
         print(line)
     return 0
 

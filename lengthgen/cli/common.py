@@ -161,6 +161,25 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 0,0.5,1") from None
 
 
+@contextlib.contextmanager
+def no_transformers_bars():
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off while a command that prints
+    its own lines loads or saves a model (export, eval --hf, needle --hf); as they were after it. Nothing where
+    transformers is not installed (the command names the missing package)."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        logging = None
+    shown = logging is not None and logging.is_progress_bar_enabled()
+    if shown:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
 def report_written(out: Path, extra: str = "") -> str:
     """The last line of compare, retrofit and report: the report in ``out``, its plots and its results."""
     plots = ", ".join(sorted(path.name for path in out.glob("*.png")))
