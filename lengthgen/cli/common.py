@@ -194,12 +194,12 @@ def check_writable(path: Path, folder: bool = False) -> None:
         raise CommandError(f"--out {path} is a file; give a folder")
     _refuse_under_file(path)
     base = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    folder = base if base.is_dir() else base.parent
+    nearest = base if base.is_dir() else base.parent
     try:
-        with tempfile.TemporaryFile(dir=folder):
+        with tempfile.TemporaryFile(dir=nearest):
             pass
     except OSError as err:
-        raise CommandError(f"--out {path}: nothing can be written in {folder} "
+        raise CommandError(f"--out {path}: nothing can be written in {nearest} "
                            f"({(err.strerror or str(err)).lower()}); choose another path") from None
 
 

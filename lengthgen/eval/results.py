@@ -255,9 +255,9 @@ class Comparison:
         ``name`` and what differs) when the kind of experiment (a comparison, a retrofit, seed 000's protocol), the
         source, training length, eval lengths, metric or evaluated sequences (their number and kind at each length)
         differ, or when a variant both hold differs in its spec or its runs' configs (apart from ``train.seed``) or
-        repeats a seed. Under seed 000's protocol (``retrofit`` with
-        ``base_runs``) each seed starts from its own pretraining run: its ``train.init_from`` is the seed's too, and
-        the protocol (pretraining and finetuning steps, bases) must match instead."""
+        repeats a seed. Under seed 000's protocol (``retrofit`` with ``base_runs``) each seed starts from its own
+        pretraining run: its ``train.init_from`` is the seed's too, and the protocol (pretraining and finetuning
+        steps, bases) must match instead."""
         if _experiment(other.retrofit) != _experiment(self.retrofit):    # the report tells one protocol's story
             raise ResultsError(f"{name}: holds a {_experiment(other.retrofit)}, here a "
                                f"{_experiment(self.retrofit)}; cannot merge")
