@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -55,8 +57,12 @@ def atomic_write_folder(path: str | Path, write: Callable[[Path], None]) -> Path
     if path.is_symlink():
         path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_folders(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    held = os.open(tmp, os.O_RDONLY)
     try:
+        with contextlib.suppress(OSError):      # held while written: no later write of ``path`` removes it
+            fcntl.flock(held, fcntl.LOCK_EX)
         write(tmp)
         for file in tmp.rglob("*"):
             if file.is_file():
@@ -71,8 +77,36 @@ def atomic_write_folder(path: str | Path, write: Callable[[Path], None]) -> Path
             raise FileExistsError(f"{path} is not empty") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(held)
     fsync(path.parent)
     return path
+
+
+def temporary(name: str = ".+") -> re.Pattern:
+    """The name of an atomic write's temporary of a file or folder whose name matches ``name`` (a regex; default:
+    any): tempfile's ``.NAME.``, 8 random characters, ``.tmp``."""
+    return re.compile(rf"\.{name}\.[a-z0-9_]{{8}}\.tmp")
+
+
+def _remove_stale_folders(path: Path) -> None:
+    """Delete the temporary folders that killed `atomic_write_folder` calls of ``path`` left beside it: those of
+    its name (`temporary`) that no live writer holds locked; anything else stays."""
+    ours = temporary(re.escape(path.name))
+    for tmp in path.parent.glob(".*.tmp"):
+        if not ours.fullmatch(tmp.name) or tmp.is_symlink() or not tmp.is_dir():
+            continue
+        try:
+            fd = os.open(tmp, os.O_RDONLY)
+        except OSError:                 # gone meanwhile, or not ours to read
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:                 # a live writer's (or a file system without locks: cannot tell)
+            continue
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _creation_mode(base: int = 0o666) -> int:

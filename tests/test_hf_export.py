@@ -179,6 +179,59 @@ def test_export_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
         {f.name: 0o666 & ~umask for f in (tmp_path / "empty").iterdir()}
 
 
+def test_a_killed_exports_temporary_folder_goes_with_the_next_export(tmp_path):
+    """A SIGKILL during export left its hidden .hf.XXXXXXXX.tmp folder beside --out for good. The next export of
+    that folder removes it: only its own name's temporaries, and not one a live export still writes (locked)."""
+    import fcntl
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run, out = written_run(tmp_path / "run", {}), tmp_path / "hf"
+    kill = ("import os, signal, lengthgen.atomic as atomic\nreplace = os.replace\n"
+            "def killing(src, dst, *args, **kwargs):\n"
+            f"    if str(dst) == {str(out)!r}:\n"
+            "        os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    return replace(src, dst, *args, **kwargs)\n"
+            "atomic.os.replace = killing\n"
+            "from lengthgen.cli import main\nmain()")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    killed = subprocess.run([sys.executable, "-c", kill, "export", str(run), "--out", str(out)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    [stale] = tmp_path.glob(".hf.*.tmp")
+    assert (stale / "model.safetensors").is_file()
+    live, other, foreign = tmp_path / ".hf.live0000.tmp", tmp_path / ".hf2.dead0000.tmp", tmp_path / ".hf.mine.tmp"
+    for folder in (live, other, foreign):
+        folder.mkdir()
+    held = os.open(live, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)             # an export writing it now
+        assert main(["export", str(run), "--out", str(out)]) == 0
+    finally:
+        os.close(held)
+    assert (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.glob(".*")) == sorted(p.name for p in (live, other, foreign))
+
+
+def test_export_and_eval_hf_print_their_own_lines_without_transformers_bars(tmp_path, capsys):
+    """export printed transformers' "Writing model shards" bar and eval --hf its "Loading weights" bar; the CLI
+    turns them off inside those commands only: a library caller's transformers keeps its bars."""
+    from transformers.utils import logging
+
+    run = written_run(tmp_path / "run", {"vocab_size": 259})            # the byte tokenizer's ids
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["eval", "--hf", str(tmp_path / "hf"), "--tokenizer", "byte", "--lengths", "16", "--tokens",
+                 "32"]) == 0
+    err = capsys.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err
+    assert logging.is_progress_bar_enabled()
+    lhf.export_run(run, tmp_path / "hf2")
+    assert "Writing model shards" in capsys.readouterr().err
+
+
 def test_export_saves_an_hf_tokenizer_and_says_why_not_for_tiktoken(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {"<s>": 0, **{c: i + 1 for i, c in enumerate("abc ")}, "<unk>": 5}

@@ -1340,12 +1340,22 @@ def test_config_show_of_a_folder_of_another_kind_names_it(tmp_path, capsys, stop
     assert code == 2 and "is a Hugging Face model's config (model_type lengthgen)" in err
 
 
-def test_out_that_is_a_file_or_under_one(tmp_path, capsys):
+@pytest.mark.parametrize("command", [["train"], ["compare"], ["retrofit", "run", "--steps", "1"], ["needle", "run"],
+                                     ["export", "run"], ["report", "a"], ["report", "a", "b"], ["theory"]])
+def test_out_that_is_a_file_or_under_one(tmp_path, capsys, command):
+    """compare, train, retrofit, needle and report said only 'FILE: file exists' (or 'not a directory'), without
+    naming --out, where theory named it."""
     (tmp_path / "f").write_text("keep")
-    for out, says in ((tmp_path / "f", "file exists"), (tmp_path / "f" / "sub", "not a directory")):
-        code, err = cli(capsys, "train", *sets(), "--out", out)
-        assert code == 2 and err.endswith(f"{out}: {says}")
+    for out, says in ((tmp_path / "f", f"--out {tmp_path / 'f'} is a file; give a folder"),
+                      (tmp_path / "f" / "sub", f"--out {tmp_path / 'f' / 'sub'}: {tmp_path / 'f'} is a file, not a "
+                                                "folder")):
+        code, err = cli(capsys, *command, "--out", out)
+        assert code == 2 and err.endswith(says)
     assert (tmp_path / "f").read_text() == "keep"
+
+
+def test_a_file_out_under_a_file_is_refused_before_the_work(tmp_path, capsys):
+    (tmp_path / "f").write_text("keep")
     # bench and eval write one file: a file in its path was found only after the benchmark had run
     for command in (["bench", "attention", "--device", "cpu", "--lengths", "16", "--head-dims", "8",
                      "--variants", "baseline", "--backends", "dense", "--time-budget", "0.001"], ["eval", "run"]):
@@ -1874,12 +1884,6 @@ def test_a_repeated_variant_or_an_empty_wandb_project_is_an_error(tmp_path, caps
     assert code == 2 and message in err and not (tmp_path / "out").exists()
 
 
-def test_export_to_a_file_says_it_is_a_file(tmp_path, capsys, stopped):
-    (tmp_path / "model").write_text("")
-    code, err = cli(capsys, "export", stopped[0], "--out", tmp_path / "model")
-    assert code == 2 and f"export folder {tmp_path / 'model'} is a file: choose a new folder" in err
-
-
 @pytest.mark.parametrize("args, message", [
     (["train", "--steps", "3"], "lengthgen train: error: unrecognized arguments: --steps 3; config keys are set with "
                                 "--set KEY=VALUE"),
@@ -2043,6 +2047,26 @@ def test_theory_writes_only_into_a_folder_it_holds(tmp_path, capsys):
         (theory / name).write_text("{}")
     check_fresh(theory, overwrite=True)              # lengthgen's own files: --overwrite may delete them
     assert not any(theory.iterdir()) or [p.name for p in theory.iterdir()] == [".lengthgen.lock"]
+
+
+def test_theory_and_report_keep_out_of_each_others_folders(tmp_path, capsys, stopped, two_compares):
+    """theory --out a comparison (or a run) wrote theory.png there, and report of the comparison then listed it
+    as its own plot; report --out a theory folder did the same."""
+    merged = tmp_path / "merged"
+    assert cli(capsys, "report", *two_compares[:2], "--out", merged)[0] == 0
+    for folder, held in ((two_compares[0], "runs, results.json"), (stopped[0], "checkpoints, config.json"),
+                         (merged, "results.json")):
+        before = files(folder)
+        code, err = cli(capsys, "theory", "--out", folder)
+        assert code == 2 and err.endswith(f"--out {folder} holds another experiment ({held}); give theory a folder "
+                                          "of its own")
+        assert files(folder) == before
+    theory = tmp_path / "theory"
+    theory.mkdir()
+    (theory / "theory.json").write_text("{}")
+    code, err = cli(capsys, "report", two_compares[0], "--out", theory)
+    assert code == 2 and "holds lengthgen theory's output (theory.json), whose theory.png the report" in err
+    assert [p.name for p in theory.iterdir()] == ["theory.json"]
 
 
 def test_eval_and_report_on_the_wrong_kind_of_folder_say_what_it_is(tmp_path, capsys, stopped):

@@ -143,3 +143,19 @@ def test_merge_takes_more_seeds_of_seed_000s_retrofit_protocol():
         run.seed, run.config = run.seed + 2, {"train": {"seed": run.seed + 2, "init_from": "/ckpt"}}
     with pytest.raises(ResultsError, match="train.init_from"):
         plain.merge(other)
+
+
+def test_merge_refuses_another_kind_of_experiment():
+    """A retrofit's results merged into a comparison (or one of seed 000's protocol into either): the report told
+    the first one's story (title, protocol, 'Training' line) about every run, e.g. a finetuned 'after' as if trained
+    1 step from scratch."""
+    retrofit = {"checkpoint": "run/checkpoints/step_2", "overrides": ["model.attention.out_norm=head_layer"],
+                "steps": 1, "added_parameters": []}
+    kinds = {"comparison": _comparison(), "retrofit": dataclasses.replace(_comparison(), retrofit=retrofit),
+             "comparison finetuned from pretrained bases": _retrofit_protocol("/a", [0])}
+    for kind, results in kinds.items():
+        for other_kind, other in kinds.items():
+            if kind != other_kind:
+                other = dataclasses.replace(other, variants={"other": other.variants["baseline"]})
+                with pytest.raises(ResultsError, match=f"x: holds a {other_kind}, here a {kind}; cannot merge"):
+                    results.merge(other, "x")

@@ -59,6 +59,10 @@ _NOT_EMPTY = {"out": "a path", "config": "a config file or a name in configs/", 
               "bases": "comma-separated names", "corpus": "a corpus", "tokenizer": "a tokenizer"}
 
 
+#: the commands whose --out is a file (a results JSON); every other command's --out is a folder
+_FILE_OUT = ("eval", "bench")
+
+
 def _again(args: argparse.Namespace) -> str:
     """How the interrupted or failed command goes on (`_AGAIN`); nothing when its --out folder was not made."""
     out = getattr(args, "out", None)
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise CommandError(f"{args.command} runs in one process, not under torchrun (WORLD_SIZE={world}): "
                                    "only train trains across processes; run it without torchrun (WORLD_SIZE unset)")
             if getattr(args, "out", None):      # found now, not when the work is done
-                check_writable(Path(args.out))
+                check_writable(Path(args.out), folder=args.command not in _FILE_OUT)
             return args.handler(args)
         except (CommandError, ConfigError, ResultsError, RunFolderError, CheckpointError, MissingPackageError,
                 FileNotFoundError) as err:

@@ -9,8 +9,8 @@ import os
 import re
 from pathlib import Path
 
-from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, non_negative_float,
-                                  positive_int, report_written, seed_int, writing)
+from lengthgen.cli.common import (CommandError, command, config_file, float_list, int_list, no_transformers_bars,
+                                  non_negative_float, positive_int, report_written, seed_int, writing)
 
 HF_TOKENIZER_HELP = "with --hf: byte, gpt2, tiktoken:ENCODING or hf:PATH (default: the folder's tokenizer.json)"
 
@@ -53,6 +53,9 @@ def report_command(args: argparse.Namespace) -> int:
     if runs and out.resolve() != paths[0].parent.resolve():
         raise CommandError(f"--out {out} holds another experiment ({', '.join(runs)}), whose results.json and "
                            "report this would replace; give a folder of its own")
+    if (out / "theory.json").exists() and out.resolve() != paths[0].parent.resolve():
+        raise CommandError(f"--out {out} holds lengthgen theory's output (theory.json), whose theory.png the report "
+                           "would list as its own plot; give a folder of its own")
     merged = _current_keys(Comparison.load(paths[0]))
     for path in paths[1:]:
         merged.merge(_current_keys(Comparison.load(path)), str(path))
@@ -138,8 +141,9 @@ def eval_command(args: argparse.Namespace) -> int:
         if args.hf:
             from lengthgen.hf import evaluate_hf
 
-            result = evaluate_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 1024],
-                                 tokens=args.tokens, tokenizer=args.tokenizer)
+            with no_transformers_bars():
+                result = evaluate_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 1024],
+                                     tokens=args.tokens, tokenizer=args.tokenizer)
             train_length = None
         else:
             from lengthgen.experiments.eval_run import eval_run
@@ -211,9 +215,11 @@ def needle_command(args: argparse.Namespace) -> int:
         if args.hf:
             from lengthgen.hf import needle_hf
 
-            result = needle_hf(args.hf, corpus=args.corpus or "stdlib", lengths=args.lengths or [256, 512, 1024, 2048],
-                               depths=args.depths, needles=args.needles, samples=args.samples,
-                               tokenizer=args.tokenizer, train_length=args.train_length, progress=progress)
+            with no_transformers_bars():
+                result = needle_hf(args.hf, corpus=args.corpus or "stdlib",
+                                   lengths=args.lengths or [256, 512, 1024, 2048], depths=args.depths,
+                                   needles=args.needles, samples=args.samples, tokenizer=args.tokenizer,
+                                   train_length=args.train_length, progress=progress)
         else:
             from lengthgen.experiments.needle import needle_run
 
@@ -239,7 +245,9 @@ def export_command(args: argparse.Namespace) -> int:
     """Write a trained run as a Hugging Face model folder (lengthgen.hf.from_pretrained or AutoModelForCausalLM)."""
     from lengthgen.hf import export_run
 
-    for line in export_run(args.run, args.out, bema=args.bema):
+    with no_transformers_bars():
+        lines = export_run(args.run, args.out, bema=args.bema)
+    for line in lines:
         print(line)
     return 0
 
@@ -277,10 +285,14 @@ def theory_command(args: argparse.Namespace) -> int:
     """Extreme-value theory of seed 004: Monte Carlo E[1/w_max] vs its limit 1 + 1/(r-1); writes theory.json
     and theory.png."""
     from lengthgen.experiments.theory import main_theory
-    from lengthgen.train.run_folder import check_outputs, lock
+    from lengthgen.train.run_folder import check_outputs, kinds_held, lock, results_file
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise CommandError(f"--out {args.out} is a file; give a folder")
+    out = Path(args.out)
+    held = [name for found in kinds_held(out).values() for name in found]
+    held += ["results.json"] if results_file(out / "results.json") == "comparison" else []
+    if held:                # a report there would list theory.png as its own plot
+        raise CommandError(f"--out {out} holds another experiment ({', '.join(held)}); give theory a folder of "
+                           "its own")
     check_outputs(args.out, ["theory.json", "theory.png"])
     with lock(args.out):            # one writer per folder: not into a run that is training
         main_theory(args.out)

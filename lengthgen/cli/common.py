@@ -161,22 +161,45 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers, e.g. 0,0.5,1") from None
 
 
+@contextlib.contextmanager
+def no_transformers_bars():
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off while a command that prints
+    its own lines loads or saves a model (export, eval --hf, needle --hf); as they were after it. Nothing where
+    transformers is not installed (the command names the missing package)."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        logging = None
+    shown = logging is not None and logging.is_progress_bar_enabled()
+    if shown:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
 def report_written(out: Path, extra: str = "") -> str:
     """The last line of compare, retrofit and report: the report in ``out``, its plots and its results."""
     plots = ", ".join(sorted(path.name for path in out.glob("*.png")))
     return f"report: {out / 'report.md'} (plots {plots}; raw results.json{extra})"
 
 
-def check_writable(path: Path) -> None:
-    """Refuse an --out where nothing can be written (a read-only or forbidden folder) before the work, not
-    after it: a file is created and removed in the nearest existing folder on the way to ``path``."""
+def check_writable(path: Path, folder: bool = False) -> None:
+    """Refuse an --out where nothing can be written before the work, not after it: a file where a ``folder`` is
+    written, a path under a file, or a read-only or forbidden folder (a file is created and removed in the nearest
+    existing folder on the way to ``path``)."""
+    if folder and path.exists() and not path.is_dir():
+        raise CommandError(f"--out {path} is a file; give a folder")
+    _refuse_under_file(path)
     base = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    folder = base if base.is_dir() else base.parent
+    nearest = base if base.is_dir() else base.parent
     try:
-        with tempfile.TemporaryFile(dir=folder):
+        with tempfile.TemporaryFile(dir=nearest):
             pass
     except OSError as err:
-        raise CommandError(f"--out {path}: nothing can be written in {folder} "
+        raise CommandError(f"--out {path}: nothing can be written in {nearest} "
                            f"({(err.strerror or str(err)).lower()}); choose another path") from None
 
 
@@ -189,6 +212,13 @@ def writing(path: Path, source: str | None = None) -> contextlib.AbstractContext
     return lock(path.parent) if (path.parent / LOCK).exists() else contextlib.nullcontext()
 
 
+def _refuse_under_file(path: Path) -> None:
+    """`CommandError` for an --out under a file (found now, not when the work is done)."""
+    under_file = next((f for f in path.parents if f.exists() and not f.is_dir()), None)
+    if under_file is not None:
+        raise CommandError(f"--out {path}: {under_file} is a file, not a folder")
+
+
 def refuse_out(path: Path, source: str | None = None) -> None:
     """`CommandError` for an --out that is a folder, under a file, inside a lengthgen folder's subfolders
     (checkpoints, logs), a run's own file other than its evaluations, or an existing file of any folder but
@@ -197,9 +227,7 @@ def refuse_out(path: Path, source: str | None = None) -> None:
 
     if path.is_dir():
         raise CommandError(f"--out {path} is a folder; give a file path")
-    under_file = next((f for f in path.parents if f.exists() and not f.is_dir()), None)
-    if under_file is not None:           # found now, not when the work is done
-        raise CommandError(f"--out {path}: {under_file} is a file, not a folder")
+    _refuse_under_file(path)
     if not (path.parent / LOCK).exists():
         inside = enclosing_folder(path)
         if inside is not None:          # e.g. a checkpoint's model.safetensors: resuming would find it damaged

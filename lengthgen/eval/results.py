@@ -252,11 +252,15 @@ class Comparison:
 
     def merge(self, other: "Comparison", name: str = "another comparison") -> None:
         """Add ``other``'s runs: new variants, and new seeds of a variant both hold. `ResultsError` (naming
-        ``name`` and what differs) when the source, training length, eval lengths, metric or evaluated sequences
-        (their number and kind at each length) differ, or when a variant both hold differs in its spec or its
-        runs' configs (apart from ``train.seed``) or repeats a seed. Under seed 000's protocol (``retrofit`` with
-        ``base_runs``) each seed starts from its own pretraining run: its ``train.init_from`` is the seed's too, and
-        the protocol (pretraining and finetuning steps, bases) must match instead."""
+        ``name`` and what differs) when the kind of experiment (a comparison, a retrofit, seed 000's protocol), the
+        source, training length, eval lengths, metric or evaluated sequences (their number and kind at each length)
+        differ, or when a variant both hold differs in its spec or its runs' configs (apart from ``train.seed``) or
+        repeats a seed. Under seed 000's protocol (``retrofit`` with ``base_runs``) each seed starts from its own
+        pretraining run: its ``train.init_from`` is the seed's too, and the protocol (pretraining and finetuning
+        steps, bases) must match instead."""
+        if _experiment(other.retrofit) != _experiment(self.retrofit):    # the report tells one protocol's story
+            raise ResultsError(f"{name}: holds a {_experiment(other.retrofit)}, here a "
+                               f"{_experiment(self.retrofit)}; cannot merge")
         for field_name in ("source", "train_length", "eval_lengths", "metric"):
             if getattr(other, field_name) != getattr(self, field_name):
                 raise ResultsError(f"{name}: its {field_name} {getattr(other, field_name)!r} differs from "
@@ -321,6 +325,14 @@ def _unseeded(config: dict[str, Any], per_seed_init: bool = False) -> dict[str, 
     drop = {"seed", "init_from"} if per_seed_init else {"seed"}
     train = {k: v for k, v in config.get("train", {}).items() if k not in drop}
     return {**config, "train": train}
+
+
+def _experiment(retrofit: dict[str, Any] | None) -> str:
+    """What a comparison's ``retrofit`` record says it is: a retrofit (before, after, control), a comparison of
+    variants finetuned from pretrained bases (seed 000's protocol) or a comparison."""
+    if retrofit is None:
+        return "comparison"
+    return "comparison finetuned from pretrained bases" if "pretrain_steps" in retrofit else "retrofit"
 
 
 def _protocol(retrofit: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
-from lengthgen.atomic import atomic_write_text
+from lengthgen.atomic import atomic_write_text, temporary
 from lengthgen.config import ConfigError
 from lengthgen.train.checkpoint import CHECKPOINTS, COMPLETE, CheckpointError, complete_checkpoints, saved_config
 from lengthgen.train.config import RunConfig
@@ -135,7 +135,7 @@ def _holder(text: str) -> str:
 
 
 #: an atomic write's temporary (`lengthgen.atomic`: tempfile's ``.NAME.``, 8 random characters, ``.tmp``)
-_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+_TEMPORARY = temporary()
 
 
 def remove_temporaries(folder: Path) -> None:
