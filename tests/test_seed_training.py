@@ -377,6 +377,25 @@ def test_normuon_and_fused_cautious_adamw_on_cuda_match_the_cpu():
     torch.testing.assert_close(results[1][1], results[0][1], rtol=2e-2, atol=2e-3)     # bf16 Newton-Schulz
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_palm_adamw_on_cuda_matches_the_cpu():
+    """Seed 001's PaLMAdamW keeps its step count on the CPU and its moments beside the weights: on CUDA it must
+    take the CPU's steps (float32; 20 updates, the warmed-up lr changing)."""
+    torch.manual_seed(4)
+    start, grads = torch.randn(12, 4), [torch.randn(12, 4) for _ in range(20)]
+    results = []
+    for device in ("cpu", "cuda"):
+        weight = torch.nn.Parameter(start.clone().to(device))
+        opt = PaLMAdamW([weight], lr=0.01, weight_decay=0.1)
+        for t, g in enumerate(grads, 1):
+            opt.param_groups[0]["lr"] = 0.01 * min(1.0, t / 6)
+            weight.grad = g.to(device)
+            opt.step()
+        results.append(weight.detach().cpu())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6)
+
+
 def test_adamw_steps_every_other_step_on_the_summed_gradients(tmp_path):
     """train.adam_every=2 (seed 000's DistAdam): AdamW's parameters stay put on even steps and move on odd ones by
     torch AdamW's update of the two steps' summed gradients (each at its step's weights) at the odd step's lr;
