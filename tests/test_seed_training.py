@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,30 @@ def test_palm_adamw_second_step_by_hand():
     assert weight.item() == pytest.approx(-1e-3 - 0.8668995e-3, rel=1e-7)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1.0), "lr must be a finite number >= 0, got -1.0"),
+    (dict(lr=math.nan), "lr must be a finite number >= 0, got nan"),
+    (dict(eps=0.0), "eps must be a finite number > 0 (the floor of sqrt(v)"),
+    (dict(eps=-1e-8), "eps must be a finite number > 0"),
+    (dict(weight_decay=-0.1), "weight_decay must be a finite number >= 0, got -0.1"),
+    (dict(betas=0.9), "betas must be a pair (beta1, beta2), got 0.9"),
+    (dict(betas=(0.9,)), "betas must be a pair (beta1, beta2), got (0.9,)"),
+    (dict(betas=(1.0, 0.9)), "beta1 must be in [0, 1), got 1.0"),
+    (dict(beta2_power=math.inf), "beta2_power must be a finite number > 0, got inf"),
+    (dict(beta2_power=0), "beta2_power must be a finite number > 0, got 0"),
+])
+def test_palm_adamw_refuses_bad_arguments_naming_them(kwargs, message):
+    """Each bad argument is a ValueError naming it (before: a negative lr, eps or decay, an infinite beta2_power
+    were taken, to NaN or to a ZeroDivisionError at the first step; betas=0.9 was a TypeError); a parameter
+    group's own values are checked as the defaults are."""
+    weight = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=re.escape(f"PaLMAdamW {message}")):
+        PaLMAdamW([weight], **kwargs)
+    with pytest.raises(ValueError, match=re.escape(f"PaLMAdamW {message}")):
+        PaLMAdamW([{"params": [weight], **kwargs}])
+    assert PaLMAdamW([weight], betas=(0.0, 0.5), eps=1e-30).param_groups[0]["betas"] == (0.0, 0.5)
+
+
 def test_adamw_palm_is_built_for_every_parameter_and_resumes_exactly(tmp_path):
     cfg = config("train.optimizer=adamw_palm", "train.weight_decay=0.1", "train.weight_decay_on=all",
                  "train.stages=[[0, 8], [3, 16]]", "train.tokens_per_step=64", "train.restart_at_stages=true",
@@ -497,3 +522,4 @@ def test_adam_every_with_adamw_alone_and_a_restart_at_an_odd_stage(tmp_path):
     with pytest.warns(RunFolderWarning, match=r"adamw_grads.safetensors is missing; using the older checkpoint "
                                               r"step_00000002"):
         assert train(cfg, tmp_path / "dropped", progress=False, resume=True).history == full.history
+
