@@ -306,6 +306,15 @@ def test_palm_adamw_refuses_bad_arguments_naming_them(kwargs, message):
     assert PaLMAdamW([weight], betas=(0.0, 0.5), eps=1e-30).param_groups[0]["betas"] == (0.0, 0.5)
 
 
+def test_adamw_palm_refuses_eps_0():
+    """adamw_palm's eps is the floor of sqrt(v): with 0 an entry whose gradients were all 0 (an unseen token's
+    embedding row) is moved by 0 / 0, NaN at the first step; the config refuses it, naming the key."""
+    with pytest.raises(ConfigError, match=r"^train.eps=0.0 is not valid; it must be > 0 with optimizer adamw_palm "
+                                          r"\(the floor of sqrt\(v\)"):
+        config("train.optimizer=adamw_palm", "train.eps=0")
+    assert config("train.optimizer=adamw", "train.eps=0").train.eps == 0        # torch's AdamW: as before
+
+
 def test_adamw_palm_is_built_for_every_parameter_and_resumes_exactly(tmp_path):
     cfg = config("train.optimizer=adamw_palm", "train.weight_decay=0.1", "train.weight_decay_on=all",
                  "train.stages=[[0, 8], [3, 16]]", "train.tokens_per_step=64", "train.restart_at_stages=true",
