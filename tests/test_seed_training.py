@@ -532,3 +532,25 @@ def test_adam_every_with_adamw_alone_and_a_restart_at_an_odd_stage(tmp_path):
                                               r"step_00000002"):
         assert train(cfg, tmp_path / "dropped", progress=False, resume=True).history == full.history
 
+
+def test_adam_every_refuses_pending_gradients_of_another_model(tmp_path):
+    """A checkpoint whose adamw_grads.safetensors holds another model's gradients (sound bytes, its digest
+    recorded) is unreadable as a missing one is: the resume falls back to the one before, exactly; before, the
+    assignment of the first one of another shape ended the resume in a RuntimeError traceback."""
+    from safetensors.torch import save_file
+
+    from lengthgen.train.checkpoint import DIGESTS, PENDING_GRADS, file_digest
+
+    cfg = config("train.adam_every=2", "train.checkpoint_every=1")
+    full = train(cfg, tmp_path / "full", progress=False)
+    train(cfg, tmp_path / "run", progress=False, stop_at=3)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
+    wider = GPT(cfg.override("model.dim=32", "model.vocab_size=4").model)
+    save_file({name: torch.zeros_like(p) for name, p in wider.named_parameters()}, ckpt / PENDING_GRADS)
+    digests = json.loads((ckpt / DIGESTS).read_text())
+    (ckpt / DIGESTS).write_text(json.dumps({**digests, PENDING_GRADS: file_digest(ckpt / PENDING_GRADS)}))
+    with pytest.warns(RunFolderWarning, match=r"adamw_grads.safetensors is unreadable \(ValueError: [\w.]+ is "
+                                              r"torch.float32 \[\d+(, \d+)*\], not a gradient of this model \(the "
+                                              r"parameter's is torch.float32 .*using the older checkpoint "
+                                              r"step_00000002"):
+        assert train(cfg, tmp_path / "run", progress=False, resume=True).history == full.history
