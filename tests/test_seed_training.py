@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -281,6 +282,39 @@ def test_palm_adamw_second_step_by_hand():
     assert weight.item() == pytest.approx(-1e-3 - 0.8668995e-3, rel=1e-7)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1.0), "lr must be a finite number >= 0, got -1.0"),
+    (dict(lr=math.nan), "lr must be a finite number >= 0, got nan"),
+    (dict(eps=0.0), "eps must be a finite number > 0 (the floor of sqrt(v)"),
+    (dict(eps=-1e-8), "eps must be a finite number > 0"),
+    (dict(weight_decay=-0.1), "weight_decay must be a finite number >= 0, got -0.1"),
+    (dict(betas=0.9), "betas must be a pair (beta1, beta2), got 0.9"),
+    (dict(betas=(0.9,)), "betas must be a pair (beta1, beta2), got (0.9,)"),
+    (dict(betas=(1.0, 0.9)), "beta1 must be in [0, 1), got 1.0"),
+    (dict(beta2_power=math.inf), "beta2_power must be a finite number > 0, got inf"),
+    (dict(beta2_power=0), "beta2_power must be a finite number > 0, got 0"),
+])
+def test_palm_adamw_refuses_bad_arguments_naming_them(kwargs, message):
+    """Each bad argument is a ValueError naming it (before: a negative lr, eps or decay, an infinite beta2_power
+    were taken, to NaN or to a ZeroDivisionError at the first step; betas=0.9 was a TypeError); a parameter
+    group's own values are checked as the defaults are."""
+    weight = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=re.escape(f"PaLMAdamW {message}")):
+        PaLMAdamW([weight], **kwargs)
+    with pytest.raises(ValueError, match=re.escape(f"PaLMAdamW {message}")):
+        PaLMAdamW([{"params": [weight], **kwargs}])
+    assert PaLMAdamW([weight], betas=(0.0, 0.5), eps=1e-30).param_groups[0]["betas"] == (0.0, 0.5)
+
+
+def test_adamw_palm_refuses_eps_0():
+    """adamw_palm's eps is the floor of sqrt(v): with 0 an entry whose gradients were all 0 (an unseen token's
+    embedding row) is moved by 0 / 0, NaN at the first step; the config refuses it, naming the key."""
+    with pytest.raises(ConfigError, match=r"^train.eps=0.0 is not valid; it must be > 0 with optimizer adamw_palm "
+                                          r"\(the floor of sqrt\(v\)"):
+        config("train.optimizer=adamw_palm", "train.eps=0")
+    assert config("train.optimizer=adamw", "train.eps=0").train.eps == 0        # torch's AdamW: as before
+
+
 def test_adamw_palm_is_built_for_every_parameter_and_resumes_exactly(tmp_path):
     cfg = config("train.optimizer=adamw_palm", "train.weight_decay=0.1", "train.weight_decay_on=all",
                  "train.stages=[[0, 8], [3, 16]]", "train.tokens_per_step=64", "train.restart_at_stages=true",
@@ -497,3 +531,26 @@ def test_adam_every_with_adamw_alone_and_a_restart_at_an_odd_stage(tmp_path):
     with pytest.warns(RunFolderWarning, match=r"adamw_grads.safetensors is missing; using the older checkpoint "
                                               r"step_00000002"):
         assert train(cfg, tmp_path / "dropped", progress=False, resume=True).history == full.history
+
+
+def test_adam_every_refuses_pending_gradients_of_another_model(tmp_path):
+    """A checkpoint whose adamw_grads.safetensors holds another model's gradients (sound bytes, its digest
+    recorded) is unreadable as a missing one is: the resume falls back to the one before, exactly; before, the
+    assignment of the first one of another shape ended the resume in a RuntimeError traceback."""
+    from safetensors.torch import save_file
+
+    from lengthgen.train.checkpoint import DIGESTS, PENDING_GRADS, file_digest
+
+    cfg = config("train.adam_every=2", "train.checkpoint_every=1")
+    full = train(cfg, tmp_path / "full", progress=False)
+    train(cfg, tmp_path / "run", progress=False, stop_at=3)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
+    wider = GPT(cfg.override("model.dim=32", "model.vocab_size=4").model)
+    save_file({name: torch.zeros_like(p) for name, p in wider.named_parameters()}, ckpt / PENDING_GRADS)
+    digests = json.loads((ckpt / DIGESTS).read_text())
+    (ckpt / DIGESTS).write_text(json.dumps({**digests, PENDING_GRADS: file_digest(ckpt / PENDING_GRADS)}))
+    with pytest.warns(RunFolderWarning, match=r"adamw_grads.safetensors is unreadable \(ValueError: [\w.]+ is "
+                                              r"torch.float32 \[\d+(, \d+)*\], not a gradient of this model \(the "
+                                              r"parameter's is torch.float32 .*using the older checkpoint "
+                                              r"step_00000002"):
+        assert train(cfg, tmp_path / "run", progress=False, resume=True).history == full.history

@@ -238,14 +238,23 @@ def load_bema_tensors(ckpt: Path, meta: dict[str, Any] | None, device: str | tor
     return None
 
 
-def load_pending_grads(ckpt: Path, pending: bool, device: str | torch.device = "cpu"
-                       ) -> dict[str, torch.Tensor] | None:
+def load_pending_grads(ckpt: Path, pending: bool, model: nn.Module) -> dict[str, torch.Tensor] | None:
     """AdamW's parameters' gradients summed since its last step (by name) when the checkpoint's step falls between
-    two AdamW steps (``pending``: step % train.adam_every != 0), else None. Then a missing file is a
-    `CheckpointError` (resuming without them would drop those steps' gradients from AdamW's next update)."""
+    two AdamW steps (``pending``: step % train.adam_every != 0), else None. Then a missing file, or one whose
+    tensors are not gradients of ``model``'s parameters (names, shapes, dtypes), is a `CheckpointError` (resuming
+    without them would drop those steps' gradients from AdamW's next update)."""
     if not pending:
         return None
-    return load_tensors(ckpt, PENDING_GRADS, device)
+    path = Path(ckpt) / PENDING_GRADS
+    with reading(path):
+        grads = load_file(str(path))
+        params = dict(model.named_parameters())
+        for name, grad in grads.items():
+            p = params.get(name)
+            if p is None or p.shape != grad.shape or p.dtype != grad.dtype:
+                have = "no such parameter" if p is None else f"the parameter's is {p.dtype} {list(p.shape)}"
+                raise ValueError(f"{name} is {grad.dtype} {list(grad.shape)}, not a gradient of this model ({have})")
+    return grads
 
 
 def read_optimizers(ckpt: Path, device: str | torch.device = "cpu") -> list[dict[str, Any]]:

@@ -67,7 +67,7 @@ class TrainConfig:
                                   "2-D hidden weights, AdamW for the rest) or normuon (Muon with NorMuon's "
                                   "per-neuron normalization, seed 000)")
     betas: tuple[float, float] = option((0.9, 0.95), "AdamW betas (adamw_palm uses the first only)", ge=0, lt=1)
-    eps: float = option(1e-8, "AdamW eps (adamw_palm: the floor of sqrt(v))", ge=0)
+    eps: float = option(1e-8, "AdamW eps (adamw_palm: the floor of sqrt(v), > 0)", ge=0)
     weight_decay: float = option(0.0, "AdamW weight decay (on the parameters weight_decay_on says)", ge=0)
     weight_decay_on: DecayOn = option("matrices", "AdamW decays matrices only (2-D weights, not norms, biases, "
                                       "scalars) or all parameters (seed 001)")
@@ -148,6 +148,9 @@ class TrainConfig:
         if self.cautious_weight_decay and self.optimizer in ("muon", "adamw_palm"):
             raise invalid("TrainConfig.cautious_weight_decay", True, f"false with optimizer {self.optimizer} (it "
                           "decays every entry); set train.optimizer to normuon or adamw")
+        if self.eps == 0 and self.optimizer == "adamw_palm":
+            raise invalid("TrainConfig.eps", self.eps, "> 0 with optimizer adamw_palm (the floor of sqrt(v): with 0, "
+                          "an entry whose gradients have all been 0, e.g. an unseen token's embedding, divides 0 by 0)")
         if self.wandb is not None and not self.wandb.strip():
             raise invalid("TrainConfig.wandb", self.wandb, "a W&B project name, or none (W&B off)")
         if self.init_from is not None and not self.init_from.strip():     # an empty shell variable: not a fresh start

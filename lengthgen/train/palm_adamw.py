@@ -17,6 +17,10 @@ is a floor of ``sqrt(v)``, not added to it. ``lr`` is the scheduled learning rat
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -25,18 +29,38 @@ def debias(beta: float, t: int) -> float:
     return 1 - (1 - beta) / (1 - beta ** t)
 
 
+def _check(name: str, value: Any, valid: str, ok: Callable[[Any], bool]) -> None:
+    """A ValueError naming PaLMAdamW's argument ``name`` unless ``ok(value)``."""
+    try:
+        good = bool(ok(value))
+    except TypeError:       # not a number
+        good = False
+    if not good:
+        raise ValueError(f"PaLMAdamW {name} must be {valid}, got {value!r}")
+
+
 class PaLMAdamW(torch.optim.Optimizer):
     """AdamW with PaLM's ``beta2_t = 1 - t**-beta2_power`` (see the module docstring). ``betas``: only the first,
-    ``beta1``, is used (the second is ignored; it is in the signature so groups can carry torch AdamW's betas)."""
+    ``beta1``, is used (the second is ignored; it is in the signature so groups can carry torch AdamW's betas).
+    A bad value, in the defaults or in a parameter group, is a ValueError naming it."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.0, beta2_power: float = 0.8) -> None:
-        if not 0 <= betas[0] < 1:
-            raise ValueError(f"PaLMAdamW beta1 must be in [0, 1), got {betas[0]}")
-        if beta2_power <= 0:
-            raise ValueError(f"PaLMAdamW beta2_power must be > 0, got {beta2_power}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       beta2_power=beta2_power))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Check the group's settings (its own, else the defaults), then add it."""
+        group = {**self.defaults, **param_group}
+        betas = group["betas"]
+        _check("betas", betas, "a pair (beta1, beta2)", lambda b: isinstance(b, (tuple, list)) and len(b) == 2)
+        _check("beta1", betas[0], "in [0, 1)", lambda x: 0 <= x < 1)
+        _check("lr", group["lr"], "a finite number >= 0", lambda x: 0 <= x < math.inf)
+        _check("eps", group["eps"], "a finite number > 0 (the floor of sqrt(v): with 0, an entry whose gradients "
+               "have all been 0 divides 0 by 0)", lambda x: 0 < x < math.inf)
+        _check("weight_decay", group["weight_decay"], "a finite number >= 0", lambda x: 0 <= x < math.inf)
+        _check("beta2_power", group["beta2_power"], "a finite number > 0", lambda x: 0 < x < math.inf)
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -224,7 +224,8 @@ class Trainer:
         ckpt_io.load_weights(full, ckpt)
         pending = state["step"] % self.config.train.adam_every != 0
         self._read = (state, full.state_dict(), ckpt_io.read_optimizers(ckpt),
-                      ckpt_io.load_bema_tensors(ckpt, state.get("bema")), ckpt_io.load_pending_grads(ckpt, pending))
+                      ckpt_io.load_bema_tensors(ckpt, state.get("bema")),
+                      ckpt_io.load_pending_grads(ckpt, pending, full))
         return state["step"]
 
     def _restore(self, ckpt: Path) -> None:
