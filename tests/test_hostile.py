@@ -1059,16 +1059,18 @@ def test_report_out_refuses_another_experiments_folder(tmp_path, capsys, two_com
 
 def test_report_needle_and_theory_out_stay_out_of_folders_lengthgen_wrote(tmp_path, capsys, two_compares):
     """report --out a comparison's runs/ (or a run's tb/, or a new folder in a run) wrote its results.json, report
-    and lock file there, which the owner's --overwrite then refused as 'files lengthgen did not write'."""
+    and lock file there, which the owner's --overwrite then refused as 'files lengthgen did not write'. The refusal
+    did not name --out."""
     comparison = tmp_path / "cmp"
     shutil.copytree(two_compares[0], comparison)
     run = next((comparison / "runs").iterdir())
     before = files(comparison)
     for command in (["report", two_compares[1]], ["needle", run, "--lengths", "8", "--samples", "1"], ["theory"]):
-        for out in (comparison / "runs", run / "tb", run / "new"):
+        for out, inside in ((comparison / "runs", comparison), (comparison / "merged", comparison),
+                            (run / "tb", run), (run / "new", run)):
             code, err = cli(capsys, *command, "--out", out)
-            assert (code, err) == (2, f"lengthgen {command[0]}: error: {out} is inside the folder {out.parent} that "
-                                      "lengthgen wrote (its runs, checkpoints, logs); choose a folder outside it")
+            assert (code, err) == (2, f"lengthgen {command[0]}: error: --out {out} is inside the folder {inside} "
+                                      "that lengthgen wrote (its runs, checkpoints, logs); choose a folder outside it")
     assert files(comparison) == before and not (run / "new").exists()
 
 
@@ -1084,8 +1086,8 @@ def test_report_needle_and_theory_out_never_replace_a_users_files(tmp_path, caps
         mine.mkdir()
         (mine / held).write_text("mine")
         code, err = cli(capsys, *command, "--out", mine)
-        assert code == 2 and err.endswith(f"{mine} holds {held}, which lengthgen did not write (the folder has no "
-                                          f"{LOCK} and no results file); choose another folder"), err
+        assert code == 2 and err.endswith(f"--out {mine} holds {held}, which lengthgen did not write (the folder has "
+                                          f"no {LOCK} and no results file); choose another folder"), err
         assert files(mine) == {held: b"mine"} and not (mine / LOCK).exists()
         (mine / held).unlink()
         assert cli(capsys, *command, "--out", mine)[0] == 0
@@ -1095,7 +1097,7 @@ def test_report_needle_and_theory_out_never_replace_a_users_files(tmp_path, caps
     (tmp_path / "plots").mkdir()
     (tmp_path / "plots" / "theory.png").write_text("mine")                     # theory likewise
     code, err = cli(capsys, "theory", "--out", tmp_path / "plots")
-    assert code == 2 and "plots holds theory.png, which lengthgen did not write" in err
+    assert code == 2 and f"--out {tmp_path / 'plots'} holds theory.png, which lengthgen did not write" in err
 
 
 def test_needle_and_report_never_replace_each_others_retrieval_map(tmp_path, capsys):
