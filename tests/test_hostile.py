@@ -1356,6 +1356,21 @@ def test_out_that_is_a_file_or_under_one(tmp_path, capsys, command):
     assert (tmp_path / "f").read_text() == "keep"
 
 
+def test_train_default_folder_that_is_a_file_or_under_one(tmp_path, capsys, monkeypatch):
+    """train without --out, its default runs/<name> a file (or runs/ one), said only 'runs/run: file exists'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "run").write_text("keep")
+    code, err = cli(capsys, "train", *sets())
+    assert code == 2 and err.endswith("runs/run (the default --out) is a file; give a folder with --out")
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "runs").write_text("keep")
+    code, err = cli(capsys, "train", *sets())
+    assert code == 2 and err.endswith("runs/run (the default --out): runs is a file, not a folder; give another "
+                                      "folder with --out")
+    assert (tmp_path / "runs").read_text() == "keep"
+
+
 def test_a_file_out_under_a_file_is_refused_before_the_work(tmp_path, capsys):
     (tmp_path / "f").write_text("keep")
     # bench and eval write one file: a file in its path was found only after the benchmark had run
