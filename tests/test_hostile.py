@@ -1348,9 +1348,11 @@ def test_out_that_is_a_file_or_under_one(tmp_path, capsys, command):
     """compare, train, retrofit, needle and report said only 'FILE: file exists' (or 'not a directory'), without
     naming --out, where theory named it."""
     (tmp_path / "f").write_text("keep")
+    (tmp_path / "link").symlink_to(tmp_path / "f" / "x")      # a link to nothing under a file
     for out, says in ((tmp_path / "f", f"--out {tmp_path / 'f'} is a file; give a folder"),
                       (tmp_path / "f" / "sub", f"--out {tmp_path / 'f' / 'sub'}: {tmp_path / 'f'} is a file, not a "
-                                                "folder")):
+                                                "folder"),
+                      (tmp_path / "link", f"--out {tmp_path / 'link'}: {tmp_path / 'f'} is a file, not a folder")):
         code, err = cli(capsys, *command, "--out", out)
         assert code == 2 and err.endswith(says)
     assert (tmp_path / "f").read_text() == "keep"
@@ -1371,6 +1373,30 @@ def test_train_default_folder_that_is_a_file_or_under_one(tmp_path, capsys, monk
     assert (tmp_path / "runs").read_text() == "keep"
 
 
+def test_out_that_is_a_link_to_nothing_writes_the_folder_it_names(tmp_path, capsys, two_compares):
+    """A symbolic link to nothing as --out said only 'LINK: file exists' (export followed it): the folder it names
+    is now written, the link stays; a command that fails leaves it as it was (its error said 'not a directory');
+    links in a loop are one line naming --out, not a traceback."""
+    run = tmp_path / "made" / "train"
+    for command in (["train", "--no-progress", *sets()], ["report", two_compares[0]], ["theory"],
+                    ["retrofit", run, "--steps", "1", "--set", "model.attention.softmax_p=2.0", "--eval-lengths", "8",
+                     "--eval-tokens", "64", "--no-progress"],
+                    ["compare", "--variants", "baseline", "--eval-lengths", "8", "--no-progress", *sets()]):
+        link = tmp_path / f"{command[0]}-link"
+        link.symlink_to(tmp_path / "made" / command[0])
+        assert cli(capsys, *command, "--out", link) == (0, "")
+        assert link.is_symlink() and (tmp_path / "made" / command[0] / LOCK).exists()
+    (tmp_path / "needle-link").symlink_to(tmp_path / "made" / "needle")
+    code, err = cli(capsys, "needle", run, "--lengths", "8", "--out", tmp_path / "needle-link")
+    assert code == 2 and err.endswith("'counting' has no needles to retrieve; retrieval maps need a retrieval task "
+                                      "(passkey, mqar) or text data")
+    assert (tmp_path / "needle-link").is_symlink() and not (tmp_path / "made" / "needle").exists()
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for out in (tmp_path / "loop", tmp_path / "loop" / "sub"):
+        code, err = cli(capsys, "theory", "--out", out)
+        assert code == 2 and err.endswith(f"--out {out}: its symbolic links lead in a loop; give another path")
+
+
 def test_a_file_out_under_a_file_is_refused_before_the_work(tmp_path, capsys):
     (tmp_path / "f").write_text("keep")
     # bench and eval write one file: a file in its path was found only after the benchmark had run
@@ -1382,15 +1408,16 @@ def test_a_file_out_under_a_file_is_refused_before_the_work(tmp_path, capsys):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/sys, where even root cannot create a file, is Linux's")
-def test_out_where_nothing_can_be_written_is_refused_before_the_work(capsys, monkeypatch, stopped):
+def test_out_where_nothing_can_be_written_is_refused_before_the_work(tmp_path, capsys, monkeypatch, stopped):
     """``eval --out`` in a forbidden (or read-only) folder evaluated every length, then failed to write."""
     def not_now(*args, **kwargs):
         raise AssertionError("the work began")
 
     monkeypatch.setattr("lengthgen.experiments.eval_run.eval_run", not_now)
     monkeypatch.setattr("lengthgen.experiments.theory.main_theory", not_now)
+    (tmp_path / "link").symlink_to("/sys/lengthgen-test")      # a link to nothing: where it leads is checked
     for command, out in ((["eval", stopped[0], "--lengths", "8"], "/sys/lengthgen-test/eval.json"),
-                         (["theory"], "/sys/lengthgen-test")):
+                         (["theory"], "/sys/lengthgen-test"), (["theory"], tmp_path / "link")):
         code, err = cli(capsys, *command, "--out", out)
         assert code == 2 and err.endswith(f"--out {out}: nothing can be written in /sys (permission denied); "
                                           "choose another path"), err

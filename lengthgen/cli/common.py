@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import os
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -189,13 +191,25 @@ def report_written(out: Path, extra: str = "") -> str:
 def check_writable(path: Path, folder: bool = False, default: bool = False) -> None:
     """Refuse an --out where nothing can be written before the work, not after it: a file where a ``folder`` is
     written, a path under a file, or a read-only or forbidden folder (a file is created and removed in the nearest
-    existing folder on the way to ``path``). A ``default`` path (no --out given) is named as the default."""
+    existing folder on the way to ``path``). A symbolic link to nothing is followed, as `lock` and export follow
+    it: its target is checked; links in a loop are refused. A ``default`` path (no --out given) is named so."""
     said, hint = (f"{path} (the default --out)", " with --out") if default else (f"--out {path}", "")
     if folder and path.exists() and not path.is_dir():
         raise CommandError(f"{said} is a file; give a folder{hint}")
-    _refuse_under_file(path, said, f"; give another folder{hint}" if default else "")
-    base = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    nearest = base if base.is_dir() else base.parent
+    under = f"; give another folder{hint}" if default else ""
+    _refuse_under_file(path, said, under)
+    try:
+        path.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise CommandError(f"{said}: its symbolic links lead in a loop; give another path{hint}") from None
+    written = path if folder else path.parent
+    real = Path(os.path.realpath(written))
+    if real != Path(os.path.abspath(written)):      # through a link (to nothing: what it names is made there)
+        written = real
+    nearest = next((p for p in (written, *written.parents) if p.exists()), Path("."))
+    if not nearest.is_dir():
+        raise CommandError(f"{said}: {nearest} is a file, not a folder{under}")
     try:
         with tempfile.TemporaryFile(dir=nearest):
             pass

@@ -75,7 +75,7 @@ class FolderLock:
         it and nothing else was written there."""
         if failed and self._file is not None and self.created and [p.name for p in self.folder.iterdir()] == [LOCK]:
             (self.folder / LOCK).unlink()
-            self.folder.rmdir()
+            self.folder.resolve().rmdir()       # a symbolic link stays, as it was
         if self._file is not None:
             self._file.close()          # closing the file releases the flock
             self._file = None
@@ -88,11 +88,12 @@ class FolderLock:
 
 
 def lock(folder: str | Path) -> FolderLock:
-    """Lock ``folder`` (created if needed) for this process and remove its stale temporaries. `RunFolderError`
-    names the holder when another process has it, or a folder in a run's checkpoints (`outside_checkpoints`)."""
+    """Lock ``folder`` (created if needed, where a symbolic link to nothing leads) for this process and remove its
+    stale temporaries. `RunFolderError` names the holder when another process has it, or a folder in a run's
+    checkpoints (`outside_checkpoints`)."""
     folder = outside_checkpoints(folder)
     created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.resolve().mkdir(parents=True, exist_ok=True)     # a symbolic link to nothing: the folder it names
     file = os.fdopen(os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o666), "r+")
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
