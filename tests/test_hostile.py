@@ -1374,9 +1374,10 @@ def test_train_default_folder_that_is_a_file_or_under_one(tmp_path, capsys, monk
 
 
 def test_out_that_is_a_link_to_nothing_writes_the_folder_it_names(tmp_path, capsys, two_compares):
-    """A symbolic link to nothing as --out said only 'LINK: file exists' (export followed it): the folder it names
-    is now written, the link stays; a command that fails leaves it as it was (its error said 'not a directory');
-    links in a loop are one line naming --out, not a traceback."""
+    """A symbolic link to nothing as --out (or on the way to eval's --out file, found after the evaluation) said
+    only 'LINK: file exists' (export followed it): the folder it names is now written, the link stays; a command
+    that fails leaves it as it was (its error said 'not a directory'); links in a loop are one line naming --out,
+    not a traceback."""
     run = tmp_path / "made" / "train"
     for command in (["train", "--no-progress", *sets()], ["report", two_compares[0]], ["theory"],
                     ["retrofit", run, "--steps", "1", "--set", "model.attention.softmax_p=2.0", "--eval-lengths", "8",
@@ -1386,6 +1387,9 @@ def test_out_that_is_a_link_to_nothing_writes_the_folder_it_names(tmp_path, caps
         link.symlink_to(tmp_path / "made" / command[0])
         assert cli(capsys, *command, "--out", link) == (0, "")
         assert link.is_symlink() and (tmp_path / "made" / command[0] / LOCK).exists()
+    (tmp_path / "eval-link").symlink_to(tmp_path / "made" / "eval")           # eval writes a file under it
+    assert cli(capsys, "eval", run, "--lengths", "8", "--out", tmp_path / "eval-link" / "e.json") == (0, "")
+    assert (tmp_path / "made" / "eval" / "e.json").is_file() and (tmp_path / "eval-link").is_symlink()
     (tmp_path / "needle-link").symlink_to(tmp_path / "made" / "needle")
     code, err = cli(capsys, "needle", run, "--lengths", "8", "--out", tmp_path / "needle-link")
     assert code == 2 and err.endswith("'counting' has no needles to retrieve; retrieval maps need a retrieval task "
