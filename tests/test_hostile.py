@@ -1359,8 +1359,15 @@ def test_out_that_is_a_file_or_under_one(tmp_path, capsys, command):
 
 
 def test_train_default_folder_that_is_a_file_or_under_one(tmp_path, capsys, monkeypatch):
-    """train without --out, its default runs/<name> a file (or runs/ one), said only 'runs/run: file exists'."""
+    """train without --out, its default runs/<name> a file (or runs/ one), said only 'runs/run: file exists';
+    compare's and theory's defaults were named as a given --out."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for command in ("compare", "theory"):
+        (tmp_path / "runs" / command).write_text("keep")
+        code, err = cli(capsys, command)
+        assert code == 2 and err.endswith(f"runs/{command} (the default --out) is a file; give a folder with --out")
+    shutil.rmtree(tmp_path / "runs")
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "run").write_text("keep")
     code, err = cli(capsys, "train", *sets())
