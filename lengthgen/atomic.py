@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)``, flush it to disk, then ``os.replace(tmp_path, path)`` and flush the folder; the
-    temp file is removed on failure."""
+    temp file is removed on failure. A symbolic link to nothing on the way is followed: the folder it names is made."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(os.path.realpath(path.parent)).mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

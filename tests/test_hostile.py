@@ -1059,16 +1059,18 @@ def test_report_out_refuses_another_experiments_folder(tmp_path, capsys, two_com
 
 def test_report_needle_and_theory_out_stay_out_of_folders_lengthgen_wrote(tmp_path, capsys, two_compares):
     """report --out a comparison's runs/ (or a run's tb/, or a new folder in a run) wrote its results.json, report
-    and lock file there, which the owner's --overwrite then refused as 'files lengthgen did not write'."""
+    and lock file there, which the owner's --overwrite then refused as 'files lengthgen did not write'. The refusal
+    did not name --out."""
     comparison = tmp_path / "cmp"
     shutil.copytree(two_compares[0], comparison)
     run = next((comparison / "runs").iterdir())
     before = files(comparison)
     for command in (["report", two_compares[1]], ["needle", run, "--lengths", "8", "--samples", "1"], ["theory"]):
-        for out in (comparison / "runs", run / "tb", run / "new"):
+        for out, inside in ((comparison / "runs", comparison), (comparison / "merged", comparison),
+                            (run / "tb", run), (run / "new", run)):
             code, err = cli(capsys, *command, "--out", out)
-            assert (code, err) == (2, f"lengthgen {command[0]}: error: {out} is inside the folder {out.parent} that "
-                                      "lengthgen wrote (its runs, checkpoints, logs); choose a folder outside it")
+            assert (code, err) == (2, f"lengthgen {command[0]}: error: --out {out} is inside the folder {inside} "
+                                      "that lengthgen wrote (its runs, checkpoints, logs); choose a folder outside it")
     assert files(comparison) == before and not (run / "new").exists()
 
 
@@ -1084,8 +1086,8 @@ def test_report_needle_and_theory_out_never_replace_a_users_files(tmp_path, caps
         mine.mkdir()
         (mine / held).write_text("mine")
         code, err = cli(capsys, *command, "--out", mine)
-        assert code == 2 and err.endswith(f"{mine} holds {held}, which lengthgen did not write (the folder has no "
-                                          f"{LOCK} and no results file); choose another folder"), err
+        assert code == 2 and err.endswith(f"--out {mine} holds {held}, which lengthgen did not write (the folder has "
+                                          f"no {LOCK} and no results file); choose another folder"), err
         assert files(mine) == {held: b"mine"} and not (mine / LOCK).exists()
         (mine / held).unlink()
         assert cli(capsys, *command, "--out", mine)[0] == 0
@@ -1095,7 +1097,7 @@ def test_report_needle_and_theory_out_never_replace_a_users_files(tmp_path, caps
     (tmp_path / "plots").mkdir()
     (tmp_path / "plots" / "theory.png").write_text("mine")                     # theory likewise
     code, err = cli(capsys, "theory", "--out", tmp_path / "plots")
-    assert code == 2 and "plots holds theory.png, which lengthgen did not write" in err
+    assert code == 2 and f"--out {tmp_path / 'plots'} holds theory.png, which lengthgen did not write" in err
 
 
 def test_needle_and_report_never_replace_each_others_retrieval_map(tmp_path, capsys):
@@ -1346,12 +1348,64 @@ def test_out_that_is_a_file_or_under_one(tmp_path, capsys, command):
     """compare, train, retrofit, needle and report said only 'FILE: file exists' (or 'not a directory'), without
     naming --out, where theory named it."""
     (tmp_path / "f").write_text("keep")
+    (tmp_path / "link").symlink_to(tmp_path / "f" / "x")      # a link to nothing under a file
     for out, says in ((tmp_path / "f", f"--out {tmp_path / 'f'} is a file; give a folder"),
                       (tmp_path / "f" / "sub", f"--out {tmp_path / 'f' / 'sub'}: {tmp_path / 'f'} is a file, not a "
-                                                "folder")):
+                                                "folder"),
+                      (tmp_path / "link", f"--out {tmp_path / 'link'}: {tmp_path / 'f'} is a file, not a folder")):
         code, err = cli(capsys, *command, "--out", out)
         assert code == 2 and err.endswith(says)
     assert (tmp_path / "f").read_text() == "keep"
+
+
+def test_train_default_folder_that_is_a_file_or_under_one(tmp_path, capsys, monkeypatch):
+    """train without --out, its default runs/<name> a file (or runs/ one), said only 'runs/run: file exists';
+    compare's and theory's defaults were named as a given --out."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for command in ("compare", "theory"):
+        (tmp_path / "runs" / command).write_text("keep")
+        code, err = cli(capsys, command)
+        assert code == 2 and err.endswith(f"runs/{command} (the default --out) is a file; give a folder with --out")
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "run").write_text("keep")
+    code, err = cli(capsys, "train", *sets())
+    assert code == 2 and err.endswith("runs/run (the default --out) is a file; give a folder with --out")
+    shutil.rmtree(tmp_path / "runs")
+    (tmp_path / "runs").write_text("keep")
+    code, err = cli(capsys, "train", *sets())
+    assert code == 2 and err.endswith("runs/run (the default --out): runs is a file, not a folder; give another "
+                                      "folder with --out")
+    assert (tmp_path / "runs").read_text() == "keep"
+
+
+def test_out_that_is_a_link_to_nothing_writes_the_folder_it_names(tmp_path, capsys, two_compares):
+    """A symbolic link to nothing as --out (or on the way to eval's --out file, found after the evaluation) said
+    only 'LINK: file exists' (export followed it): the folder it names is now written, the link stays; a command
+    that fails leaves it as it was (its error said 'not a directory'); links in a loop are one line naming --out,
+    not a traceback."""
+    run = tmp_path / "made" / "train"
+    for command in (["train", "--no-progress", *sets()], ["report", two_compares[0]], ["theory"],
+                    ["retrofit", run, "--steps", "1", "--set", "model.attention.softmax_p=2.0", "--eval-lengths", "8",
+                     "--eval-tokens", "64", "--no-progress"],
+                    ["compare", "--variants", "baseline", "--eval-lengths", "8", "--no-progress", *sets()]):
+        link = tmp_path / f"{command[0]}-link"
+        link.symlink_to(tmp_path / "made" / command[0])
+        assert cli(capsys, *command, "--out", link) == (0, "")
+        assert link.is_symlink() and (tmp_path / "made" / command[0] / LOCK).exists()
+    (tmp_path / "eval-link").symlink_to(tmp_path / "made" / "eval")           # eval writes a file under it
+    assert cli(capsys, "eval", run, "--lengths", "8", "--out", tmp_path / "eval-link" / "e.json") == (0, "")
+    assert (tmp_path / "made" / "eval" / "e.json").is_file() and (tmp_path / "eval-link").is_symlink()
+    (tmp_path / "needle-link").symlink_to(tmp_path / "made" / "needle")
+    code, err = cli(capsys, "needle", run, "--lengths", "8", "--out", tmp_path / "needle-link")
+    assert code == 2 and err.endswith("'counting' has no needles to retrieve; retrieval maps need a retrieval task "
+                                      "(passkey, mqar) or text data")
+    assert (tmp_path / "needle-link").is_symlink() and not (tmp_path / "made" / "needle").exists()
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for out in (tmp_path / "loop", tmp_path / "loop" / "sub"):
+        code, err = cli(capsys, "theory", "--out", out)
+        assert code == 2 and err.endswith(f"--out {out}: its symbolic links lead in a loop; give another path")
 
 
 def test_a_file_out_under_a_file_is_refused_before_the_work(tmp_path, capsys):
@@ -1365,15 +1419,16 @@ def test_a_file_out_under_a_file_is_refused_before_the_work(tmp_path, capsys):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/sys, where even root cannot create a file, is Linux's")
-def test_out_where_nothing_can_be_written_is_refused_before_the_work(capsys, monkeypatch, stopped):
+def test_out_where_nothing_can_be_written_is_refused_before_the_work(tmp_path, capsys, monkeypatch, stopped):
     """``eval --out`` in a forbidden (or read-only) folder evaluated every length, then failed to write."""
     def not_now(*args, **kwargs):
         raise AssertionError("the work began")
 
     monkeypatch.setattr("lengthgen.experiments.eval_run.eval_run", not_now)
     monkeypatch.setattr("lengthgen.experiments.theory.main_theory", not_now)
+    (tmp_path / "link").symlink_to("/sys/lengthgen-test")      # a link to nothing: where it leads is checked
     for command, out in ((["eval", stopped[0], "--lengths", "8"], "/sys/lengthgen-test/eval.json"),
-                         (["theory"], "/sys/lengthgen-test")):
+                         (["theory"], "/sys/lengthgen-test"), (["theory"], tmp_path / "link")):
         code, err = cli(capsys, *command, "--out", out)
         assert code == 2 and err.endswith(f"--out {out}: nothing can be written in /sys (permission denied); "
                                           "choose another path"), err

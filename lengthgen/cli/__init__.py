@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise CommandError(f"{args.command} runs in one process, not under torchrun (WORLD_SIZE={world}): "
                                    "only train trains across processes; run it without torchrun (WORLD_SIZE unset)")
             if getattr(args, "out", None):      # found now, not when the work is done
-                check_writable(Path(args.out), folder=args.command not in _FILE_OUT)
+                check_writable(Path(args.out), folder=args.command not in _FILE_OUT,
+                               default=args.out == args.parser.get_default("out"))
             return args.handler(args)
         except (CommandError, ConfigError, ResultsError, RunFolderError, CheckpointError, MissingPackageError,
                 FileNotFoundError) as err:

@@ -62,7 +62,8 @@ def report_command(args: argparse.Namespace) -> int:
     if variant_maps(merged) and results_file(out / "needle.json") == "needle":
         raise CommandError(f"--out {out} holds a retrieval map of lengthgen needle (needle.json), whose needle.png "
                            "this report's map would replace; choose another folder")
-    check_outputs(out, ["results.json", "report.md", EXTRAPOLATION, DIAGNOSTICS, NEEDLE_PLOT])
+    check_outputs(out, ["results.json", "report.md", EXTRAPOLATION, DIAGNOSTICS, NEEDLE_PLOT],
+                  "--out" if args.out else "")
     with lock(out):
         if out.resolve() != paths[0].parent.resolve():
             merged.save(out / "results.json")
@@ -206,7 +207,7 @@ def needle_command(args: argparse.Namespace) -> int:
     if results_file(out / "results.json") == "comparison":
         raise CommandError(f"--out {out} holds a comparison's report (results.json), whose needle.png this map would "
                            "replace; choose another folder")
-    check_outputs(out, ["needle.json", "needle.md", NEEDLE_PLOT])
+    check_outputs(out, ["needle.json", "needle.md", NEEDLE_PLOT], "--out" if args.out else "")
     if results_file(out / "needle.json") == "needle" and NeedleMap.load(out / "needle.json").bema != args.bema:
         raise CommandError(f"--out {out} holds a map of {'live' if args.bema else 'BEMA'} weights (needle.json), "
                            f"which this map of {'BEMA' if args.bema else 'live'} weights would replace; choose "
@@ -293,7 +294,7 @@ def theory_command(args: argparse.Namespace) -> int:
     if held:                # a report there would list theory.png as its own plot
         raise CommandError(f"--out {out} holds another experiment ({', '.join(held)}); give theory a folder of "
                            "its own")
-    check_outputs(args.out, ["theory.json", "theory.png"])
+    check_outputs(args.out, ["theory.json", "theory.png"], "--out")
     with lock(args.out):            # one writer per folder: not into a run that is training
         main_theory(args.out)
     return 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import os
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -186,21 +188,34 @@ def report_written(out: Path, extra: str = "") -> str:
     return f"report: {out / 'report.md'} (plots {plots}; raw results.json{extra})"
 
 
-def check_writable(path: Path, folder: bool = False) -> None:
+def check_writable(path: Path, folder: bool = False, default: bool = False) -> None:
     """Refuse an --out where nothing can be written before the work, not after it: a file where a ``folder`` is
     written, a path under a file, or a read-only or forbidden folder (a file is created and removed in the nearest
-    existing folder on the way to ``path``)."""
+    existing folder on the way to ``path``). A symbolic link to nothing is followed, as `lock` and export follow
+    it: its target is checked; links in a loop are refused. A ``default`` path (no --out given) is named so."""
+    said, hint = (f"{path} (the default --out)", " with --out") if default else (f"--out {path}", "")
     if folder and path.exists() and not path.is_dir():
-        raise CommandError(f"--out {path} is a file; give a folder")
-    _refuse_under_file(path)
-    base = next((p for p in (path, *path.parents) if p.exists()), Path("."))
-    nearest = base if base.is_dir() else base.parent
+        raise CommandError(f"{said} is a file; give a folder{hint}")
+    under = f"; give another folder{hint}" if default else ""
+    _refuse_under_file(path, said, under)
+    try:
+        path.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise CommandError(f"{said}: its symbolic links lead in a loop; give another path{hint}") from None
+    written = path if folder else path.parent
+    real = Path(os.path.realpath(written))
+    if real != Path(os.path.abspath(written)):      # through a link (to nothing: what it names is made there)
+        written = real
+    nearest = next((p for p in (written, *written.parents) if p.exists()), Path("."))
+    if not nearest.is_dir():
+        raise CommandError(f"{said}: {nearest} is a file, not a folder{under}")
     try:
         with tempfile.TemporaryFile(dir=nearest):
             pass
     except OSError as err:
-        raise CommandError(f"--out {path}: nothing can be written in {nearest} "
-                           f"({(err.strerror or str(err)).lower()}); choose another path") from None
+        raise CommandError(f"{said}: nothing can be written in {nearest} "
+                           f"({(err.strerror or str(err)).lower()}); choose another path{hint}") from None
 
 
 def writing(path: Path, source: str | None = None) -> contextlib.AbstractContextManager:
@@ -212,11 +227,12 @@ def writing(path: Path, source: str | None = None) -> contextlib.AbstractContext
     return lock(path.parent) if (path.parent / LOCK).exists() else contextlib.nullcontext()
 
 
-def _refuse_under_file(path: Path) -> None:
-    """`CommandError` for an --out under a file (found now, not when the work is done)."""
+def _refuse_under_file(path: Path, said: str = "", hint: str = "") -> None:
+    """`CommandError` for an --out under a file (found now, not when the work is done); the message names the
+    path as ``said`` (default ``--out PATH``) and ends with ``hint``."""
     under_file = next((f for f in path.parents if f.exists() and not f.is_dir()), None)
     if under_file is not None:
-        raise CommandError(f"--out {path}: {under_file} is a file, not a folder")
+        raise CommandError(f"{said or f'--out {path}'}: {under_file} is a file, not a folder{hint}")
 
 
 def refuse_out(path: Path, source: str | None = None) -> None:

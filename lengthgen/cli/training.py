@@ -11,6 +11,7 @@ from lengthgen.cli.common import (
     add_config_arguments,
     add_logging_arguments,
     check_task_read,
+    check_writable,
     command,
     int_list,
     flag_overrides,
@@ -57,6 +58,8 @@ def train_command(args: argparse.Namespace) -> int:
     warn_unused(cfg, sorted({*cfg.lengths(), *(cfg.train.eval_lengths or [cfg.data.length])}))
     out = Path(args.out) if args.out else Path("runs") / (cfg.name or (Path(args.config).stem if args.config
                                                                         else "run"))
+    if not args.out:        # a given --out was checked by `main`
+        check_writable(out, folder=True, default=True)
     result = train(cfg, out, progress=not args.no_progress, resume=args.resume, overwrite=args.overwrite,
                    extend=args.extend)
     if distributed.env_world()[0] != 0:  # torchrun: rank 0 reports (`main` leaves the process group)

@@ -75,7 +75,7 @@ class FolderLock:
         it and nothing else was written there."""
         if failed and self._file is not None and self.created and [p.name for p in self.folder.iterdir()] == [LOCK]:
             (self.folder / LOCK).unlink()
-            self.folder.rmdir()
+            self.folder.resolve().rmdir()       # a symbolic link stays, as it was
         if self._file is not None:
             self._file.close()          # closing the file releases the flock
             self._file = None
@@ -88,11 +88,12 @@ class FolderLock:
 
 
 def lock(folder: str | Path) -> FolderLock:
-    """Lock ``folder`` (created if needed) for this process and remove its stale temporaries. `RunFolderError`
-    names the holder when another process has it, or a folder in a run's checkpoints (`outside_checkpoints`)."""
+    """Lock ``folder`` (created if needed, where a symbolic link to nothing leads) for this process and remove its
+    stale temporaries. `RunFolderError` names the holder when another process has it, or a folder in a run's
+    checkpoints (`outside_checkpoints`)."""
     folder = outside_checkpoints(folder)
     created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.resolve().mkdir(parents=True, exist_ok=True)     # a symbolic link to nothing: the folder it names
     file = os.fdopen(os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o666), "r+")
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -177,19 +178,21 @@ def enclosing_folder(path: str | Path) -> Path | None:
     return next((f for f in Path(path).resolve().parents if (f / LOCK).exists()), None)
 
 
-def check_outputs(folder: str | Path, names: list[str]) -> None:
+def check_outputs(folder: str | Path, names: list[str], option: str = "") -> None:
     """`RunFolderError` when ``folder`` holds any of ``names`` (the files a command writes there) and is no folder
     lengthgen wrote: it has no lock file and none of them is a results file (`results_file`); they are the user's.
     Also when ``folder`` is inside a folder lengthgen wrote (its runs/, logs, ...: the owner's ``--overwrite``
-    would refuse them) and is not a run folder itself (e.g. a comparison's run, whose own files needle writes)."""
+    would refuse them) and is not a run folder itself (e.g. a comparison's run, whose own files needle writes).
+    The messages name ``option`` (e.g. ``--out``) before the folder where it came from one."""
     folder = outside_checkpoints(folder)
+    said = f"{option} {folder}" if option else str(folder)
     inside = enclosing_folder(folder)
     if inside is not None and not ((folder / LOCK).exists() and (folder / "config.json").is_file()):
-        raise RunFolderError(f"{folder} is inside the folder {inside} that lengthgen wrote (its runs, checkpoints, "
+        raise RunFolderError(f"{said} is inside the folder {inside} that lengthgen wrote (its runs, checkpoints, "
                              "logs); choose a folder outside it")
     held = [name for name in names if (folder / name).exists()]
     if held and not (folder / LOCK).exists() and not any(results_file(folder / name) for name in held):
-        raise RunFolderError(f"{folder} holds {_names(held)}, which lengthgen did not write (the folder has no {LOCK} "
+        raise RunFolderError(f"{said} holds {_names(held)}, which lengthgen did not write (the folder has no {LOCK} "
                              "and no results file); choose another folder")
 
 
