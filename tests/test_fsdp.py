@@ -35,8 +35,9 @@ RUN_S = BASE + ["model.skips=[[0, 1]]", "model.attention.query_scaling=log_n",
                 "model.attention.learnable_scaling=global"]
 #: seed 001's optimizer (PaLMAdamW) on shards, stopped and resumed from its gathered state as run A
 RUN_P = BASE + ["train.optimizer=adamw_palm", "train.weight_decay=0.1", "train.weight_decay_on=all"]
-#: seed 000's AdamW every other step on summed (sharded) gradients, stopped at step 3 with one pending (gathered into
-#: the checkpoint, sharded back on resume), with a 0-d parameter FSDP2 leaves whole
+#: seed 000's AdamW every other step on summed (sharded) gradients, stopped at step 1 (before AdamW's first step: no
+#: state yet, which torch's set_optimizer_state_dict would create by a step on zero gradients) and at step 3, each
+#: with one pending (gathered into the checkpoint, sharded back on resume), with a 0-d parameter FSDP2 leaves whole
 RUN_E = BASE + ["train.grad_accum=2", "train.adam_every=2", "model.skips=[[0, 1]]"]
 
 
@@ -147,7 +148,8 @@ def _worker(out: Path) -> None:
     Trainer(cfg, out / "fsdp-p", progress=False).fit(stop_at=3)
     Trainer(cfg, out / "fsdp-p", progress=False, resume=True).fit()
     cfg = RunConfig().override(*RUN_E, "train.parallel=fsdp")
-    Trainer(cfg, out / "fsdp-e", progress=False).fit(stop_at=3)
+    Trainer(cfg, out / "fsdp-e", progress=False).fit(stop_at=1)
+    Trainer(cfg, out / "fsdp-e", progress=False, resume=True).fit(stop_at=3)
     Trainer(cfg, out / "fsdp-e", progress=False, resume=True).fit()
     cleanup()
 

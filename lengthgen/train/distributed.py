@@ -219,13 +219,17 @@ def gather_full(model: nn.Module, optimizers: list[torch.optim.Optimizer], empty
 def load_full(model: nn.Module, optimizers: list[torch.optim.Optimizer], weights: dict[str, torch.Tensor],
               states: list[dict]) -> None:
     """Shard full ``weights`` (a state dict) and optimizer ``states`` (`gather_full`'s layout) into the sharded
-    ``model`` and its optimizers; every rank passes the same full states."""
+    ``model`` and its optimizers; every rank passes the same full states. An optimizer saved before its first step
+    (no state: AdamW with ``train.adam_every`` > 1) stays as built: torch's ``set_optimizer_state_dict`` would
+    first step it on zero gradients to create its state, leaving it one step (bias correction) ahead."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     if len(states) != len(optimizers):
         raise RuntimeError(f"the checkpoint has {len(states)} optimizer states, the run has {len(optimizers)}")
     set_model_state_dict(model, weights, options=_options())
     for opt, state in zip(optimizers, states):
+        if not state["state"]:
+            continue
         names = [n for g in _param_names(model, opt) for n in g]
         set_optimizer_state_dict(model, opt, _by_name(state, names), options=_options())
 
