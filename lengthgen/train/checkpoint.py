@@ -96,6 +96,11 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` as a safetensors file (contiguous, on the CPU), written atomically."""
+    atomic_write(path, lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, p))
+
+
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_states: list[dict[str, Any]],
                     state: dict[str, Any], bema_tensors: dict[str, torch.Tensor] | None = None,
                     keep: int = 2, pending_grads: dict[str, torch.Tensor] | None = None) -> Path:
@@ -111,11 +116,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer_
     try:
         atomic_write(tmp_dir / "model.safetensors", lambda p: save_model(model, p))
         if bema_tensors:
-            atomic_write(tmp_dir / "bema.safetensors",
-                         lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in bema_tensors.items()}, p))
+            _write_tensors(tmp_dir / "bema.safetensors", bema_tensors)
         if pending_grads is not None:
-            atomic_write(tmp_dir / PENDING_GRADS,
-                         lambda p: save_file({k: v.detach().contiguous().cpu() for k, v in pending_grads.items()}, p))
+            _write_tensors(tmp_dir / PENDING_GRADS, pending_grads)
         atomic_write(tmp_dir / "optimizer.pt",
                      lambda p: torch.save({"optimizers": optimizer_states}, p))
         atomic_write_text(tmp_dir / "state.json", json.dumps({"step": step, **state}))
