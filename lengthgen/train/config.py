@@ -25,6 +25,8 @@ from lengthgen.model.config import GPTConfig
 
 Schedule = Literal["cosine", "wsd", "constant"]
 Optimizer = Literal["adamw", "adamw_palm", "muon", "normuon"]
+#: the optimizers that give 2-D hidden weights to Muon (AdamW takes the rest)
+MUON_OPTIMIZERS = ("muon", "normuon")
 MuonAdjust = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16"]
@@ -175,7 +177,7 @@ class TrainConfig:
                          "where (step + 1) % adam_every == 0)")
         scheduled = [f"train.{k}={getattr(self, k)}" for k in ("muon_momentum_warmup", "muon_momentum_cooldown")
                      if getattr(self, k)]
-        if scheduled and self.optimizer not in ("muon", "normuon"):
+        if scheduled and self.optimizer not in MUON_OPTIMIZERS:
             notes.append(f"{' and '.join(scheduled)}: no effect with train.optimizer='{self.optimizer}' (Muon's "
                          "momentum only)")
         if self.weight_decay_mul and self.weight_decay == 0:
@@ -319,4 +321,4 @@ def save_config(cfg: RunConfig, directory: str | Path) -> Path:
     return atomic_write_text(Path(directory) / "config.json", cfg.to_json())
 
 
-__all__ = ["BemaConfig", "RunConfig", "TrainConfig", "load_config", "save_config"]
+__all__ = ["BemaConfig", "MUON_OPTIMIZERS", "RunConfig", "TrainConfig", "load_config", "save_config"]

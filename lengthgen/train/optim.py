@@ -24,6 +24,7 @@ from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.config import ConfigError, pattern_matches
+from lengthgen.train.config import MUON_OPTIMIZERS
 from lengthgen.train.muon import Muon
 from lengthgen.train.normuon import CautiousAdamW, NorMuon
 from lengthgen.train.palm_adamw import PaLMAdamW
@@ -52,7 +53,7 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
     cautiously (`lengthgen.train.normuon`). Each group records its peak lr in ``initial_lr``."""
     tc = train_cfg
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    muon_names = muon_param_names(model) if tc.optimizer in ("muon", "normuon") else []
+    muon_names = muon_param_names(model) if tc.optimizer in MUON_OPTIMIZERS else []
     for key in ("muon_lr_mul", "muon_exclude"):
         if getattr(tc, key) and not muon_names:
             raise ConfigError(f"train.{key} applies only with train.optimizer=muon or normuon", f"train.{key}")

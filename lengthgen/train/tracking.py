@@ -24,7 +24,7 @@ from lengthgen.attention import FIELDS, PRESETS, AttentionSpec
 from lengthgen.config import ConfigError, counted, toml_value
 from lengthgen.eval import Provenance
 from lengthgen.model.config import final_norm_note
-from lengthgen.train.config import RunConfig
+from lengthgen.train.config import MUON_OPTIMIZERS, RunConfig
 from lengthgen.train.run_folder import RunFolderError
 
 
@@ -90,7 +90,7 @@ def run_header(cfg: RunConfig, run_dir: Path, *, parameters: int, dtype: str, wo
         "no evaluation while training"
     every = f" every {t.adam_every} steps" if t.adam_every > 1 else ""
     optimizer = f"{t.optimizer} lr {t.muon_lr:g} (adamw lr {t.lr:g}{every} for the rest)" \
-        if t.optimizer in ("muon", "normuon") else f"{t.optimizer} lr {t.lr:g}{every}"
+        if t.optimizer in MUON_OPTIMIZERS else f"{t.optimizer} lr {t.lr:g}{every}"
     resumed = f"; resuming at step {start}" if start else ""
     ranks = f" x {world} ranks" if world > 1 else ""
     commit = f" (git {provenance.git_commit[:10]})" if provenance.git_commit else ""
