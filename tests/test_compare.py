@@ -325,7 +325,7 @@ def test_each_variant_is_warned_once_about_what_its_run_never_reaches_before_any
                     "variant prope: model.attention.prope_fraction=0.5 has no effect: it is read only with position "
                     "prope",
                     "variants muon, both: train.muon_momentum_warmup=3: no effect with train.optimizer='adamw' "
-                    "(Muon's momentum only)"]
+                    "(Muon's keys, read only with muon or normuon)"]
 
 
 @TINY_RUN_WARNINGS

@@ -386,8 +386,23 @@ def test_a_run_steps_muon_with_the_scheduled_momentum(tmp_path, monkeypatch):
     assert all("momentum" not in g for g in full.trainer.optimizers[1].param_groups)
     train(cfg, tmp_path / "resumed", progress=False, stop_at=4)
     assert train(cfg, tmp_path / "resumed", progress=False, resume=True).history == full.history
-    assert "train.muon_momentum_warmup=3 and train.muon_momentum_cooldown=2: no effect with train.optimizer=" \
+    assert "train.muon_momentum_warmup=3, train.muon_momentum_cooldown=2: no effect with train.optimizer=" \
         "'adamw'" in config("train.muon_momentum_warmup=3", "train.muon_momentum_cooldown=2").unused([8])[0]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_palm"])
+def test_muon_keys_without_muon_are_named_as_without_effect(optimizer):
+    """muon_lr, its weight decay, betas, patterns and schedule were ignored without a word by the AdamW
+    optimizers (only the momentum schedule was named); every Muon key set is named, once."""
+    cfg = config(f"train.optimizer={optimizer}", "train.muon_lr=0.1", "train.muon_weight_decay=0.5",
+                 "train.muon_beta2=0.9", "train.muon_lr_mul={'blocks.*' = 2.0}")
+    assert cfg.unused([8]) == [f"train.muon_lr=0.1, train.muon_weight_decay=0.5, train.muon_beta2=0.9, "
+                               f"train.muon_lr_mul={{'blocks.*': 2.0}}: no effect with train.optimizer='{optimizer}' "
+                               "(Muon's keys, read only with muon or normuon)"]
+    assert config("train.optimizer=normuon", "train.muon_lr=0.1", "train.muon_beta2=0.9").unused([8]) == []
+    assert config("train.optimizer=muon", "train.muon_beta2=0.9").unused([8]) == [
+        "train.muon_beta2=0.9: no effect with train.optimizer='muon' (NorMuon's second moment, read only with "
+        "normuon)"]
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ full key and the valid keys or choices, before anything is trained.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -161,9 +162,9 @@ class TrainConfig:
 
     def unused(self) -> list[str]:
         """What this valid config asks for but a run of it never reaches: stages that start at or after the last
-        step, a warmup longer than the run, an AdamW that never steps (``adam_every`` > ``steps``), a Muon momentum
-        schedule without Muon, weight decay multipliers without weight decay, a BEMA burn-in as long as the run
-        (one message each; ``train`` and ``compare`` warn with them)."""
+        step, a warmup longer than the run, an AdamW that never steps (``adam_every`` > ``steps``), Muon keys
+        without Muon (muon_beta2 without NorMuon), weight decay multipliers without weight decay, a BEMA burn-in as
+        long as the run (one message each; ``train`` and ``compare`` warn with them)."""
         notes = []
         late = [list(stage) for stage in self.stages if stage[0] >= self.steps]
         if late:
@@ -175,11 +176,14 @@ class TrainConfig:
         if self.adam_every > self.steps:
             notes.append(f"train.adam_every={self.adam_every} > train.steps={self.steps}: AdamW never steps (it steps "
                          "where (step + 1) % adam_every == 0)")
-        scheduled = [f"train.{k}={getattr(self, k)}" for k in ("muon_momentum_warmup", "muon_momentum_cooldown")
-                     if getattr(self, k)]
-        if scheduled and self.optimizer not in MUON_OPTIMIZERS:
-            notes.append(f"{' and '.join(scheduled)}: no effect with train.optimizer='{self.optimizer}' (Muon's "
-                         "momentum only)")
+        muon_set = [f"train.{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                    if f.name.startswith("muon_") and getattr(self, f.name) != getattr(DEFAULT_TRAIN, f.name)]
+        if muon_set and self.optimizer not in MUON_OPTIMIZERS:
+            notes.append(f"{', '.join(muon_set)}: no effect with train.optimizer='{self.optimizer}' (Muon's keys, "
+                         f"read only with {' or '.join(MUON_OPTIMIZERS)})")
+        elif self.optimizer == "muon" and self.muon_beta2 != DEFAULT_TRAIN.muon_beta2:
+            notes.append(f"train.muon_beta2={self.muon_beta2!r}: no effect with train.optimizer='muon' (NorMuon's "
+                         "second moment, read only with normuon)")
         if self.weight_decay_mul and self.weight_decay == 0:
             notes.append("train.weight_decay_mul: no effect with train.weight_decay=0 (it multiplies AdamW's weight "
                          "decay)")
@@ -187,6 +191,10 @@ class TrainConfig:
             notes.append(f"train.bema.tau={self.bema.tau} >= train.steps={self.steps}: BEMA never starts (no BEMA "
                          "weights are evaluated or saved)")
         return notes
+
+
+#: every key at its default, for `TrainConfig.unused`
+DEFAULT_TRAIN = TrainConfig()
 
 
 @documented
