@@ -17,8 +17,12 @@ from typing import Any, Callable
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)``, flush it to disk, then ``os.replace(tmp_path, path)`` and flush the folder; the
-    temp file is removed on failure. A symbolic link to nothing on the way is followed: the folder it names is made."""
+    temp file is removed on failure. Symbolic links are followed, as `atomic_write_folder` does: a link at ``path``
+    stays and the file it names is written (made, if it names nothing); a link to nothing on the way makes the
+    folder it names."""
     path = Path(path)
+    if path.is_symlink():                   # os.replace would put a regular file in the link's place
+        path = Path(os.path.realpath(path))
     Path(os.path.realpath(path.parent)).mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

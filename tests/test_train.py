@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,6 +244,19 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         ckpt_io.atomic_write(target, writer)
     assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir() if "file" in p.name] == ["file.txt"]
+
+
+def test_an_atomic_write_through_a_link_writes_the_file_it_names_and_keeps_the_link(tmp_path):
+    """A file --out (eval, bench) that is a symbolic link was replaced by a regular file: the link was gone and the
+    file it named kept its old content."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "old.json").write_text("old")
+    (tmp_path / "link.json").symlink_to(tmp_path / "data" / "old.json")
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "data" / "new.json")
+    for link in ("link.json", "dangling.json"):
+        ckpt_io.atomic_write(tmp_path / link, lambda p: Path(p).write_text("new"))
+        assert (tmp_path / link).is_symlink() and (tmp_path / link).read_text() == "new"
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["new.json", "old.json"]
 
 
 def test_a_checkpoint_is_on_disk_before_older_ones_are_pruned(tmp_path, monkeypatch):
