@@ -150,6 +150,31 @@ def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
     assert gates == {("gate", 0.008, (0.9, 0.99)), ("value_gate", 0.008, (0.9, 0.99))}
 
 
+def header_text(path: Path) -> str:
+    """A preset's top comment as one line."""
+    return re.sub(r"\s*\n#\s*", " ", path.read_text().split("\nname")[0])
+
+
+def test_seed000_finetunes_replay_the_pretrainings_first_batches():
+    """The seed's finetunes restart its loader at the first shard, so they see again the data its pretraining
+    began with; a finetune here draws the batches of the pretraining's first steps (the header says so)."""
+    import torch
+
+    from lengthgen.data.config import step_generator
+    from lengthgen.train.setup import resolve
+
+    path = ROOT / "seed000_avnorm.toml"
+    assert "Both finetune on the data their pretraining started with" in header_text(path)
+    runs = plan(base_config(path, ["data.text.max_documents=24", "train.tokens_per_step=4096"]))
+    pretrain, finetune = runs.pretrain_config("pe", 0), runs.config("pe/groupnorm", 0, "pretrained")
+    (_, source), (_, again) = resolve(pretrain), resolve(finetune)
+    for step in (0, 7):
+        rows, length = pretrain.batch_size_at(step), pretrain.length_at(step)
+        assert (finetune.batch_size_at(step), finetune.length_at(step)) == (rows, length)
+        first = source.sample(rows, length, step_generator(pretrain.train.seed, step))
+        assert torch.equal(first.tokens, again.sample(rows, length, step_generator(finetune.train.seed, step)).tokens)
+
+
 @pytest.mark.parametrize("name", ["seed003_dyck", "seed003_max_retrieval", "seed003_set_complement",
                                   "seed003_tomita"])
 def test_seed003_header_states_every_training_constant_it_chooses(name):
