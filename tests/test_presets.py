@@ -175,6 +175,29 @@ def test_seed000_finetunes_replay_the_pretrainings_first_batches():
         assert torch.equal(first.tokens, again.sample(rows, length, step_generator(finetune.train.seed, step)).tokens)
 
 
+def test_seed001_header_names_the_kernels_lengthgen_runs_on_cuda():
+    """On CUDA `auto` runs p = 1 on SDPA and p != 1 on the Triton p-softmax kernel (full float32 dot products for
+    float32), where the seed runs its one Triton kernel (TF32 dot products) for every p: the header says which."""
+    import types
+
+    import torch
+
+    from lengthgen.attention.backends import choose
+
+    pytest.importorskip("triton")
+    path = ROOT / "seed001_counting.toml"
+    header = header_text(path)
+    assert "SDPA for p = 1, its Triton p-softmax kernel for p != 1" in header and "FlexAttention" not in header
+    cfg = base_config(path)
+    runs = plan(cfg)
+    length = max(cfg.lengths())
+    q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"), dtype=torch.float32,
+                              shape=(cfg.batch_size_at(cfg.train.steps - 1), cfg.model.heads, length,
+                                     cfg.model.dim // cfg.model.heads))
+    picked = {name: choose(runs.config(name, 0).model.attention, q, length, True) for name in runs.runs}
+    assert picked == {"p1": "sdpa", "p2": "triton", "p0.5": "triton"}
+
+
 @pytest.mark.parametrize("name", ["seed003_dyck", "seed003_max_retrieval", "seed003_set_complement",
                                   "seed003_tomita"])
 def test_seed003_header_states_every_training_constant_it_chooses(name):
