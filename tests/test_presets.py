@@ -295,6 +295,35 @@ def test_seed004_header_lists_its_batch_steps_and_the_weights_muon_skips():
     assert scaled and cfg.model.attention.scaling_init == 1 and "parity across variants" in listed   # line 169
 
 
+def test_seed003_set_complement_header_gives_the_ema_arm_of_its_bema_check():
+    """The summary checks BEMA on this task against the raw and the EMA weights; the comparison evaluates raw and
+    BEMA, and the header's --set turns BEMA into the plain EMA (no bias correction), which this checks."""
+    import torch
+
+    from lengthgen.train.bema import BEMA, bema_coefficients
+
+    path = ROOT / "seed003_set_complement.toml"
+    found = re.search(r"--set (train\.bema\.eta=[\d.]+) \(alpha = \(1 \+ t\)\^-[\d.]+ = 0\) reports it as "
+                      r"name\+bema", header_text(path))
+    assert found
+    bema = load_config(path, [found.group(1)]).train.bema
+    model = torch.nn.Linear(3, 2)
+    tracker = BEMA(model, kappa=bema.kappa, eta=bema.eta, rho=bema.rho, gamma=bema.gamma, tau=bema.tau)
+    tracker.update(0)                               # before the first step, as a run does
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for step in range(1, 7):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        tracker.update(step)
+        beta, _ = bema_coefficients(step, kappa=bema.kappa, eta=bema.eta, rho=bema.rho, gamma=bema.gamma,
+                                    tau=bema.tau)
+        for name, p in model.named_parameters():
+            ema[name] = torch.lerp(ema[name], p.detach(), beta)
+        for name, weight in tracker.weights().items():
+            assert torch.allclose(weight, ema[name], atol=1e-6), (step, name)
+
+
 def test_every_seed_has_a_cpu_analog():
     assert {p.stem for p in ANALOGS} == SEEDS
 
