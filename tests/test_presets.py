@@ -324,6 +324,45 @@ def test_seed003_set_complement_header_gives_the_ema_arm_of_its_bema_check():
             assert torch.allclose(weight, ema[name], atol=1e-6), (step, name)
 
 
+def sqrt_log_n_variant(scaling: str = "global", attention: str = "", other: str = "") -> str:
+    """A [compare.variants] table: the preset's sqrt_log_n variant with more attention fields and other keys."""
+    fields = f'query_scaling = "sqrt_log_n", learnable_scaling = "{scaling}"{attention}'
+    return f"{{model.attention = {{{fields}}}{other}}}"
+
+
+#: seed 004's further experiments for which its header gives lengthgen keys -> the variants they make
+SEED004_FURTHER = {
+    'model.attention.learnable_scaling = "head", "layer" or "none"': [
+        sqrt_log_n_variant(scaling) for scaling in ("head", "layer", "none")],
+    'model.attention.position = "nope"': [sqrt_log_n_variant(attention=', position = "nope"')],
+    'model.norm_placement = "peri"': [sqrt_log_n_variant(other=', model.norm_placement = "peri"')],
+    'model.attention.out_norm = "head_rms"': [sqrt_log_n_variant(attention=', out_norm = "head_rms"')],
+    'model.attention.qk_norm = "none", train.qk_clip = 100.0': [
+        sqrt_log_n_variant(attention=', qk_norm = "none"', other=", train.qk_clip = 100.0")],
+}
+
+
+def test_seed004_header_lists_the_speedrun_pieces_and_further_experiments_left_out():
+    """Seed 004's JAX port of the speedrun is not published: the header names the speedrun's pieces the model
+    leaves out. The seed's further experiments are not variants; the keys the header gives for some make valid
+    variants (here on the sqrt_log_n one), and the rest are named as having none."""
+    from lengthgen.model import GPT
+
+    path = ROOT / "seed004_logit_scaling.toml"
+    listed = header_text(path).split("Remaining deviations")[1]
+    assert ("none of the speedrun's value embeddings, U-net skips, soft-cap, residual and x0 lambdas, smear gate, "
+            "multi-token prediction or sliding windows") in listed
+    further = listed.split("the seed's further experiments are not variants here")[1]
+    assert "Without a key: QKV-norm" in further and "Beta-logit scaling" in further
+    small = ["model.dim=16", "model.heads=2", "model.head_dim=8", "model.layers=1", "model.vocab_size=64"]
+    for text, tables in SEED004_FURTHER.items():
+        assert text in further, text
+        for table in tables:
+            run = plan(base_config(path, [f"compare.variants.extra={table}", *small]), ["extra"]).config("extra", 0)
+            assert run.model.attention.query_scaling == "sqrt_log_n" and run.model.attention.doc_masking, table
+            GPT(run.model)
+
+
 def test_every_seed_has_a_cpu_analog():
     assert {p.stem for p in ANALOGS} == SEEDS
 
