@@ -175,6 +175,21 @@ def test_seed000_finetunes_replay_the_pretrainings_first_batches():
         assert torch.equal(first.tokens, again.sample(rows, length, step_generator(finetune.train.seed, step)).tokens)
 
 
+def test_seed000_header_lists_the_posts_other_figures():
+    """The seed's plot.py draws the from-scratch figure with YaRN's attention scale and with --no_yarn_scale (a fixed
+    1/sqrt(head_dim)), and the retrofit figure from sliding-window runs: the header lists both, and its --set gives
+    the fixed scale."""
+    from lengthgen.attention import functional as fn
+
+    path = ROOT / "seed000_avnorm.toml"
+    listed = header_text(path).split("Remaining deviations")[1]
+    found = re.search(r"--no_yarn_scale \(a fixed 1/sqrt\(128\); --set (model\.attention\.base_scale=none)", listed)
+    assert found and "plots, per the seed's plot.py, runs with sliding-window attention" in listed
+    assert load_config(path).model.attention.base_scale == 0.1
+    cfg = load_config(path, [found.group(1)]).model
+    assert cfg.resolved_head_dim == 128 and fn.base_scale(cfg.attention, 128) == pytest.approx(128 ** -0.5)
+
+
 def test_seed001_header_names_the_kernels_lengthgen_runs_on_cuda():
     """On CUDA `auto` runs p = 1 on SDPA and p != 1 on the Triton p-softmax kernel (full float32 dot products for
     float32), where the seed runs its one Triton kernel (TF32 dot products) for every p: the header says which."""
