@@ -288,7 +288,7 @@ def test_seed003_header_states_its_norm_eps_seeds_and_final_norm(name):
             "pre": ("pre", False), "post": ("post", False), "peri": ("peri", True)}, config
 
 
-@pytest.mark.parametrize("name", ["seed003_max_retrieval", "seed003_tomita"])
+@pytest.mark.parametrize("name", ["seed003_dyck", "seed003_max_retrieval", "seed003_tomita"])
 def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
     """The summary's Method Summary gives one model for its four tasks (one attention-only layer, one head); a
     preset that trains another lists its shape among the remaining deviations."""
