@@ -302,6 +302,17 @@ def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
         assert "the classifier: a linear head with 2 classes (cross-entropy) on the last position" in listed
 
 
+def test_seed003_max_retrieval_header_lists_its_layout_and_metric():
+    """The summary names maximum retrieval only and gives TVD and ROC AUC as its metrics: the task's layout and
+    its accuracy metric are lengthgen's choices, listed among the deviations."""
+    from lengthgen.train.setup import resolve
+
+    path = ROOT / "seed003_max_retrieval.toml"
+    listed = header_text(path).split("Remaining deviations")[1]
+    _, source = resolve(load_config(path))
+    assert source.metric == "accuracy" and "the metric (accuracy at the query) are lengthgen's choices" in listed
+
+
 def test_seed004_header_lists_its_batch_steps_and_the_weights_muon_skips():
     """Seed 004 gives about 1B tokens, the context doubled halfway and 'Muon for 2D parameters' only: the header
     lists the batch, steps and evaluation tokens the preset chooses, and that the 2-D embedding and head go to
