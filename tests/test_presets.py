@@ -150,6 +150,86 @@ def test_seed000_muon_update_lr_per_matrix_is_the_seeds(path):
     assert gates == {("gate", 0.008, (0.9, 0.99)), ("value_gate", 0.008, (0.9, 0.99))}
 
 
+def header_text(path: Path) -> str:
+    """A preset's top comment as one line."""
+    return re.sub(r"\s*\n#\s*", " ", path.read_text().split("\nname")[0])
+
+
+def test_seed000_finetunes_replay_the_pretrainings_first_batches():
+    """The seed's finetunes restart its loader at the first shard, so they see again the data its pretraining
+    began with; a finetune here draws the batches of the pretraining's first steps (the header says so)."""
+    import torch
+
+    from lengthgen.data.config import step_generator
+    from lengthgen.train.setup import resolve
+
+    path = ROOT / "seed000_avnorm.toml"
+    assert "Both finetune on the data their pretraining started with" in header_text(path)
+    runs = plan(base_config(path, ["data.text.max_documents=24", "train.tokens_per_step=4096"]))
+    pretrain, finetune = runs.pretrain_config("pe", 0), runs.config("pe/groupnorm", 0, "pretrained")
+    (_, source), (_, again) = resolve(pretrain), resolve(finetune)
+    for step in (0, 7):
+        rows, length = pretrain.batch_size_at(step), pretrain.length_at(step)
+        assert (finetune.batch_size_at(step), finetune.length_at(step)) == (rows, length)
+        first = source.sample(rows, length, step_generator(pretrain.train.seed, step))
+        assert torch.equal(first.tokens, again.sample(rows, length, step_generator(finetune.train.seed, step)).tokens)
+
+
+def test_seed000_header_lists_the_posts_other_figures():
+    """The seed's plot.py draws the from-scratch figure with YaRN's attention scale and with --no_yarn_scale (a fixed
+    1/sqrt(head_dim)), and the retrofit figure from sliding-window runs: the header lists both, and its --set gives
+    the fixed scale."""
+    from lengthgen.attention import functional as fn
+
+    path = ROOT / "seed000_avnorm.toml"
+    listed = header_text(path).split("Remaining deviations")[1]
+    found = re.search(r"--no_yarn_scale \(a fixed 1/sqrt\(128\); --set (model\.attention\.base_scale=none)", listed)
+    assert found and "plots, per the seed's plot.py, runs with sliding-window attention" in listed
+    assert load_config(path).model.attention.base_scale == 0.1
+    cfg = load_config(path, [found.group(1)]).model
+    assert cfg.resolved_head_dim == 128 and fn.base_scale(cfg.attention, 128) == pytest.approx(128 ** -0.5)
+
+
+def test_seed001_header_names_the_kernels_lengthgen_runs_on_cuda():
+    """On CUDA `auto` runs p = 1 on SDPA and p != 1 on the Triton p-softmax kernel (full float32 dot products for
+    float32), where the seed runs its one Triton kernel (TF32 dot products) for every p: the header says which."""
+    import types
+
+    import torch
+
+    from lengthgen.attention.backends import choose
+
+    pytest.importorskip("triton")
+    path = ROOT / "seed001_counting.toml"
+    header = header_text(path)
+    assert "SDPA for p = 1, its Triton p-softmax kernel for p != 1" in header and "FlexAttention" not in header
+    cfg = base_config(path)
+    runs = plan(cfg)
+    length = max(cfg.lengths())
+    q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"), dtype=torch.float32,
+                              shape=(cfg.batch_size_at(cfg.train.steps - 1), cfg.model.heads, length,
+                                     cfg.model.dim // cfg.model.heads))
+    picked = {name: choose(runs.config(name, 0).model.attention, q, length, True) for name in runs.runs}
+    assert picked == {"p1": "sdpa", "p2": "triton", "p0.5": "triton"}
+
+
+def test_seed001_header_says_its_figure_plots_the_mse_and_how_to_headline_it():
+    """The seed's plot.py draws val_acc_P, the MSE prefix mean, not the L1 loss it trains on: the header says so
+    and that --metric sq_error makes it the headline, which the counting source accepts (lower is better); the
+    preset's headline stays abs_error, the metric with a chance level."""
+    from lengthgen.experiments.compare import check_metric, compare_config
+    from lengthgen.train.setup import resolve
+
+    path = ROOT / "seed001_counting.toml"
+    header = header_text(path)
+    assert "the MSE prefix mean (its val_acc_P" in header and "(--metric sq_error makes the MSE the headline)" in header
+    cfg = base_config(path)
+    _, source = resolve(cfg)
+    assert compare_config(cfg).metric is None and source.metric == "abs_error"
+    assert check_metric(source, "sq_error") == ("sq_error", False)
+    assert source.chance("abs_error", 8) is not None and source.chance("sq_error", 8) is None
+
+
 @pytest.mark.parametrize("name", ["seed003_dyck", "seed003_max_retrieval", "seed003_set_complement",
                                   "seed003_tomita"])
 def test_seed003_header_states_every_training_constant_it_chooses(name):
@@ -208,7 +288,7 @@ def test_seed003_header_states_its_norm_eps_seeds_and_final_norm(name):
             "pre": ("pre", False), "post": ("post", False), "peri": ("peri", True)}, config
 
 
-@pytest.mark.parametrize("name", ["seed003_max_retrieval", "seed003_tomita"])
+@pytest.mark.parametrize("name", ["seed003_dyck", "seed003_max_retrieval", "seed003_tomita"])
 def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
     """The summary's Method Summary gives one model for its four tasks (one attention-only layer, one head); a
     preset that trains another lists its shape among the remaining deviations."""
@@ -220,6 +300,17 @@ def test_seed003_model_larger_than_the_minimal_one_is_a_listed_deviation(name):
     assert m.mlp == "gelu"
     if load_config(path).data.task == "tomita":     # its classifier readout is lengthgen's choice too
         assert "the classifier: a linear head with 2 classes (cross-entropy) on the last position" in listed
+
+
+def test_seed003_max_retrieval_header_lists_its_layout_and_metric():
+    """The summary names maximum retrieval only and gives TVD and ROC AUC as its metrics: the task's layout and
+    its accuracy metric are lengthgen's choices, listed among the deviations."""
+    from lengthgen.train.setup import resolve
+
+    path = ROOT / "seed003_max_retrieval.toml"
+    listed = header_text(path).split("Remaining deviations")[1]
+    _, source = resolve(load_config(path))
+    assert source.metric == "accuracy" and "the metric (accuracy at the query) are lengthgen's choices" in listed
 
 
 def test_seed004_header_lists_its_batch_steps_and_the_weights_muon_skips():
@@ -245,6 +336,74 @@ def test_seed004_header_lists_its_batch_steps_and_the_weights_muon_skips():
     assert "the embedding and the head are 2-D too but go to AdamW" in listed
     scaled = [v for v in compare_config(cfg).variants.values() if "query_scaling" in str(v)]
     assert scaled and cfg.model.attention.scaling_init == 1 and "parity across variants" in listed   # line 169
+
+
+def test_seed003_set_complement_header_gives_the_ema_arm_of_its_bema_check():
+    """The summary checks BEMA on this task against the raw and the EMA weights; the comparison evaluates raw and
+    BEMA, and the header's --set turns BEMA into the plain EMA (no bias correction), which this checks."""
+    import torch
+
+    from lengthgen.train.bema import BEMA, bema_coefficients
+
+    path = ROOT / "seed003_set_complement.toml"
+    found = re.search(r"--set (train\.bema\.eta=[\d.]+) \(alpha = \(1 \+ t\)\^-[\d.]+ = 0\) reports it as "
+                      r"name\+bema", header_text(path))
+    assert found
+    bema = load_config(path, [found.group(1)]).train.bema
+    model = torch.nn.Linear(3, 2)
+    tracker = BEMA(model, kappa=bema.kappa, eta=bema.eta, rho=bema.rho, gamma=bema.gamma, tau=bema.tau)
+    tracker.update(0)                               # before the first step, as a run does
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for step in range(1, 7):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        tracker.update(step)
+        beta, _ = bema_coefficients(step, kappa=bema.kappa, eta=bema.eta, rho=bema.rho, gamma=bema.gamma,
+                                    tau=bema.tau)
+        for name, p in model.named_parameters():
+            ema[name] = torch.lerp(ema[name], p.detach(), beta)
+        for name, weight in tracker.weights().items():
+            assert torch.allclose(weight, ema[name], atol=1e-6), (step, name)
+
+
+def sqrt_log_n_variant(scaling: str = "global", attention: str = "", other: str = "") -> str:
+    """A [compare.variants] table: the preset's sqrt_log_n variant with more attention fields and other keys."""
+    fields = f'query_scaling = "sqrt_log_n", learnable_scaling = "{scaling}"{attention}'
+    return f"{{model.attention = {{{fields}}}{other}}}"
+
+
+#: seed 004's further experiments for which its header gives lengthgen keys -> the variants they make
+SEED004_FURTHER = {
+    'model.attention.learnable_scaling = "head", "layer" or "none"': [
+        sqrt_log_n_variant(scaling) for scaling in ("head", "layer", "none")],
+    'model.attention.position = "nope"': [sqrt_log_n_variant(attention=', position = "nope"')],
+    'model.norm_placement = "peri"': [sqrt_log_n_variant(other=', model.norm_placement = "peri"')],
+    'model.attention.out_norm = "head_rms"': [sqrt_log_n_variant(attention=', out_norm = "head_rms"')],
+    'model.attention.qk_norm = "none", train.qk_clip = 100.0': [
+        sqrt_log_n_variant(attention=', qk_norm = "none"', other=", train.qk_clip = 100.0")],
+}
+
+
+def test_seed004_header_lists_the_speedrun_pieces_and_further_experiments_left_out():
+    """Seed 004's JAX port of the speedrun is not published: the header names the speedrun's pieces the model
+    leaves out. The seed's further experiments are not variants; the keys the header gives for some make valid
+    variants (here on the sqrt_log_n one), and the rest are named as having none."""
+    from lengthgen.model import GPT
+
+    path = ROOT / "seed004_logit_scaling.toml"
+    listed = header_text(path).split("Remaining deviations")[1]
+    assert ("none of the speedrun's value embeddings, U-net skips, soft-cap, residual and x0 lambdas, smear gate, "
+            "multi-token prediction or sliding windows") in listed
+    further = listed.split("the seed's further experiments are not variants here")[1]
+    assert "Without a key: QKV-norm" in further and "Beta-logit scaling" in further
+    small = ["model.dim=16", "model.heads=2", "model.head_dim=8", "model.layers=1", "model.vocab_size=64"]
+    for text, tables in SEED004_FURTHER.items():
+        assert text in further, text
+        for table in tables:
+            run = plan(base_config(path, [f"compare.variants.extra={table}", *small]), ["extra"]).config("extra", 0)
+            assert run.model.attention.query_scaling == "sqrt_log_n" and run.model.attention.doc_masking, table
+            GPT(run.model)
 
 
 def test_every_seed_has_a_cpu_analog():
