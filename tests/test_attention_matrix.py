@@ -3,6 +3,8 @@
 the `Attention` layer likewise (on dense, and on every CPU backend with a backward for those that change what the
 layer hands `attend`).
 
+`test_every_knob_changes_its_cells` holds every field an option sets to changing what its cells compute.
+
 The other cells are elsewhere: float64 / float32 values and gradients of every option on tiled, sdpa and cpu_flash
 against dense in test_attention_backends.py (flex: values in test_flex.py; the Triton kernel under the interpreter in
 test_triton.py), the layer's options on tiled against dense in test_attention_module.py, extreme logits and p values
@@ -23,6 +25,7 @@ from test_attention_module import MODULE_OPTIONS
 
 from lengthgen.attention import Attention, AttentionSpec, attend, backends
 from lengthgen.attention import functional as fn
+from lengthgen.config import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -177,19 +180,22 @@ def test_explicit_mask_gradcheck_and_bfloat16(backend):
 
 LAYER_OPTIONS = {
     **{name: changes for name, (changes, _) in MODULE_OPTIONS.items()},
-    "rope_min_freq": dict(position="prope", prope_fraction=0.5, rope_min_freq=1 / 64),
+    "prope_min_freq": dict(position="prope", prope_fraction=0.5, rope_min_freq=1 / 64),
     "head_layer_affine": dict(out_norm="head_layer", out_norm_affine=True),
     "gate_head_2sigmoid_width": dict(gate="head", gate_act="2sigmoid", gate_width=5),
     "gate_elementwise_sigmoid": dict(gate="elementwise"),
 }
-DIM, HEADS = 8, 2
+#: head_dim 8 (4 pairs) and 4 heads, so that every knob changes the layer (`test_every_knob_changes_its_cells`):
+#: at head_dim 4 p-RoPE's fraction 0.5 and 0.75 both rotate one pair, which never reaches rope_min_freq, the
+#: default base_scale 1/sqrt(4) is MODULE_OPTIONS' 0.5, and kv_heads=2 of 2 heads is no GQA
+DIM, HEADS, HEAD_DIM = 8, 4, 8
 
 
 def layer_cells() -> list:
     """(option, backend): every layer option on dense; those that change what the layer hands `attend` (a learnable
     multiplier, a scalar for global and layer scaling; GQA's fewer key/value heads) on every CPU backend with a
     backward that runs them (the other options' math around `attend` is the same on every backend)."""
-    probe = torch.empty(1, HEADS, 4, 4)
+    probe = torch.empty(1, HEADS, 4, HEAD_DIM)
     return [pytest.param(option, backend, id=f"{option}-{backend}") for backend in TRAINING for option in LAYER_OPTIONS
             if backend == "dense" or {"learnable_scaling", "kv_heads"} & set(LAYER_OPTIONS[option])
             and backends.unsupported(backend, AttentionSpec(**LAYER_OPTIONS[option]), probe, True) is None]
@@ -199,7 +205,7 @@ def layer_and_input(changes: dict, seed: int = 0, backend: str = "dense") -> tup
     """A float64 layer with every parameter moved off its init (so that unit norm weights and zero gates are
     generic), and x (2, 8, DIM)."""
     torch.manual_seed(seed)
-    layer = Attention(DIM, HEADS, AttentionSpec(**changes), backend=backend).double()
+    layer = Attention(DIM, HEADS, AttentionSpec(**changes), head_dim=HEAD_DIM, backend=backend).double()
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -223,13 +229,13 @@ def test_layer_gradcheck_every_option(option, backend):
 def test_layer_bfloat16_every_option_against_float64(option, backend):
     """A bfloat16 layer (weights, x and every intermediate rounded to bfloat16, attend in float32) against the same
     rounded weights and x in float64: output and gradients of x and of every parameter within a few bfloat16
-    roundings of their size (the layer chains a few rounded products). A scalar multiplier's gradient sums one term
-    per head and position, whose signs may cancel (log_bn_global: 0.003 against about 0.5 for the other options'
-    multipliers): its error is measured against the layer's largest parameter gradient entry. The reference runs
-    on the dense oracle."""
+    roundings of their size (the layer chains a few rounded products; at most 3.6 of them measured). A scalar
+    multiplier's gradient sums one term per head and position, whose signs may cancel (log_bn_global's was 0.003
+    against about 0.5 at 2 heads of 4 channels): its error is measured against the layer's largest parameter
+    gradient entry. The reference runs on the dense oracle."""
     layer, x = layer_and_input(LAYER_OPTIONS[option], backend=backend)
     low = layer.to(torch.bfloat16)
-    ref = Attention(DIM, HEADS, low.spec, backend="dense").double()
+    ref = Attention(DIM, HEADS, low.spec, head_dim=HEAD_DIM, backend="dense").double()
     ref.load_state_dict(low.state_dict())
     x_low = x.to(torch.bfloat16).requires_grad_()
     x_ref = x_low.detach().double().requires_grad_()
@@ -240,3 +246,53 @@ def test_layer_bfloat16_every_option_against_float64(option, backend):
     wanted = [want.detach(), *torch.autograd.grad(want, [x_ref, *ref.parameters()], gout)]
     errors = relative_errors(got, wanted, floor=max(float(w.abs().max()) for w in wanted[2:]))
     assert max(errors) <= 8 * BF16, dict(zip(["out", "x", *(n for n, _ in low.named_parameters())], errors))
+
+
+def knob_off(changes: dict, field: str) -> AttentionSpec | None:
+    """The option ``changes`` with ``field`` back at its default, or None where that is no valid spec (a learnable
+    multiplier needs its query scaling: the choice is read by definition)."""
+    try:
+        return AttentionSpec(**{f: v for f, v in changes.items() if f != field})
+    except ConfigError:
+        return None
+
+
+def unchanged(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to float64 rounding (a base_scale equal to the default's takes another path to the same logits)."""
+    return bool((got - want).abs().max() <= 1e-12 * want.abs().max())
+
+
+def test_every_knob_changes_its_cells():
+    """A field that an option sets away from its default but that its cells' output does not read tests nothing: at
+    the layer cells' former head_dim 4, p-RoPE's fraction 0.5 rotated as many pairs as the default 0.75, the
+    rope_min_freq option (its key taken twice in LAYER_OPTIONS, the second a p-RoPE rotating one pair) never reached
+    its minimum frequency, base_scale=0.5 was the default 1/sqrt(4) and kv_heads=2 of 2 heads no GQA. Each field
+    reset to its default changes the dense output of the option's cells (attend's, with the multiplier they pass) or
+    the layer's output with the same weights (or its parameters). Exempt: scaling_init where a multiplier replaces it
+    (passed to attend, or a learnable one moved off its init by the cells; the fixed one is read by log_n_s)."""
+    silent = []
+    q, k, v, per_head = inputs()
+    for option, changes in OPTIONS.items():
+        mult = multiplier(option, per_head)
+        out = run("dense", q, k, v, AttentionSpec(**changes), DOCS, mult)
+        for field in changes:
+            spec = knob_off(changes, field)
+            if spec is None or field == "scaling_init" and mult is not None:
+                continue
+            if unchanged(run("dense", q, k, v, spec, DOCS, mult if spec.query_scaling != "none" else None), out):
+                silent.append(f"{option}.{field}")
+    assert "scaling_init" in OPTIONS["log_n_s"] and multiplier("log_n_s", per_head) is None
+    for option, changes in LAYER_OPTIONS.items():
+        layer, x = layer_and_input(changes)
+        for field in changes:
+            spec = knob_off(changes, field)
+            if spec is None or field == "scaling_init" and spec.learnable_scaling != "none":
+                continue
+            other = Attention(DIM, HEADS, spec, head_dim=HEAD_DIM).double()
+            shapes = [{n: t.shape for n, t in m.state_dict().items()} for m in (layer, other)]
+            if shapes[0] != shapes[1]:
+                continue                                                    # other parameters: the field is read
+            other.load_state_dict(layer.state_dict())
+            if unchanged(other(x, DOCS), layer(x, DOCS)):
+                silent.append(f"layer {option}.{field}")
+    assert not silent, f"set away from the default, read by no cell: {', '.join(silent)}"
