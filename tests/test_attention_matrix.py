@@ -3,6 +3,7 @@
 the `Attention` layer likewise (on dense, and on every CPU backend with a backward for those that change what the
 layer hands `attend`).
 
+Each layer option's values also equal `explicit_layer`, the layer written from its formulas in plain torch, and
 `test_every_knob_changes_its_cells` holds every field an option sets to changing what its cells compute.
 
 The other cells are elsewhere: float64 / float32 values and gradients of every option on tiled, sdpa and cpu_flash
@@ -16,11 +17,13 @@ fails), full-mode ones of chosen combinations are in test_attention_backends.py.
 
 from __future__ import annotations
 
+import math
 import typing
 
 import pytest
 import torch
-from test_attention_backends import OPTIONS
+import torch.nn.functional as F
+from test_attention_backends import OPTIONS, naive_attention
 from test_attention_module import MODULE_OPTIONS
 
 from lengthgen.attention import Attention, AttentionSpec, attend, backends
@@ -246,6 +249,71 @@ def test_layer_bfloat16_every_option_against_float64(option, backend):
     wanted = [want.detach(), *torch.autograd.grad(want, [x_ref, *ref.parameters()], gout)]
     errors = relative_errors(got, wanted, floor=max(float(w.abs().max()) for w in wanted[2:]))
     assert max(errors) <= 8 * BF16, dict(zip(["out", "x", *(n for n, _ in low.named_parameters())], errors))
+
+
+def explicit_layer(layer: Attention, x: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """The layer's output from the formulas in plain torch, without lengthgen's functions: QK-norm over head_dim
+    (RMSNorm ``x / sqrt(mean x^2 + eps)``, LayerNorm ``(x - mean) / sqrt(var + eps)``, then the weight); RoPE as
+    the complex pairs ``(x_i + i x_{i + D/2}) e^{i pos f_i}``, the first ``floor(fraction D / 2)`` rotating (p-RoPE)
+    with ``f_i = theta^(-2i/D)`` or log-spaced from 1 down to rope_min_freq (checked to float32 rounding, the
+    buffer's precision, then taken from it); attention by `naive_attention`'s loops; the out-norm of each head's
+    channels or of all of them, then its affine per merged channel; the gate ``act(x[..., :w] W_g^T)`` per head or
+    per channel; o_proj. A choice it has no formula for raises."""
+    spec, (b, length, dim), heads, kv, d = layer.spec, x.shape, layer.heads, layer.kv_heads, layer.head_dim
+
+    def project(linear, h):
+        return F.linear(x, linear.weight, linear.bias).view(b, length, h, d).transpose(1, 2)
+
+    def norm(t, kind, eps):
+        if kind == "layer":
+            t = t - t.mean(-1, keepdim=True)
+        elif kind != "rms":
+            raise NotImplementedError(f"explicit_layer has no formula for norm {kind!r}")
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+    q, k, v = project(layer.q_proj, heads), project(layer.k_proj, kv), project(layer.v_proj, kv)
+    if spec.qk_norm != "none":
+        q, k = norm(q, spec.qk_norm, spec.qk_norm_eps), norm(k, spec.qk_norm, spec.qk_norm_eps)
+        if spec.qk_norm_affine:
+            q, k = q * layer.q_norm_weight, k * layer.k_norm_weight
+    if spec.position not in ("nope", "rope", "prope"):
+        raise NotImplementedError(f"explicit_layer has no formula for position {spec.position!r}")
+    if spec.position != "nope":
+        rotated = math.floor((1.0 if spec.position == "rope" else spec.prope_fraction) * d / 2)
+        freqs = [spec.rope_theta ** (-2 * i / d) if spec.rope_min_freq is None else
+                 spec.rope_min_freq ** (i / max(rotated - 1, 1)) for i in range(rotated)]
+        want = torch.tensor(freqs + [0.0] * (d // 2 - rotated), dtype=torch.float64)
+        torch.testing.assert_close(layer.rope_freqs, want, rtol=2e-6, atol=0)
+        turn = torch.polar(torch.ones(length, d // 2, dtype=torch.float64),
+                           torch.arange(length, dtype=torch.float64)[:, None] * layer.rope_freqs)
+
+        def rotate(t):
+            z = torch.complex(t[..., :d // 2], t[..., d // 2:]) * turn
+            return torch.cat([z.real, z.imag], -1)
+        q, k = rotate(q), rotate(k)
+    m = layer.scaling.multiplier
+    mult = torch.full((heads,), spec.scaling_init, dtype=torch.float64) if m is None else m.detach().expand(heads)
+    y = naive_attention(q.detach(), k.detach(), v.detach(), spec, docs, mult).transpose(1, 2)    # (B, L, H, D)
+    if spec.out_norm != "none":
+        kind = spec.out_norm.split("_")
+        y = norm(y, kind[1], spec.out_norm_eps) if kind[0] == "head" else \
+            norm(y.reshape(b, length, 1, heads * d), kind[1], spec.out_norm_eps)
+    y = y.reshape(b, length, heads * d)
+    if spec.out_norm_affine and spec.out_norm != "none":
+        y = y * layer.out_norm.weight + (layer.out_norm.bias if spec.out_norm.endswith("layer") else 0)
+    if spec.gate != "none":
+        gate = torch.sigmoid(x[..., :spec.gate_width or dim] @ layer.gate.weight.T)     # (B, L, H or H*D)
+        gate = {"sigmoid": gate, "2sigmoid": 2 * gate}[spec.gate_act]
+        y = y * {"head": gate.repeat_interleave(d, -1), "elementwise": gate}[spec.gate]
+    return F.linear(y, layer.o_proj.weight, layer.o_proj.bias)
+
+
+@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
+def test_layer_equals_explicit_formulas_every_option(option):
+    """The values of every layer option against `explicit_layer` (its gradients: the layer gradchecks above)."""
+    layer, x = layer_and_input(LAYER_OPTIONS[option])
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, DOCS), explicit_layer(layer, x, DOCS), rtol=1e-10, atol=1e-10)
 
 
 def knob_off(changes: dict, field: str) -> AttentionSpec | None:
