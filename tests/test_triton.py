@@ -48,7 +48,7 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
                                           shape=(1, 2, 2, 40, 40, 16, 16), scale=0.25),
         "alibi_gqa_p2": dict(spec=dict(distance="alibi", softmax_p=2.0), shape=(1, 4, 1, 33, 33, 16, 16),
                              scale=0.125),
-        "log_bias_docs_window_p1.5": dict(spec=dict(distance="log_bias", log_bias_lambda=0.8, softmax_p=1.5,
+        "log_bias_docs_window_p1.5": dict(spec=dict(distance="log_bias", log_bias_lambda=0.8, tau=3.0, softmax_p=1.5,
                                                     doc_masking=True, window=20), shape=(2, 2, 2, 40, 40, 16, 16),
                                           docs=True, scale=0.3),
         "window_p1": dict(spec=dict(window=5), shape=(1, 2, 2, 37, 37, 16, 16)),
@@ -239,6 +239,37 @@ def test_interpreter_matches_dense(group):
         failures += [f"{name} {k}: {e:.2e} > {tolerance(case, k):.0e}" for k, e in errors.items()
                      if not e <= tolerance(case, k)]
     assert not failures, "\n".join(failures)
+
+
+#: the fields the kernel never sees: `attend` turns them into the query gains and the scale it hands the kernel
+ATTEND_FIELDS = ("query_scaling", "scaling_a", "scaling_b", "scaling_c", "scaling_init", "base_scale")
+
+
+def test_interpreter_cases_cover_every_option():
+    """Every option of the coverage matrix (test_attention_backends.OPTIONS, which uses every choice of the spec) runs
+    on the kernel under the interpreter: one case sets each of its fields to the same value, or a float knob away from
+    its default (``attend`` cases for what `attend` reads, `ATTEND_FIELDS`; scaling_init: also a learned multiplier,
+    which replaces it); a distance the kernel refuses (not in ``DISTANCE_CODES``) is exempt. log_bias had run only at
+    the default tau, which the kernel reads as ``tau_inv``."""
+    from test_attention_backends import OPTIONS
+
+    from lengthgen.attention import AttentionSpec
+    from lengthgen.attention.backends.triton_psoftmax import DISTANCE_CODES
+
+    base = AttentionSpec()
+    cases = [case for group in INTERPRETER_GROUPS.values() for case in group.values()]
+
+    def sets(case: dict, field: str, value) -> bool:
+        if field in ATTEND_FIELDS and "attend" not in case:
+            return False
+        if field == "scaling_init" and case["attend"] in ("heads", "global"):
+            return True
+        got = case["spec"].get(field, getattr(base, field))
+        return got != getattr(base, field) if isinstance(value, float) and field != "softmax_p" else got == value
+
+    missing = [name for name, changes in OPTIONS.items() if changes.get("distance", "none") in DISTANCE_CODES
+               and not any(all(sets(case, f, v) for f, v in changes.items()) for case in cases)]
+    assert not missing, f"no interpreter case runs the options {missing}"
 
 
 # ---------------------------------------------------------------------------------------------------
