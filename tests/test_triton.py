@@ -97,7 +97,9 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
                                     (8.0, "spread", "float32"), (100.0, "offset", "float16"))},
     },
 }
-TOL = {"float32": 1e-4, "float16": 2e-2}
+#: measured at most 2.6e-6 (float32: 22 float32 epsilons, dmult) and 2.2e-3 (float16: 2.2 epsilons, dgain under
+#: autocast) over every case; the former 1e-4 and 2e-2 were 40 and 9 times that
+TOL = {"float32": 1e-5, "float16": 5e-3}
 
 
 def tolerance(case: dict, name: str) -> float:
