@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from test_attention_backends import OPTIONS, naive_attention
 from test_attention_module import MODULE_OPTIONS
 
-from lengthgen.attention import Attention, AttentionSpec, attend, backends
+from lengthgen.attention import FIELDS, Attention, AttentionSpec, attend, backends
 from lengthgen.attention import functional as fn
 from lengthgen.config import ConfigError
 
@@ -81,7 +81,7 @@ def multiplier(option: str, per_head: torch.Tensor, dtype: torch.dtype = torch.f
 def test_the_options_use_every_choice():
     """A choice of an `AttentionSpec` field that no option uses (a new distance term or query scaling) fails here,
     until an entry of OPTIONS (what `attend` reads: every backend's cells) or MODULE_OPTIONS (the layer's) uses it;
-    the cells below then run it."""
+    the cells below then run it. So does a field that no option sets (a new knob)."""
     core, layer = ({(f, v) for changes in options for f, v in changes.items()} for options in
                    (OPTIONS.values(), LAYER_OPTIONS.values()))
     missing = [f"{field}={choice!r}" for field, hint in typing.get_type_hints(AttentionSpec).items()
@@ -89,6 +89,22 @@ def test_the_options_use_every_choice():
                if choice != getattr(AttentionSpec(), field)
                and (field, choice) not in (core if field in ("query_scaling", "distance") else core | layer)]
     assert not missing, f"no option of the matrix uses {', '.join(missing)}"
+    unset = [f for f in FIELDS if not any(f in changes for changes in (*OPTIONS.values(), *LAYER_OPTIONS.values()))]
+    assert not unset, f"no option of the matrix sets {', '.join(unset)}"
+
+
+def test_what_attend_reads_is_in_the_options_of_every_backend():
+    """A field that changes what `attend` computes belongs in OPTIONS, whose cells run on every backend: set only by
+    a layer option (a new knob of the distance terms, say) it would run on dense alone (the layer's options reach the
+    other backends only with a learnable multiplier or GQA, `layer_cells`). q, k, v of the layer cells' shapes."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, HEADS, 8, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    core = {field for changes in OPTIONS.values() for field in changes}
+    layer_only = [f"{option}.{field}" for option, changes in LAYER_OPTIONS.items() for field in set(changes) - core
+                  if (off := knob_off(changes, field)) is not None and not unchanged(
+                      attend(q, k, v, off, doc_ids=DOCS, backend="dense"),
+                      attend(q, k, v, AttentionSpec(**changes), doc_ids=DOCS, backend="dense"))]
+    assert not layer_only, f"read by attend but set only by a layer option: {', '.join(layer_only)}"
 
 
 @pytest.mark.parametrize("option, backend", cells(TRAINING, training=True))
