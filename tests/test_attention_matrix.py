@@ -244,21 +244,25 @@ def test_layer_gradcheck_every_option(option, backend):
     assert torch.autograd.gradcheck(forward, (x.requires_grad_(), *params), fast_mode=True)
 
 
+@pytest.mark.parametrize("mode", ["bfloat16", "autocast"])
 @pytest.mark.parametrize("option, backend", layer_cells())
-def test_layer_bfloat16_every_option_against_float64(option, backend):
-    """A bfloat16 layer (weights, x and every intermediate rounded to bfloat16, attend in float32) against the same
-    rounded weights and x in float64: output and gradients of x and of every parameter within a few bfloat16
-    roundings of their size (the layer chains a few rounded products; at most 3.6 of them measured). A scalar
-    multiplier's gradient sums one term per head and position, whose signs may cancel (log_bn_global's was 0.003
-    against about 0.5 at 2 heads of 4 channels): its error is measured against the layer's largest parameter
-    gradient entry. The reference runs on the dense oracle."""
+def test_layer_bfloat16_every_option_against_float64(option, backend, mode):
+    """A bfloat16 layer (weights, x and every intermediate rounded to bfloat16, attend in float32), or a float32
+    layer under bfloat16 autocast as training runs it (the projections in bfloat16, a LayerNorm QK-norm in float32,
+    float32 gradients), against the same weights and x in float64: output and gradients of x and of every parameter
+    within a few bfloat16 roundings of their size (the layer chains a few rounded products; at most 3.6 and 4.4 of
+    them measured). A scalar multiplier's gradient sums one term per head and position, whose signs may cancel
+    (log_bn_global's was 0.003 against about 0.5 at 2 heads of 4 channels): its error is measured against the
+    layer's largest parameter gradient entry. The reference runs on the dense oracle."""
     layer, x = layer_and_input(LAYER_OPTIONS[option], backend=backend)
-    low = layer.to(torch.bfloat16)
+    low = layer.to(torch.bfloat16 if mode == "bfloat16" else torch.float32)
     ref = Attention(DIM, HEADS, low.spec, head_dim=HEAD_DIM, backend="dense").double()
     ref.load_state_dict(low.state_dict())
-    x_low = x.to(torch.bfloat16).requires_grad_()
+    x_low = x.to(low.q_proj.weight.dtype).requires_grad_()
     x_ref = x_low.detach().double().requires_grad_()
-    out, want = low(x_low, DOCS), ref(x_ref, DOCS)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        out = low(x_low, DOCS)
+    want = ref(x_ref, DOCS)
     assert out.dtype == torch.bfloat16
     gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     got = [out, *torch.autograd.grad(out, [x_low, *low.parameters()], gout.to(out.dtype))]
