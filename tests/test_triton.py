@@ -88,6 +88,11 @@ INTERPRETER_GROUPS: dict[str, dict[str, dict]] = {
                                                         gain="batch", scale=0.5),
         "fp16_docs_p2": dict(spec=dict(softmax_p=2.0, doc_masking=True), shape=(1, 2, 2, 32, 32, 16, 16),
                              docs=True, dtype="float16", scale=0.25),
+        # the other distance terms and the window in half precision (bfloat16 runs on CUDA only: see unsupported)
+        "fp16_scale_invariant_window_p3": dict(spec=dict(distance="scale_invariant", tau=2.0, window=7, softmax_p=3.0),
+                                               shape=(1, 2, 1, 24, 24, 16, 16), dtype="float16", scale=0.5),
+        "fp16_log_bias_window_p1": dict(spec=dict(distance="log_bias", tau=3.0, log_bias_lambda=2.5, window=9),
+                                        shape=(1, 2, 2, 24, 24, 16, 16), dtype="float16"),
         "strided_layout_p1": dict(spec=dict(), shape=(1, 2, 2, 32, 32, 32, 32), strided=True),
         # logits up to 1e4 (see test_numerics.py): each p once, float32 and float16, both regimes
         **{f"{regime}_1e4_p{p}_{dtype}": dict(spec=dict(softmax_p=p, distance=distance_for(p, regime)),
