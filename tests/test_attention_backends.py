@@ -449,8 +449,10 @@ def naive_attention(q, k, v, spec, doc_ids, multipliers):
                     g = spec.scaling_a + mult * math.log(spec.scaling_b * n + spec.scaling_c)
                 elif spec.query_scaling == "sqrt_log_n":
                     g = spec.scaling_a + mult * math.sqrt(2 * math.log(spec.scaling_b * n + spec.scaling_c))
-                else:
+                elif spec.query_scaling == "none":
                     g = 1.0
+                else:
+                    raise NotImplementedError(f"naive_attention has no formula for {spec.query_scaling=}")
                 logit = {}
                 for j in visible:
                     t = i - j
@@ -484,6 +486,19 @@ def test_dense_oracle_matches_explicit_loops(distance, scaling, p):
     want = naive_attention(q, k, v, spec, docs, mult)
     torch.testing.assert_close(attend(q, k, v, spec, doc_ids=docs, multipliers=mult, backend="dense"), want, **F64)
     torch.testing.assert_close(attend(q, k, v, spec, doc_ids=docs, multipliers=mult, backend="tiled"), want, **F64)
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_dense_oracle_matches_explicit_loops_for_every_option(name):
+    """Each option alone, with the default multiplier (scaling_init): the combinations above always set a query
+    scaling, a distance term, a window and documents, so that no query_scaling or distance 'none', window or
+    documents alone, or log_bn's b and c, ran against the loops. OPTIONS uses every choice of the spec
+    (test_attention_matrix.test_the_options_use_every_choice), and the loops raise for one they have no formula for."""
+    spec = AttentionSpec(**OPTIONS[name])
+    q, k, v = make_inputs(b=2, h=4, hkv=2, lq=6, lk=8, d=3, seed=10)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, 3, 3, 3, 3, 2, 2]])
+    want = naive_attention(q, k, v, spec, docs, torch.full((4,), spec.scaling_init, dtype=torch.float64))
+    torch.testing.assert_close(attend(q, k, v, spec, doc_ids=docs, backend="dense"), want, **F64)
 
 
 def test_explicit_loops_reference_is_sensitive():

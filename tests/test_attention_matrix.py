@@ -3,6 +3,9 @@
 the `Attention` layer likewise (on dense, and on every CPU backend with a backward for those that change what the
 layer hands `attend`).
 
+Each layer option's values also equal `explicit_layer`, the layer written from its formulas in plain torch, and
+`test_every_knob_changes_its_cells` holds every field an option sets to changing what its cells compute.
+
 The other cells are elsewhere: float64 / float32 values and gradients of every option on tiled, sdpa and cpu_flash
 against dense in test_attention_backends.py (flex: values in test_flex.py; the Triton kernel under the interpreter in
 test_triton.py), the layer's options on tiled against dense in test_attention_module.py, extreme logits and p values
@@ -14,15 +17,18 @@ fails), full-mode ones of chosen combinations are in test_attention_backends.py.
 
 from __future__ import annotations
 
+import math
 import typing
 
 import pytest
 import torch
-from test_attention_backends import OPTIONS
+import torch.nn.functional as F
+from test_attention_backends import OPTIONS, naive_attention
 from test_attention_module import MODULE_OPTIONS
 
-from lengthgen.attention import Attention, AttentionSpec, attend, backends
+from lengthgen.attention import FIELDS, Attention, AttentionSpec, attend, backends
 from lengthgen.attention import functional as fn
+from lengthgen.config import ConfigError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -75,7 +81,7 @@ def multiplier(option: str, per_head: torch.Tensor, dtype: torch.dtype = torch.f
 def test_the_options_use_every_choice():
     """A choice of an `AttentionSpec` field that no option uses (a new distance term or query scaling) fails here,
     until an entry of OPTIONS (what `attend` reads: every backend's cells) or MODULE_OPTIONS (the layer's) uses it;
-    the cells below then run it."""
+    the cells below then run it. So does a field that no option sets (a new knob)."""
     core, layer = ({(f, v) for changes in options for f, v in changes.items()} for options in
                    (OPTIONS.values(), LAYER_OPTIONS.values()))
     missing = [f"{field}={choice!r}" for field, hint in typing.get_type_hints(AttentionSpec).items()
@@ -83,6 +89,22 @@ def test_the_options_use_every_choice():
                if choice != getattr(AttentionSpec(), field)
                and (field, choice) not in (core if field in ("query_scaling", "distance") else core | layer)]
     assert not missing, f"no option of the matrix uses {', '.join(missing)}"
+    unset = [f for f in FIELDS if not any(f in changes for changes in (*OPTIONS.values(), *LAYER_OPTIONS.values()))]
+    assert not unset, f"no option of the matrix sets {', '.join(unset)}"
+
+
+def test_what_attend_reads_is_in_the_options_of_every_backend():
+    """A field that changes what `attend` computes belongs in OPTIONS, whose cells run on every backend: set only by
+    a layer option (a new knob of the distance terms, say) it would run on dense alone (the layer's options reach the
+    other backends only with a learnable multiplier or GQA, `layer_cells`). q, k, v of the layer cells' shapes."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, HEADS, 8, HEAD_DIM, generator=g, dtype=torch.float64) for _ in range(3))
+    core = {field for changes in OPTIONS.values() for field in changes}
+    layer_only = [f"{option}.{field}" for option, changes in LAYER_OPTIONS.items() for field in set(changes) - core
+                  if (off := knob_off(changes, field)) is not None and not unchanged(
+                      attend(q, k, v, off, doc_ids=DOCS, backend="dense"),
+                      attend(q, k, v, AttentionSpec(**changes), doc_ids=DOCS, backend="dense"))]
+    assert not layer_only, f"read by attend but set only by a layer option: {', '.join(layer_only)}"
 
 
 @pytest.mark.parametrize("option, backend", cells(TRAINING, training=True))
@@ -177,19 +199,22 @@ def test_explicit_mask_gradcheck_and_bfloat16(backend):
 
 LAYER_OPTIONS = {
     **{name: changes for name, (changes, _) in MODULE_OPTIONS.items()},
-    "rope_min_freq": dict(position="prope", prope_fraction=0.5, rope_min_freq=1 / 64),
+    "prope_min_freq": dict(position="prope", prope_fraction=0.5, rope_min_freq=1 / 64),
     "head_layer_affine": dict(out_norm="head_layer", out_norm_affine=True),
     "gate_head_2sigmoid_width": dict(gate="head", gate_act="2sigmoid", gate_width=5),
     "gate_elementwise_sigmoid": dict(gate="elementwise"),
 }
-DIM, HEADS = 8, 2
+#: head_dim 8 (4 pairs) and 4 heads, so that every knob changes the layer (`test_every_knob_changes_its_cells`):
+#: at head_dim 4 p-RoPE's fraction 0.5 and 0.75 both rotate one pair, which never reaches rope_min_freq, the
+#: default base_scale 1/sqrt(4) is MODULE_OPTIONS' 0.5, and kv_heads=2 of 2 heads is no GQA
+DIM, HEADS, HEAD_DIM = 8, 4, 8
 
 
 def layer_cells() -> list:
     """(option, backend): every layer option on dense; those that change what the layer hands `attend` (a learnable
     multiplier, a scalar for global and layer scaling; GQA's fewer key/value heads) on every CPU backend with a
     backward that runs them (the other options' math around `attend` is the same on every backend)."""
-    probe = torch.empty(1, HEADS, 4, 4)
+    probe = torch.empty(1, HEADS, 4, HEAD_DIM)
     return [pytest.param(option, backend, id=f"{option}-{backend}") for backend in TRAINING for option in LAYER_OPTIONS
             if backend == "dense" or {"learnable_scaling", "kv_heads"} & set(LAYER_OPTIONS[option])
             and backends.unsupported(backend, AttentionSpec(**LAYER_OPTIONS[option]), probe, True) is None]
@@ -199,7 +224,7 @@ def layer_and_input(changes: dict, seed: int = 0, backend: str = "dense") -> tup
     """A float64 layer with every parameter moved off its init (so that unit norm weights and zero gates are
     generic), and x (2, 8, DIM)."""
     torch.manual_seed(seed)
-    layer = Attention(DIM, HEADS, AttentionSpec(**changes), backend=backend).double()
+    layer = Attention(DIM, HEADS, AttentionSpec(**changes), head_dim=HEAD_DIM, backend=backend).double()
     with torch.no_grad():
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.3)
@@ -219,24 +244,143 @@ def test_layer_gradcheck_every_option(option, backend):
     assert torch.autograd.gradcheck(forward, (x.requires_grad_(), *params), fast_mode=True)
 
 
+@pytest.mark.parametrize("mode", ["bfloat16", "autocast"])
 @pytest.mark.parametrize("option, backend", layer_cells())
-def test_layer_bfloat16_every_option_against_float64(option, backend):
-    """A bfloat16 layer (weights, x and every intermediate rounded to bfloat16, attend in float32) against the same
-    rounded weights and x in float64: output and gradients of x and of every parameter within a few bfloat16
-    roundings of their size (the layer chains a few rounded products). A scalar multiplier's gradient sums one term
-    per head and position, whose signs may cancel (log_bn_global: 0.003 against about 0.5 for the other options'
-    multipliers): its error is measured against the layer's largest parameter gradient entry. The reference runs
-    on the dense oracle."""
+def test_layer_bfloat16_every_option_against_float64(option, backend, mode):
+    """A bfloat16 layer (weights, x and every intermediate rounded to bfloat16, attend in float32), or a float32
+    layer under bfloat16 autocast as training runs it (the projections in bfloat16, a LayerNorm QK-norm in float32,
+    float32 gradients), against the same weights and x in float64: output and gradients of x and of every parameter
+    within a few bfloat16 roundings of their size (the layer chains a few rounded products; at most 3.6 and 4.4 of
+    them measured). A scalar multiplier's gradient sums one term per head and position, whose signs may cancel
+    (log_bn_global's was 0.003 against about 0.5 at 2 heads of 4 channels): its error is measured against the
+    layer's largest parameter gradient entry. The reference runs on the dense oracle."""
     layer, x = layer_and_input(LAYER_OPTIONS[option], backend=backend)
-    low = layer.to(torch.bfloat16)
-    ref = Attention(DIM, HEADS, low.spec, backend="dense").double()
+    low = layer.to(torch.bfloat16 if mode == "bfloat16" else torch.float32)
+    ref = Attention(DIM, HEADS, low.spec, head_dim=HEAD_DIM, backend="dense").double()
     ref.load_state_dict(low.state_dict())
-    x_low = x.to(torch.bfloat16).requires_grad_()
+    x_low = x.to(low.q_proj.weight.dtype).requires_grad_()
     x_ref = x_low.detach().double().requires_grad_()
-    out, want = low(x_low, DOCS), ref(x_ref, DOCS)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+        out = low(x_low, DOCS)
+    want = ref(x_ref, DOCS)
     assert out.dtype == torch.bfloat16
     gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     got = [out, *torch.autograd.grad(out, [x_low, *low.parameters()], gout.to(out.dtype))]
     wanted = [want.detach(), *torch.autograd.grad(want, [x_ref, *ref.parameters()], gout)]
     errors = relative_errors(got, wanted, floor=max(float(w.abs().max()) for w in wanted[2:]))
     assert max(errors) <= 8 * BF16, dict(zip(["out", "x", *(n for n, _ in low.named_parameters())], errors))
+
+
+def explicit_layer(layer: Attention, x: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    """The layer's output from the formulas in plain torch, without lengthgen's functions: QK-norm over head_dim
+    (RMSNorm ``x / sqrt(mean x^2 + eps)``, LayerNorm ``(x - mean) / sqrt(var + eps)``, then the weight); RoPE as
+    the complex pairs ``(x_i + i x_{i + D/2}) e^{i pos f_i}``, the first ``floor(fraction D / 2)`` rotating (p-RoPE)
+    with ``f_i = theta^(-2i/D)`` or log-spaced from 1 down to rope_min_freq (checked to float32 rounding, the
+    buffer's precision, then taken from it); attention by `naive_attention`'s loops; the out-norm of each head's
+    channels or of all of them, then its affine per merged channel; the gate ``act(x[..., :w] W_g^T)`` per head or
+    per channel; o_proj. A choice it has no formula for raises."""
+    spec, (b, length, dim), heads, kv, d = layer.spec, x.shape, layer.heads, layer.kv_heads, layer.head_dim
+
+    def project(linear, h):
+        return F.linear(x, linear.weight, linear.bias).view(b, length, h, d).transpose(1, 2)
+
+    def norm(t, kind, eps):
+        if kind == "layer":
+            t = t - t.mean(-1, keepdim=True)
+        elif kind != "rms":
+            raise NotImplementedError(f"explicit_layer has no formula for norm {kind!r}")
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps)
+
+    q, k, v = project(layer.q_proj, heads), project(layer.k_proj, kv), project(layer.v_proj, kv)
+    if spec.qk_norm != "none":
+        q, k = norm(q, spec.qk_norm, spec.qk_norm_eps), norm(k, spec.qk_norm, spec.qk_norm_eps)
+        if spec.qk_norm_affine:
+            q, k = q * layer.q_norm_weight, k * layer.k_norm_weight
+    if spec.position not in ("nope", "rope", "prope"):
+        raise NotImplementedError(f"explicit_layer has no formula for position {spec.position!r}")
+    if spec.position != "nope":
+        rotated = math.floor((1.0 if spec.position == "rope" else spec.prope_fraction) * d / 2)
+        freqs = [spec.rope_theta ** (-2 * i / d) if spec.rope_min_freq is None else
+                 spec.rope_min_freq ** (i / max(rotated - 1, 1)) for i in range(rotated)]
+        want = torch.tensor(freqs + [0.0] * (d // 2 - rotated), dtype=torch.float64)
+        torch.testing.assert_close(layer.rope_freqs, want, rtol=2e-6, atol=0)
+        turn = torch.polar(torch.ones(length, d // 2, dtype=torch.float64),
+                           torch.arange(length, dtype=torch.float64)[:, None] * layer.rope_freqs)
+
+        def rotate(t):
+            z = torch.complex(t[..., :d // 2], t[..., d // 2:]) * turn
+            return torch.cat([z.real, z.imag], -1)
+        q, k = rotate(q), rotate(k)
+    m = layer.scaling.multiplier
+    mult = torch.full((heads,), spec.scaling_init, dtype=torch.float64) if m is None else m.detach().expand(heads)
+    y = naive_attention(q.detach(), k.detach(), v.detach(), spec, docs, mult).transpose(1, 2)    # (B, L, H, D)
+    if spec.out_norm != "none":
+        kind = spec.out_norm.split("_")
+        y = norm(y, kind[1], spec.out_norm_eps) if kind[0] == "head" else \
+            norm(y.reshape(b, length, 1, heads * d), kind[1], spec.out_norm_eps)
+    y = y.reshape(b, length, heads * d)
+    if spec.out_norm_affine and spec.out_norm != "none":
+        y = y * layer.out_norm.weight + (layer.out_norm.bias if spec.out_norm.endswith("layer") else 0)
+    if spec.gate != "none":
+        gate = torch.sigmoid(x[..., :spec.gate_width or dim] @ layer.gate.weight.T)     # (B, L, H or H*D)
+        gate = {"sigmoid": gate, "2sigmoid": 2 * gate}[spec.gate_act]
+        y = y * {"head": gate.repeat_interleave(d, -1), "elementwise": gate}[spec.gate]
+    return F.linear(y, layer.o_proj.weight, layer.o_proj.bias)
+
+
+@pytest.mark.parametrize("option", list(LAYER_OPTIONS))
+def test_layer_equals_explicit_formulas_every_option(option):
+    """The values of every layer option against `explicit_layer` (its gradients: the layer gradchecks above)."""
+    layer, x = layer_and_input(LAYER_OPTIONS[option])
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, DOCS), explicit_layer(layer, x, DOCS), rtol=1e-10, atol=1e-10)
+
+
+def knob_off(changes: dict, field: str) -> AttentionSpec | None:
+    """The option ``changes`` with ``field`` back at its default, or None where that is no valid spec (a learnable
+    multiplier needs its query scaling: the choice is read by definition)."""
+    try:
+        return AttentionSpec(**{f: v for f, v in changes.items() if f != field})
+    except ConfigError:
+        return None
+
+
+def unchanged(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal up to float64 rounding (a base_scale equal to the default's takes another path to the same logits)."""
+    return bool((got - want).abs().max() <= 1e-12 * want.abs().max())
+
+
+def test_every_knob_changes_its_cells():
+    """A field that an option sets away from its default but that its cells' output does not read tests nothing: at
+    the layer cells' former head_dim 4, p-RoPE's fraction 0.5 rotated as many pairs as the default 0.75, the
+    rope_min_freq option (its key taken twice in LAYER_OPTIONS, the second a p-RoPE rotating one pair) never reached
+    its minimum frequency, base_scale=0.5 was the default 1/sqrt(4) and kv_heads=2 of 2 heads no GQA. Each field
+    reset to its default changes the dense output of the option's cells (attend's, with the multiplier they pass) or
+    the layer's output with the same weights (or its parameters). Exempt: scaling_init where a multiplier replaces it
+    (passed to attend, or a learnable one moved off its init by the cells; the fixed one is read by log_n_s)."""
+    silent = []
+    q, k, v, per_head = inputs()
+    for option, changes in OPTIONS.items():
+        mult = multiplier(option, per_head)
+        out = run("dense", q, k, v, AttentionSpec(**changes), DOCS, mult)
+        for field in changes:
+            spec = knob_off(changes, field)
+            if spec is None or field == "scaling_init" and mult is not None:
+                continue
+            if unchanged(run("dense", q, k, v, spec, DOCS, mult if spec.query_scaling != "none" else None), out):
+                silent.append(f"{option}.{field}")
+    assert "scaling_init" in OPTIONS["log_n_s"] and multiplier("log_n_s", per_head) is None
+    for option, changes in LAYER_OPTIONS.items():
+        layer, x = layer_and_input(changes)
+        for field in changes:
+            spec = knob_off(changes, field)
+            if spec is None or field == "scaling_init" and spec.learnable_scaling != "none":
+                continue
+            other = Attention(DIM, HEADS, spec, head_dim=HEAD_DIM).double()
+            shapes = [{n: t.shape for n, t in m.state_dict().items()} for m in (layer, other)]
+            if shapes[0] != shapes[1]:
+                continue                                                    # other parameters: the field is read
+            other.load_state_dict(layer.state_dict())
+            if unchanged(other(x, DOCS), layer(x, DOCS)):
+                silent.append(f"layer {option}.{field}")
+    assert not silent, f"set away from the default, read by no cell: {', '.join(silent)}"

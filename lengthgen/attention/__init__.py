@@ -20,9 +20,12 @@ Adding a mechanism, e.g. a distance term (checked by adding one):
    kernel refuses a name missing from ``triton_psoftmax.DISTANCE_CODES`` (its terms are written in ``_logits``).
 4. Tests: ``test_the_options_use_every_choice`` (tests/test_attention_matrix.py) fails until an entry of
    ``OPTIONS`` (tests/test_attention_backends.py) uses the choice, which then runs through the matrix (every
-   backend against dense, float64 gradcheck, bfloat16 against float64); ``naive_attention`` there needs its formula.
+   backend against dense, float64 gradcheck, bfloat16 against float64); ``naive_attention`` there needs its formula,
+   and ``test_interpreter_cases_cover_every_option`` (tests/test_triton.py) a case of the Triton kernel.
    A new field fails ``test_bad_values_cover_every_field`` and the ``REFINEMENTS`` test (tests/test_attention_module.py)
-   until it has entries there. Options of the layer around ``attend`` go in ``MODULE_OPTIONS`` there.
+   until it has entries there, and the matrix's tests until an option sets it (in ``OPTIONS`` if ``attend`` reads
+   it) to a value its cells read. Options of the layer around ``attend`` go in ``MODULE_OPTIONS`` there;
+   ``explicit_layer`` (tests/test_attention_matrix.py) needs their formula.
 
 A visibility rule is not local: besides ``mods.mask_mod_for`` and ``mods.first_visible`` (each query sees an
 interval of keys), the window and documents are named by sdpa's and cpu_flash's causal fast paths,
