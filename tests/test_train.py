@@ -62,6 +62,32 @@ def test_a_bad_stop_at_is_refused_before_anything_is_written(tmp_path, stop_at):
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.json").exists()
 
 
+def test_the_trainer_runs_a_checked_copy_of_the_callers_config(tmp_path):
+    """A RunConfig was used as given: a field set after it was made skipped the checks (train.lr = "abc" ended in
+    a TypeError in the schedule, nan in torch's 'Invalid learning rate'), and one set after the Trainer was built
+    changed the run under way (train.steps = 50 trained 50 steps). The Trainer now takes a checked copy."""
+    cfg = config()
+    cfg.train.lr = "abc"
+    with pytest.raises(ConfigError, match=r"^train.lr='abc' is not valid"):
+        Trainer(cfg, tmp_path / "bad", progress=False)
+    cfg = config("train.steps=2")
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    cfg.train.steps = 50
+    try:
+        assert trainer.fit().step == 2 and trainer.config.train.steps == 2
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("given", [None, 5, ["model.dim=8"]])
+def test_a_config_of_another_type_is_named(tmp_path, given):
+    """train(None, out) trained the default 1000-step config; an int or a list ended in os.fspath's TypeError."""
+    with pytest.raises(ConfigError, match=rf"^config must be a RunConfig, its dict or the path of a TOML or JSON "
+                                          rf"file, got {type(given).__name__}$"):
+        train(given, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------------
 # resume
 
