@@ -121,6 +121,41 @@ def test_rope_frequencies_stay_float32_in_a_bfloat16_layer():
     assert err < 0.05 < (fn.apply_rope(x, pos, own.rope_frequencies().bfloat16()).float() - exact).abs().max()
 
 
+@pytest.mark.parametrize("old, new", [("nope", dict(position="rope")), ("baseline", dict(position="prope")),
+                                      ("baseline", dict(rope_theta=100.0, window=4, softmax_p=2.0)),
+                                      ("sqrt_log_n", dict(qk_norm="layer", kv_heads=HEADS))])
+def test_a_spec_set_on_a_built_layer_runs_as_a_layer_built_with_it(old, new):
+    """``layer.spec = ...`` kept the ``rope_freqs`` of the spec the layer was built with: NoPE -> RoPE ran unrotated
+    (frequencies 0), RoPE -> p-RoPE rotated every pair. They are recomputed, in the layer's dtype."""
+    own = Attention(DIM, HEADS, old).double()
+    own.spec = own.spec.replace(**new)
+    fresh = Attention(DIM, HEADS, own.spec).double()
+    fresh.load_state_dict(own.state_dict())
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    assert own.rope_freqs.dtype == torch.float64 and torch.equal(own(x), fresh(x))
+
+
+@pytest.mark.parametrize("old, new, change", [
+    ("baseline", dict(out_norm="head_layer"), "out_norm 'none' -> 'head_layer'"),
+    ("baseline", dict(gate="head"), "gate 'none' -> 'head'"),
+    ("gated", dict(gate_act="sigmoid"), "gate_act '2sigmoid' -> 'sigmoid'"),
+    ("baseline", dict(qk_norm="rms"), "qk_norm 'none' -> 'rms'"),
+    ("sqrt_log_n", dict(qk_norm_affine=False, learnable_scaling="none"),
+     "learnable_scaling 'head' -> 'none', qk_norm_affine True -> False"),
+    ("baseline", dict(kv_heads=2), "kv_heads None -> 2")])
+def test_a_spec_set_on_a_built_layer_keeps_what_its_parameters_were_built_from(old, new, change):
+    """The out-norm, gate, query-scaling and QK-norm modules keep what they were built from: out_norm='head_layer'
+    set on a built layer ran without out-norm, a gate without a gate, silently. A `ConfigError` names the fields."""
+    own = Attention(DIM, HEADS, old)
+    with pytest.raises(ConfigError, match=rf"^Attention.spec: {re.escape(change)} would change the layer's "
+                                          "parameters or submodules, built from the spec it was made with; build a "
+                                          "new Attention with this spec$"):
+        own.spec = own.spec.replace(**new)
+    assert own.spec == resolve_spec(old)
+    with pytest.raises(ConfigError, match=r"^Attention.head_dim=15 is not valid; it must be even for position="):
+        Attention(30, 2, "nope").spec = "baseline"
+
+
 def test_2sigmoid_gate_is_identity_at_init():
     x, docs = x_and_docs()
     for gate in ("head", "elementwise"):

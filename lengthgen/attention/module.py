@@ -16,12 +16,17 @@ from lengthgen.attention.cache import KVCache
 from lengthgen.attention.core import attend
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
-from lengthgen.config import MAX_SIZE, check_value, invalid
+from lengthgen.config import MAX_SIZE, ConfigError, check_value, invalid
 
 #: The parameters (names inside `Attention`) that a spec adds to the q/k/v/o projections: a checkpoint
 #: trained without them can be loaded, these keeping their init (e.g. a 2sigmoid gate: the identity).
 SPEC_PARAMETERS = ("q_norm_weight", "k_norm_weight", "scaling.multiplier", "out_norm.weight", "out_norm.bias",
                    "gate.weight")
+
+
+#: The spec fields that a layer's parameters and submodules are built from: a spec set on a built layer keeps them.
+BUILT_FROM = ("kv_heads", "learnable_scaling", "out_norm", "out_norm_affine", "out_norm_eps", "gate", "gate_act",
+              "gate_width")
 
 
 def is_spec_parameter(name: str) -> bool:
@@ -51,7 +56,7 @@ class Attention(nn.Module):
                  layer_index: int = 0, head_dim: int | None = None, bias: bool = False, backend: str = "auto",
                  multiplier: nn.Parameter | None = None, out_proj: bool = True) -> None:
         super().__init__()
-        self.spec = spec = resolve_spec(spec)
+        self._spec = spec = resolve_spec(spec)
         dim, heads, head_dim, layer_index = self._check_sizes(spec, dim, heads, head_dim, layer_index)
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -69,6 +74,28 @@ class Attention(nn.Module):
         self.out_norm = OutNorm(spec, heads, self.head_dim)
         self.gate = OutputGate(spec, dim, heads, self.head_dim)
         self.register_buffer("rope_freqs", self.rope_frequencies(), persistent=False)
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: AttentionSpec | str | dict[str, Any]) -> None:
+        """Another spec for the built layer (``layer.spec = layer.spec.replace(window=64)``): it may change what
+        `attend` and the positions read (``rope_freqs`` is recomputed), not what the layer's parameters and
+        submodules were built from (`BUILT_FROM`, QK-norm's weights): that is a `ConfigError` naming the fields."""
+        spec = resolve_spec(spec)
+        built = [f for f in BUILT_FROM if getattr(spec, f) != getattr(self._spec, f)
+                 and not (f == "kv_heads" and (spec.kv_heads or self.heads) == self.kv_heads)]
+        if (spec.qk_norm != "none" and spec.qk_norm_affine) != (self.q_norm_weight is not None):   # its weights
+            built.append("qk_norm" if spec.qk_norm != self._spec.qk_norm else "qk_norm_affine")
+        if built:
+            changes = ", ".join(f"{f} {getattr(self._spec, f)!r} -> {getattr(spec, f)!r}" for f in built)
+            raise ConfigError(f"Attention.spec: {changes} would change the layer's parameters or submodules, built "
+                              "from the spec it was made with; build a new Attention with this spec", "Attention.spec")
+        self._check_sizes(spec, self.dim, self.heads, self.head_dim, self.layer_index)
+        self._spec = spec
+        self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device, self.rope_freqs.dtype)
 
     @staticmethod
     def _check_sizes(spec: AttentionSpec, dim: Any, heads: Any, head_dim: Any, layer_index: Any
