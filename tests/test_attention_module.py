@@ -368,6 +368,18 @@ def test_forward_checks_the_input_width_and_the_value_shape():
                            rf"\(2, 5, 16\), got {re.escape(str(shape))}$"):
             m(x, value=torch.randn(shape))
     assert m(x, value=torch.randn(2, 5, 16)).shape == x.shape
+    # a float64 value was torch's raw matmul error in o_proj, an integer one silently added, a list an AttributeError
+    for value, got in ((torch.randn(2, 5, 16, dtype=torch.float64), "torch.float64 on cpu"),
+                       (torch.ones(2, 5, 16, dtype=torch.long), "torch.int64 on cpu")):
+        with pytest.raises(ValueError, match=r"^Attention: value must be floating-point activations on the layer's "
+                           rf"device and of its dtype \(cpu, torch.float32; another under autocast\), got {got}$"):
+            m(x, value=value)
+    with pytest.raises(ValueError, match=r"^Attention: value must be \(batch, length, kv_heads \* head_dim\) = "
+                       r"\(2, 5, 16\), got list$"):
+        m(x, value=[0.0] * 16)
+    with pytest.raises(ValueError, match=r"^Attention: cache must be a KVCache \(lengthgen.attention\) or None, got "
+                                         "dict$"):
+        m(x, cache={})          # was an AttributeError: 'dict' object has no attribute 'layer'
 
 
 def test_forward_names_an_x_that_is_not_the_layers_activations():

@@ -139,15 +139,17 @@ class Attention(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"Attention expects (batch, length, dim={self.dim}) input, got {got}")
-        weight = self.q_proj.weight
-        if not x.is_floating_point() or x.device != weight.device or (x.dtype != weight.dtype and not (
-                torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type))):
-            raise ValueError(f"Attention: x must be floating-point activations on the layer's device and of its dtype "
-                             f"({weight.device}, {weight.dtype}; another under autocast), got {x.dtype} on {x.device}")
+        self._check_activations("x", x)
         b, length, _ = x.shape
-        if value is not None and tuple(value.shape) != (b, length, self.kv_heads * self.head_dim):
-            raise ValueError(f"Attention: value must be (batch, length, kv_heads * head_dim) = "
-                             f"{(b, length, self.kv_heads * self.head_dim)}, got {tuple(value.shape)}")
+        if value is not None:
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (b, length, self.kv_heads * self.head_dim):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"Attention: value must be (batch, length, kv_heads * head_dim) = "
+                                 f"{(b, length, self.kv_heads * self.head_dim)}, got {got}")
+            self._check_activations("value", value)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError(f"Attention: cache must be a KVCache (lengthgen.attention) or None, got "
+                             f"{type(cache).__name__}")
         spec = self.spec
         q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -168,6 +170,16 @@ class Attention(nn.Module):
         if past is not None:          # only now: a forward that raised leaves the cache as it was
             past.keep(k, v, doc_ids, spec.window)
         return out
+
+    def _check_activations(self, name: str, t: torch.Tensor) -> None:
+        """A ValueError naming ``name`` unless ``t`` is floating-point, on the layer's device and of its dtype (any
+        float dtype under autocast)."""
+        weight = self.q_proj.weight
+        if not t.is_floating_point() or t.device != weight.device or (t.dtype != weight.dtype and not (
+                torch.amp.is_autocast_available(t.device.type) and torch.is_autocast_enabled(t.device.type))):
+            raise ValueError(f"Attention: {name} must be floating-point activations on the layer's device and of its "
+                             f"dtype ({weight.device}, {weight.dtype}; another under autocast), got {t.dtype} on "
+                             f"{t.device}")
 
     def output(self, y: torch.Tensor, x: torch.Tensor, capture: tuple | None = None) -> torch.Tensor:
         """out-norm -> gate -> merge heads -> o_proj for attention output y (B, H, L, D) and layer input x.
