@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from lengthgen.train import (BEMA, NonFiniteLossError, Trainer, attention_max_lo
                              load_run, lr_multiplier, muon_param_names, qk_clip_, train)
 from lengthgen.train.optim import set_lr
 from lengthgen.train import checkpoint as ckpt_io
+from lengthgen.train.run_folder import RunFolderError
 
 
 def config(*overrides: str) -> RunConfig:
@@ -86,6 +88,19 @@ def test_a_config_of_another_type_is_named(tmp_path, given):
                                           rf"file, got {type(given).__name__}$"):
         train(given, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_run_folder_that_is_a_file_is_named(tmp_path, inside):
+    """train(cfg, "notes.txt") ended in the lock's raw mkdir error, '[Errno 17] File exists' (a path under a file:
+    'Not a directory'), after the data and model were built."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    out = file / "run" if inside else file
+    with pytest.raises(RunFolderError, match=rf"^{re.escape(str(out))}: {re.escape(str(file))} is a file, not a "
+                                             "folder; choose another folder$"):
+        train(config(), out, progress=False)
+    assert file.read_text() == "mine"
 
 
 # ---------------------------------------------------------------------------------------------------
