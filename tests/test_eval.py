@@ -207,9 +207,23 @@ def test_evaluate_names_a_model_or_source_of_the_wrong_type():
         evaluate(model, "counting", [8], tokens_per_length=16)
     with pytest.raises(ValueError, match=r"^evaluate: model must be a torch.nn.Module, got str$"):
         evaluate("model.pt", task, [8], tokens_per_length=16)
+    # a module of one's own with the default measure was "AttributeError: 'Embedding' object has no attribute
+    # 'head_kind'"; with its own measure it runs
+    with pytest.raises(ValueError, match=r"^evaluate: the model is a Embedding, not a lengthgen GPT, which the default "
+                                         r"measure \(measure_gpt\) reads; give measure=\(model, source, batch\) -> "
+                                         r"per-position values$"):
+        evaluate(torch.nn.Embedding(task.vocab_size, 1), task, [8], tokens_per_length=16)
+    def measure(model, source, batch):
+        out = model(batch.tokens)[..., 0]
+        return {"loss": (out - batch.targets).abs(), **source.metrics(out, batch)}
+
+    own = evaluate(torch.nn.Embedding(task.vocab_size, 1), task, [8], tokens_per_length=16, measure=measure)
+    assert own.at(8).at_length["loss"] > 0
 
 
 @pytest.mark.parametrize("lengths, match", [([16, 0], r"lengths\[1\]=0 is not valid"),
+                                            (16, r"^lengths=16 is not valid; it must be a list"),   # was a TypeError
+                                            ("16", r"^lengths='16' is not valid; it must be a list"),
                                             ([-3], r"lengths\[0\]=-3 is not valid"),
                                             ([8.5], r"lengths\[0\]=8.5 is not valid")])
 def test_evaluate_refuses_lengths_below_one_naming_them(lengths, match):

@@ -239,13 +239,14 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     ``tokens_per_length``, ``seed``, ``autocast`` or ``forward_tokens``, is a `ConfigError` naming it; a length
     whose one sequence cannot fit the CPU's available memory a MemoryError.
     """
-    lengths = sorted(set(check_value("lengths", list(lengths), list[int], ge=1, le=MAX_SIZE)))
+    given = list(lengths) if isinstance(lengths, (list, tuple, range)) else lengths
+    lengths = sorted(set(check_value("lengths", given, list[int], ge=1, le=MAX_SIZE)))
     check_value("tokens_per_length", tokens_per_length, int, ge=1)
     check_value("seed", seed, int, ge=0)
     check_value("forward_tokens", forward_tokens, int | None, ge=1)
     if autocast not in (None, torch.float16, torch.bfloat16):
         raise invalid("autocast", autocast, "None, torch.float16 or torch.bfloat16")
-    _check_fits(model, source)
+    _check_fits(model, source, measure)
     limit = getattr(source, "max_length", None)
     for length in lengths:
         if limit is not None and length > limit:
@@ -274,10 +275,11 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
                    parameters=sum(p.numel() for p in model.parameters()))
 
 
-def _check_fits(model: nn.Module, source: Any) -> None:
-    """A ValueError when ``model`` is no torch module, ``source`` has no ``sample``, or a lengthgen model (one with a
-    ``head_kind``) cannot run on ``source``: another head, or fewer token ids than the source uses (torch would fail
-    deep inside the embedding, the loss or the metrics)."""
+def _check_fits(model: nn.Module, source: Any, measure: Measure = measure_gpt) -> None:
+    """A ValueError when ``model`` is no torch module, ``source`` has no ``sample``, another model than a lengthgen
+    one (with a ``head_kind``) has no ``measure`` of its own, or a lengthgen model cannot run on ``source``: another
+    head, or fewer token ids than the source uses (torch would fail deep inside the embedding, the loss or the
+    metrics)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"evaluate: model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(getattr(source, "sample", None)):
@@ -285,6 +287,9 @@ def _check_fits(model: nn.Module, source: Any) -> None:
                          f"task: lengthgen.data.tasks.make_task(name)), got {type(source).__name__}")
     head = getattr(model, "head_kind", None)
     name = getattr(source, "name", "the source")
+    if head is None and measure is measure_gpt:
+        raise ValueError(f"evaluate: the model is a {type(model).__name__}, not a lengthgen GPT, which the default "
+                         "measure (measure_gpt) reads; give measure=(model, source, batch) -> per-position values")
     if head is None:
         return
     needs = getattr(source, "head", "lm")
