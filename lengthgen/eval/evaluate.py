@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted, invalid
 from lengthgen.data.config import step_generator
-from lengthgen.data.tasks.base import Batch, check_metrics, contract_error, metric_directions
+from lengthgen.data.tasks.base import Batch, check_batch, check_metrics, contract_error, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
 from lengthgen.eval.results import Bucket, LengthEval, Provenance, RunEval
@@ -180,6 +180,7 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     diagnostics are taken on the first sequence. The model must already be in eval mode."""
     device = _device(model)
     batch = source.sample(batch_size, length, eval_generator(seed, length))
+    check_batch(source, batch, batch_size, length, fewer=True)
     values = _measure(model, source, batch, device, context, measure, step)
     failed = _failed(values, batch)
     if hasattr(source, "batch_metrics"):
