@@ -152,6 +152,18 @@ def test_load_run_and_bema_weights(tmp_path):
         load_run(tmp_path)
 
 
+@pytest.mark.parametrize("device, why", [("gpu", "Expected one of cpu, cuda"), ("cuda:64", "")])
+def test_load_run_names_a_device_it_cannot_load_onto(tmp_path, device, why):
+    """load_run(run, device="gpu"), or a CUDA device this machine lacks, said 'no readable checkpoint in RUN: ...
+    is unreadable (SafetensorError: device gpu is invalid)', blaming the checkpoint (and with several, trying each)."""
+    cfg = config("train.steps=1")
+    train(cfg, tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match=rf"^device='{device}' cannot be used here \(.*{why}.*\); give 'cpu', "
+                                          "'cuda' or 'cuda:N' of this machine$"):
+        load_run(tmp_path / "run", device=device)
+    assert load_run(tmp_path / "run", device=torch.device("cpu"))[1].embed.weight.device.type == "cpu"
+
+
 # ---------------------------------------------------------------------------------------------------
 # schedules, BEMA, stages
 
