@@ -152,6 +152,27 @@ def test_load_run_and_bema_weights(tmp_path):
         load_run(tmp_path)
 
 
+def test_running_out_of_memory_while_loading_is_not_a_damaged_checkpoint(tmp_path, monkeypatch):
+    """An allocation failure while a checkpoint's weights were read counted as a damaged checkpoint: load_run warned
+    and returned the older checkpoint's weights, and a resume set the newest aside as step_N.corrupt."""
+    cfg = config("train.steps=4", "train.checkpoint_every=2")
+    train(cfg, tmp_path / "run", progress=False)
+
+    load_model = ckpt_io.load_model
+
+    def oom(model, path, **kwargs):         # the newest checkpoint's weights do not fit, the older ones do
+        if "step_00000004" in path:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return load_model(model, path, **kwargs)
+
+    monkeypatch.setattr(ckpt_io, "load_model", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        load_run(tmp_path / "run")
+    with pytest.raises(torch.OutOfMemoryError):
+        train(cfg, tmp_path / "run", progress=False, resume=True)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
 @pytest.mark.parametrize("device, why", [("gpu", "Expected one of cpu, cuda"), ("cuda:64", "")])
 def test_load_run_names_a_device_it_cannot_load_onto(tmp_path, device, why):
     """load_run(run, device="gpu"), or a CUDA device this machine lacks, said 'no readable checkpoint in RUN: ...
