@@ -304,6 +304,12 @@ def test_shared_global_multiplier():
     # a per-layer multiplier is owned by each layer even if a shared one is offered
     c = layer(dict(query_scaling="log_n", learnable_scaling="layer"), multiplier=shared)
     assert c.scaling.multiplier is not shared and c.scaling.multiplier.shape == ()
+    # a plain tensor was kept as an attribute, neither learned, saved nor moved by .to(); a (H,) one ran per head
+    for offered, got in ((torch.tensor(1.2), "a Tensor of shape ()"), (nn.Parameter(torch.ones(HEADS)),
+                                                                      "a Parameter of shape (4,)"), (1.2, "a float")):
+        with pytest.raises(ConfigError, match=re.escape("Attention.multiplier must be the 0-d nn.Parameter that "
+                           f"learnable_scaling='global' layers share (QueryScaling.new_parameter), got {got}")):
+            layer(spec, multiplier=offered)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -60,6 +60,12 @@ class Attention(nn.Module):
         dim, heads, head_dim, layer_index = self._check_sizes(spec, dim, heads, head_dim, layer_index)
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if multiplier is not None and spec.learnable_scaling == "global" and not (
+                isinstance(multiplier, nn.Parameter) and multiplier.dim() == 0):    # else not learned, or per head
+            got = (f"a {type(multiplier).__name__} of shape {tuple(multiplier.shape)}"
+                   if isinstance(multiplier, torch.Tensor) else f"a {type(multiplier).__name__}")
+            raise ConfigError(f"Attention.multiplier must be the 0-d nn.Parameter that learnable_scaling='global' "
+                              f"layers share (QueryScaling.new_parameter), got {got}", "Attention.multiplier")
         self.dim, self.heads, self.head_dim, self.kv_heads = dim, heads, head_dim, spec.kv_heads or heads
         self.layer_index, self.backend, self.capture = layer_index, backend, None
         inner, kv_inner = heads * self.head_dim, self.kv_heads * self.head_dim
