@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from lengthgen.attention import Attention
@@ -352,6 +353,17 @@ def test_a_checkpoint_is_on_disk_before_older_ones_are_pruned(tmp_path, monkeypa
 
 # ---------------------------------------------------------------------------------------------------
 # optimizers, QK-clip
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "normuon"])
+def test_muon_for_a_model_without_blocks_is_refused(optimizer):
+    """build_optimizers of a researcher's own model (its layers not under ``blocks``) with Muon gave every parameter
+    to AdamW, silently: Muon takes the 2-D weights under model.blocks."""
+    model = nn.Sequential(nn.Embedding(8, 16), Attention(16, 2))
+    with pytest.raises(ConfigError, match=rf"^train.optimizer='{optimizer}' found no hidden matrices in Sequential for "
+                                          r"Muon: it takes the trainable 2-D weights under model.blocks"):
+        build_optimizers(model, config(f"train.optimizer={optimizer}").train)
+    assert [type(o) for o in build_optimizers(model, config().train)] == [torch.optim.AdamW]
 
 
 def test_muon_gets_hidden_matrices_adamw_the_rest():

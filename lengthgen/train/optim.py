@@ -54,6 +54,10 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
     tc = train_cfg
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     muon_names = muon_param_names(model) if tc.optimizer in MUON_OPTIMIZERS else []
+    if tc.optimizer in MUON_OPTIMIZERS and not muon_names:       # else every parameter would go to AdamW, silently
+        raise ConfigError(f"train.optimizer={tc.optimizer!r} found no hidden matrices in {type(model).__name__} for "
+                          "Muon: it takes the trainable 2-D weights under model.blocks (muon_param_names), as a "
+                          "lengthgen GPT holds them; use adamw for this model", "train.optimizer")
     for key in ("muon_lr_mul", "muon_exclude"):
         if getattr(tc, key) and not muon_names:
             raise ConfigError(f"train.{key} applies only with train.optimizer=muon or normuon", f"train.{key}")
