@@ -565,6 +565,21 @@ def test_qk_clip_brings_max_logit_to_tau(kv_heads):
     torch.testing.assert_close(after[~above], before[~above])
 
 
+@pytest.mark.parametrize("tau, max_logits, match", [
+    (-1.0, [3.0, 0.5], r"^tau=-1.0 is not valid; it must be a finite float32 number > 0$"),
+    (0, [3.0, 0.5], r"^tau=0 is not valid"),
+    (float("nan"), [3.0, 0.5], r"^tau=nan is not valid"),
+    (1.0, [3.0], r"^qk_clip_: max_logits must be one per query head, \(2,\) \(attention_max_logits\), got \(1,\)$")])
+def test_qk_clip_checks_its_arguments(tau, max_logits, match):
+    """qk_clip_ from Python with tau < 0 scaled the weights by the square root of a negative gamma: NaN weights; tau
+    = nan or 0 clipped nothing or everything, a max_logits of another length broadcast or failed in torch."""
+    attn = Attention(16, 2)
+    weights = {name: p.clone() for name, p in attn.named_parameters()}
+    with pytest.raises(ConfigError, match=match):
+        qk_clip_(attn, torch.tensor(max_logits), tau)
+    assert all(torch.equal(p, weights[name]) for name, p in attn.named_parameters())
+
+
 def test_qk_clip_with_qk_norm_scales_norm_weights():
     torch.manual_seed(0)
     attn = Attention(16, 2, {"qk_norm": "rms"}, head_dim=8)
