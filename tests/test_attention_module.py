@@ -121,6 +121,19 @@ def test_rope_frequencies_stay_float32_in_a_bfloat16_layer():
     assert err < 0.05 < (fn.apply_rope(x, pos, own.rope_frequencies().bfloat16()).float() - exact).abs().max()
 
 
+def test_a_layer_built_on_the_meta_device_gets_its_rope_frequencies_with_to_empty():
+    """``with torch.device("meta")``, ``to_empty``, ``load_state_dict`` (the usual init of a large model) left
+    ``rope_freqs`` uninitialized memory (values like -1.3e22): it is not in the state dict. The outputs then
+    differed from the layer's, silently; ``to_empty`` now sets the frequencies, as every cast or move does."""
+    own = Attention(DIM, HEADS, AttentionSpec(position="prope"))
+    with torch.device("meta"):
+        built = Attention(DIM, HEADS, AttentionSpec(position="prope"))
+    built.to_empty(device="cpu")
+    built.load_state_dict(own.state_dict())
+    x = torch.randn(2, 9, DIM)
+    assert torch.equal(built.rope_freqs, own.rope_freqs) and torch.equal(built(x), own(x))
+
+
 @pytest.mark.parametrize("old, new", [("nope", dict(position="rope")), ("baseline", dict(position="prope")),
                                       ("baseline", dict(rope_theta=100.0, window=4, softmax_p=2.0)),
                                       ("sqrt_log_n", dict(qk_norm="layer", kv_heads=HEADS))])

@@ -129,12 +129,16 @@ class Attention(nn.Module):
         return fn.rope_frequencies(self.head_dim, self.spec.rope_theta, fraction, min_freq=self.spec.rope_min_freq)
 
     def _apply(self, fn, recurse: bool = True):
-        """``module.to(torch.bfloat16)`` (``.half()``, ...) casts every floating buffer; a half-precision ``rope_freqs``
-        is recomputed in float32: bfloat16 frequencies are off by up to 2^-9 relative, an angle error of about 2 rad
-        at position 4096 (transformers' Llama rotary embedding likewise builds its ``inv_freq`` in float32)."""
+        """After every cast or move ``rope_freqs`` is set anew from the spec (computed as at construction, then
+        moved): ``module.to(torch.bfloat16)`` (``.half()``, ...) casts every floating buffer, and half-precision
+        frequencies are kept in float32 (bfloat16 ones are off by up to 2^-9 relative, an angle error of about 2 rad
+        at position 4096; transformers' Llama rotary embedding likewise builds its ``inv_freq`` in float32);
+        ``to_empty`` of a layer built on the meta device would leave them uninitialized, and no state dict holds
+        them."""
         super()._apply(fn, recurse)
-        if self.rope_freqs.dtype in (torch.float16, torch.bfloat16):
-            self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device)
+        dtype = self.rope_freqs.dtype
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device, dtype)
         return self
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, value: torch.Tensor | None = None,
