@@ -91,6 +91,14 @@ def test_a_config_of_another_type_is_named(tmp_path, given):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("out", [None, 5, ""])
+def test_an_out_dir_that_is_no_path_is_named(out):
+    """train(cfg, None) was pathlib's 'expected str, bytes or os.PathLike object, not NoneType' once the data was
+    built, and train(cfg, "") took the current folder as the run's."""
+    with pytest.raises(ConfigError, match=rf"^out_dir must be the run's folder, a str or Path, got {out!r}$"):
+        train(config(), out, progress=False)
+
+
 @pytest.mark.parametrize("inside", [False, True])
 def test_a_run_folder_that_is_a_file_is_named(tmp_path, inside):
     """train(cfg, "notes.txt") ended in the lock's raw mkdir error, '[Errno 17] File exists' (a path under a file:
