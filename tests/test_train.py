@@ -82,6 +82,23 @@ def test_the_trainer_runs_a_checked_copy_of_the_callers_config(tmp_path):
         trainer.close()
 
 
+@pytest.mark.filterwarnings("ignore:corpus .* has no validation split:lengthgen.config.ConfigWarning")
+def test_paths_in_a_dict_config_are_saved_as_strings(tmp_path):
+    """A pathlib.Path as data.text.corpus was read and tokenized, then config.json failed ('Object of type PosixPath
+    is not JSON serializable'); one as train.init_from was refused ('must be a string'). Both are strings now."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of a tiny corpus, long enough for a few windows" for i in range(200)))
+    cfg = config().to_dict()
+    cfg["data"].update(kind="text", task_kwargs={}, text={"corpus": corpus, "tokenizer": "byte"})
+    cfg["model"].update(head=None, vocab_size=None)
+    cfg["train"].update(steps=1)
+    train(cfg, tmp_path / "first", progress=False)
+    saved = json.loads((tmp_path / "first" / "config.json").read_text())
+    assert saved["data"]["text"]["corpus"] == str(corpus)
+    cfg["train"]["init_from"] = tmp_path / "first"
+    assert train(cfg, tmp_path / "second", progress=False).config.train.init_from == str(tmp_path / "first")
+
+
 @pytest.mark.parametrize("given", [None, 5, ["model.dim=8"]])
 def test_a_config_of_another_type_is_named(tmp_path, given):
     """train(None, out) trained the default 1000-step config; an int or a list ended in os.fspath's TypeError."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lengthgen.config import ConfigError, ConfigWarning, counted, differences, raised_in_user_code
+from lengthgen.config import ConfigError, ConfigWarning, counted, differences, raised_in_user_code, to_plain
 from lengthgen.data.config import make_source
 from lengthgen.data.tasks.base import Task, check_batch, check_declared, contract_error
 from lengthgen.eval.evaluate import check_row_fits
@@ -26,8 +26,8 @@ def as_config(config: RunConfig | dict | str | Path) -> RunConfig:
     anything else is a `ConfigError`."""
     if isinstance(config, RunConfig):
         return RunConfig.from_dict(config.to_dict())
-    if isinstance(config, dict):
-        return RunConfig.from_dict(config)
+    if isinstance(config, dict):            # its paths (data.text.corpus, train.init_from) as strings
+        return RunConfig.from_dict(to_plain(config))
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError(f"config must be a RunConfig, its dict or the path of a TOML or JSON file, got "
                           f"{type(config).__name__}")
