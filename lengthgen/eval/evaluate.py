@@ -240,8 +240,7 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     ``tokens_per_length``, ``seed``, ``autocast`` or ``forward_tokens``, is a `ConfigError` naming it; a length
     whose one sequence cannot fit the CPU's available memory a MemoryError.
     """
-    given = list(lengths) if isinstance(lengths, (list, tuple, range)) else lengths
-    lengths = sorted(set(check_value("lengths", given, list[int], ge=1, le=MAX_SIZE)))
+    lengths = sorted(set(check_value("lengths", listed(lengths), list[int], ge=1, le=MAX_SIZE)))
     check_value("tokens_per_length", tokens_per_length, int, ge=1)
     check_value("seed", seed, int, ge=0)
     check_value("forward_tokens", forward_tokens, int | None, ge=1)
@@ -274,6 +273,12 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     return RunEval(rows, eval_seed=seed, provenance=Provenance.capture(device),
                    eval_seconds=round(time.perf_counter() - start, 2),
                    parameters=sum(p.numel() for p in model.parameters()))
+
+
+def listed(values: Any) -> Any:
+    """``values`` as a list when it is a list, tuple or range, else as it is, for `check_value` to name (``list(32)``
+    would be a TypeError, ``list("32")`` two lengths)."""
+    return list(values) if isinstance(values, (list, tuple, range)) else values
 
 
 def _check_fits(model: nn.Module, source: Any, measure: Measure = measure_gpt) -> None:
