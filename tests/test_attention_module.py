@@ -148,6 +148,17 @@ def test_a_spec_set_on_a_built_layer_runs_as_a_layer_built_with_it(old, new):
     assert own.rope_freqs.dtype == torch.float64 and torch.equal(own(x), fresh(x))
 
 
+def test_a_layer_pickled_before_spec_was_a_property_loads():
+    """A layer pickled whole by an earlier lengthgen holds ``spec`` in its __dict__, which the property shadows."""
+    own = Attention(DIM, HEADS, "l2")
+    state = dict(own.__dict__)
+    state["spec"] = state.pop("_spec")
+    old = Attention.__new__(Attention)
+    old.__setstate__(state)
+    x = torch.randn(2, 5, DIM)
+    assert old.spec == own.spec and torch.equal(old(x), own(x))
+
+
 @pytest.mark.parametrize("old, new, change", [
     ("baseline", dict(out_norm="head_layer"), "out_norm 'none' -> 'head_layer'"),
     ("baseline", dict(gate="head"), "gate 'none' -> 'head'"),

@@ -103,6 +103,11 @@ class Attention(nn.Module):
         self._spec = spec
         self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device, self.rope_freqs.dtype)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "spec" in state:           # a layer pickled whole (torch.save(model)) before spec became a property
+            state["_spec"] = state.pop("spec")
+        super().__setstate__(state)
+
     @staticmethod
     def _check_sizes(spec: AttentionSpec, dim: Any, heads: Any, head_dim: Any, layer_index: Any
                      ) -> tuple[int, int, int, int]:
