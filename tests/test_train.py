@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import pytest
 import torch
@@ -123,9 +122,9 @@ def test_a_run_folder_that_is_a_file_is_named(tmp_path, inside):
     file = tmp_path / "notes.txt"
     file.write_text("mine")
     out = file / "run" if inside else file
-    with pytest.raises(RunFolderError, match=rf"^{re.escape(str(out))}: {re.escape(str(file))} is a file, not a "
-                                             "folder; choose another folder$"):
+    with pytest.raises(RunFolderError) as refused:
         train(config(), out, progress=False)
+    assert str(refused.value) == f"{out}: {file} is a file, not a folder; choose another folder"
     assert file.read_text() == "mine"
 
 
