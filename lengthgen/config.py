@@ -28,6 +28,7 @@ import functools
 import json
 import math
 import numbers
+import os
 import re
 import traceback
 import types
@@ -303,13 +304,16 @@ def differences(a: Any, b: Any, key: str = "") -> list[tuple[str, Any, Any]]:
 
 
 def to_plain(value: Any) -> Any:
-    """A config as JSON/TOML data: dataclasses become dicts, tuples lists (``from_dict`` reads it back)."""
+    """A config as JSON/TOML data: dataclasses become dicts, tuples lists, paths strings (``from_dict`` reads it
+    back)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     return value
 
 

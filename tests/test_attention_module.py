@@ -121,6 +121,65 @@ def test_rope_frequencies_stay_float32_in_a_bfloat16_layer():
     assert err < 0.05 < (fn.apply_rope(x, pos, own.rope_frequencies().bfloat16()).float() - exact).abs().max()
 
 
+def test_a_layer_built_on_the_meta_device_gets_its_rope_frequencies_with_to_empty():
+    """``with torch.device("meta")``, ``to_empty``, ``load_state_dict`` (the usual init of a large model) left
+    ``rope_freqs`` uninitialized memory (values like -1.3e22): it is not in the state dict. The outputs then
+    differed from the layer's, silently; ``to_empty`` now sets the frequencies, as every cast or move does."""
+    own = Attention(DIM, HEADS, AttentionSpec(position="prope"))
+    with torch.device("meta"):
+        built = Attention(DIM, HEADS, AttentionSpec(position="prope"))
+    built.to_empty(device="cpu")
+    built.load_state_dict(own.state_dict())
+    x = torch.randn(2, 9, DIM)
+    assert torch.equal(built.rope_freqs, own.rope_freqs) and torch.equal(built(x), own(x))
+
+
+@pytest.mark.parametrize("old, new", [("nope", dict(position="rope")), ("baseline", dict(position="prope")),
+                                      ("baseline", dict(rope_theta=100.0, window=4, softmax_p=2.0)),
+                                      ("sqrt_log_n", dict(qk_norm="layer", kv_heads=HEADS))])
+def test_a_spec_set_on_a_built_layer_runs_as_a_layer_built_with_it(old, new):
+    """``layer.spec = ...`` kept the ``rope_freqs`` of the spec the layer was built with: NoPE -> RoPE ran unrotated
+    (frequencies 0), RoPE -> p-RoPE rotated every pair. They are recomputed, in the layer's dtype."""
+    own = Attention(DIM, HEADS, old).double()
+    own.spec = own.spec.replace(**new)
+    fresh = Attention(DIM, HEADS, own.spec).double()
+    fresh.load_state_dict(own.state_dict())
+    x = torch.randn(2, 9, DIM, dtype=torch.float64)
+    assert own.rope_freqs.dtype == torch.float64 and torch.equal(own(x), fresh(x))
+
+
+def test_a_layer_pickled_before_spec_was_a_property_loads():
+    """A layer pickled whole by an earlier lengthgen holds ``spec`` in its __dict__, which the property shadows."""
+    own = Attention(DIM, HEADS, "l2")
+    state = dict(own.__dict__)
+    state["spec"] = state.pop("_spec")
+    old = Attention.__new__(Attention)
+    old.__setstate__(state)
+    x = torch.randn(2, 5, DIM)
+    assert old.spec == own.spec and torch.equal(old(x), own(x))
+
+
+@pytest.mark.parametrize("old, new, change", [
+    ("baseline", dict(out_norm="head_layer"), "out_norm 'none' -> 'head_layer'"),
+    ("baseline", dict(gate="head"), "gate 'none' -> 'head'"),
+    ("gated", dict(gate_act="sigmoid"), "gate_act '2sigmoid' -> 'sigmoid'"),
+    ("baseline", dict(qk_norm="rms"), "qk_norm 'none' -> 'rms'"),
+    ("sqrt_log_n", dict(qk_norm_affine=False, learnable_scaling="none"),
+     "learnable_scaling 'head' -> 'none', qk_norm_affine True -> False"),
+    ("baseline", dict(kv_heads=2), "kv_heads None -> 2")])
+def test_a_spec_set_on_a_built_layer_keeps_what_its_parameters_were_built_from(old, new, change):
+    """The out-norm, gate, query-scaling and QK-norm modules keep what they were built from: out_norm='head_layer'
+    set on a built layer ran without out-norm, a gate without a gate, silently. A `ConfigError` names the fields."""
+    own = Attention(DIM, HEADS, old)
+    with pytest.raises(ConfigError, match=rf"^Attention.spec: {re.escape(change)} would change the layer's "
+                                          "parameters or submodules, built from the spec it was made with; build a "
+                                          "new Attention with this spec$"):
+        own.spec = own.spec.replace(**new)
+    assert own.spec == resolve_spec(old)
+    with pytest.raises(ConfigError, match=r"^Attention.head_dim=15 is not valid; it must be even for position="):
+        Attention(30, 2, "nope").spec = "baseline"
+
+
 def test_2sigmoid_gate_is_identity_at_init():
     x, docs = x_and_docs()
     for gate in ("head", "elementwise"):
@@ -269,6 +328,12 @@ def test_shared_global_multiplier():
     # a per-layer multiplier is owned by each layer even if a shared one is offered
     c = layer(dict(query_scaling="log_n", learnable_scaling="layer"), multiplier=shared)
     assert c.scaling.multiplier is not shared and c.scaling.multiplier.shape == ()
+    # a plain tensor was kept as an attribute, neither learned, saved nor moved by .to(); a (H,) one ran per head
+    for offered, got in ((torch.tensor(1.2), "a Tensor of shape ()"), (nn.Parameter(torch.ones(HEADS)),
+                                                                      "a Parameter of shape (4,)"), (1.2, "a float")):
+        with pytest.raises(ConfigError, match=re.escape("Attention.multiplier must be the 0-d nn.Parameter that "
+                           f"learnable_scaling='global' layers share (QueryScaling.new_parameter), got {got}")):
+            layer(spec, multiplier=offered)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,6 +398,18 @@ def test_forward_checks_the_input_width_and_the_value_shape():
                            rf"\(2, 5, 16\), got {re.escape(str(shape))}$"):
             m(x, value=torch.randn(shape))
     assert m(x, value=torch.randn(2, 5, 16)).shape == x.shape
+    # a float64 value was torch's raw matmul error in o_proj, an integer one silently added, a list an AttributeError
+    for value, got in ((torch.randn(2, 5, 16, dtype=torch.float64), "torch.float64 on cpu"),
+                       (torch.ones(2, 5, 16, dtype=torch.long), "torch.int64 on cpu")):
+        with pytest.raises(ValueError, match=r"^Attention: value must be floating-point activations on the layer's "
+                           rf"device and of its dtype \(cpu, torch.float32; another under autocast\), got {got}$"):
+            m(x, value=value)
+    with pytest.raises(ValueError, match=r"^Attention: value must be \(batch, length, kv_heads \* head_dim\) = "
+                       r"\(2, 5, 16\), got list$"):
+        m(x, value=[0.0] * 16)
+    with pytest.raises(ValueError, match=r"^Attention: cache must be a KVCache \(lengthgen.attention\) or None, got "
+                                         "dict$"):
+        m(x, cache={})          # was an AttributeError: 'dict' object has no attribute 'layer'
 
 
 def test_forward_names_an_x_that_is_not_the_layers_activations():

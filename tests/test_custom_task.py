@@ -138,6 +138,13 @@ class Large(Parity):
         return batch
 
 
+class Targets(Parity):
+    def sample(self, batch_size, length, generator):
+        batch = super().sample(batch_size, length, generator)
+        batch.targets = batch.targets * 0 + 5
+        return batch
+
+
 class Nothing(Parity):
     def sample(self, batch_size, length, generator):
         return None
@@ -149,6 +156,8 @@ class Nothing(Parity):
               "length L: the Batch contract, lengthgen/data/tasks/base.py)"),
     ("Floats", "returned tokens (1, 8) torch.float32; with head 'lm' it must be (B, L) = (1, 8) long"),
     ("Large", "returned token ids in [2, 3]; they must be in [0, vocab_size) = [0, 2)"),
+    # was the cross-entropy's IndexError 'Target 5 is out of bounds' at the first step
+    ("Targets", "returned targets in [5, 5] where loss_mask is set; they must be in [0, vocab_size) = [0, 2)"),
     ("Nothing", "returned a NoneType, not a lengthgen.data.tasks.Batch"),
 ])
 def test_a_sample_breaking_the_batch_contract_is_one_line_naming_the_class(in_folder, capsys, task, message):

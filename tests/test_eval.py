@@ -207,9 +207,48 @@ def test_evaluate_names_a_model_or_source_of_the_wrong_type():
         evaluate(model, "counting", [8], tokens_per_length=16)
     with pytest.raises(ValueError, match=r"^evaluate: model must be a torch.nn.Module, got str$"):
         evaluate("model.pt", task, [8], tokens_per_length=16)
+    # a module of one's own with the default measure was "AttributeError: 'Embedding' object has no attribute
+    # 'head_kind'"; with its own measure it runs
+    with pytest.raises(ValueError, match=r"^evaluate: the model is a Embedding, not a lengthgen GPT, which the default "
+                                         r"measure \(measure_gpt\) reads; give measure=\(model, source, batch\) -> "
+                                         r"per-position values$"):
+        evaluate(torch.nn.Embedding(task.vocab_size, 1), task, [8], tokens_per_length=16)
+    def measure(model, source, batch):
+        out = model(batch.tokens)[..., 0]
+        return {"loss": (out - batch.targets).abs(), **source.metrics(out, batch)}
+
+    own = evaluate(torch.nn.Embedding(task.vocab_size, 1), task, [8], tokens_per_length=16, measure=measure)
+    assert own.at(8).at_length["loss"] > 0
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("counting", lambda b: setattr(b, "targets", b.targets[:, 1:]),
+     r"returned targets \(4, 7\) torch.float32; with head 'regress' it must be \(B, L\) = \(4, 8\) float"),
+    ("mqar", lambda b: setattr(b, "loss_mask", b.loss_mask.long()),
+     r"returned loss_mask \(4, 8\) torch.int64; with head 'lm' it must be \(B, L\) = \(4, 8\) bool"),
+    ("mqar", lambda b: setattr(b, "targets", b.targets + 1000),
+     r"returned targets in \[\d+, \d+\] where loss_mask is set; they must be in \[0, vocab_size\) = \[0, 256\)")])
+def test_evaluate_holds_a_sources_batches_to_the_contract(monkeypatch, name, edit, message):
+    """evaluate() from Python drew batches unchecked (training checks a task's first sequence): short targets were a
+    broadcasting RuntimeError deep in the loss, an integer loss mask torch.where's, targets beyond the vocabulary the
+    cross-entropy's IndexError."""
+    task = make_task(name)
+    sample = task.sample
+
+    def broken(batch_size, length, generator):
+        batch = sample(batch_size, length, generator)
+        edit(batch)
+        return batch
+
+    monkeypatch.setattr(task, "sample", broken)
+    model = GPT(GPTConfig(vocab_size=task.vocab_size, head=task.head, dim=16, layers=1, heads=2))
+    with pytest.raises(ConfigError, match=rf"^data.task: .*\.sample\(4, 8, generator\) {message}"):
+        evaluate(model, task, [8], tokens_per_length=32)
 
 
 @pytest.mark.parametrize("lengths, match", [([16, 0], r"lengths\[1\]=0 is not valid"),
+                                            (16, r"^lengths=16 is not valid; it must be a list"),   # was a TypeError
+                                            ("16", r"^lengths='16' is not valid; it must be a list"),
                                             ([-3], r"lengths\[0\]=-3 is not valid"),
                                             ([8.5], r"lengths\[0\]=8.5 is not valid")])
 def test_evaluate_refuses_lengths_below_one_naming_them(lengths, match):

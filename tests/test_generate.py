@@ -280,6 +280,14 @@ def test_a_forward_that_fails_part_way_breaks_the_cache(monkeypatch):
             net(tokens(length=1), cache=cache)
 
 
+@pytest.mark.parametrize("cache", [True, {}])
+def test_a_cache_that_is_not_a_kv_cache_is_named(cache):
+    """``net(tokens, cache=True)`` (generate's flag) was an AttributeError: 'bool' object has no attribute 'length'."""
+    with pytest.raises(ValueError, match=rf"^GPT: cache must be a KVCache \(lengthgen.attention\) or None, got "
+                                         rf"{type(cache).__name__}$"):
+        model()(tokens(length=4), cache=cache)
+
+
 def test_two_attention_layers_with_one_layer_index_are_refused():
     torch.manual_seed(0)
     a1, a2 = Attention(16, 2), Attention(16, 2)

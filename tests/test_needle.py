@@ -297,6 +297,13 @@ def test_bad_requests_are_one_line_errors_naming_the_value():
     for samples in (0, -3, 2.5):           # was named tokens_per_length, an argument the caller never gave
         with pytest.raises(ConfigError, match=rf"^samples={samples} is not valid; it must be an integer >= 1"):
             needle_map(model, make_task("passkey"), [16], [0.5], samples=samples, progress=False)
+    # one length or depth not in a list was "TypeError: 'int' object is not iterable"; a length "32" was named as
+    # passkey.length, an argument of the task's
+    for lengths, depths, match in ((32, [0.5], r"^lengths=32 is not valid; it must be a list"),
+                                   ([32], 0.5, r"^depths=0.5 is not valid; it must be a list"),
+                                   (["32"], [0.5], r"^lengths\[0\]='32' is not valid; it must be an integer")):
+        with pytest.raises(ConfigError, match=match):
+            needle_map(model, make_task("passkey"), lengths, depths, samples=4, progress=False)
 
 
 def test_samples_too_many_for_memory_are_refused_before_any_cell(monkeypatch):

@@ -8,7 +8,9 @@ import math
 import random
 import re
 
+import numpy as np
 import pytest
+import torch
 
 from lengthgen import GPT, GPTConfig
 from lengthgen.data.tasks import make_task
@@ -65,6 +67,18 @@ def test_separated_seeds_name_a_winner_with_the_pairwise_p():
     unequal = verdict({"a": [0.8, 0.9, 0.9, 0.9, 0.9], "b": [0.5, 0.6, 0.7, 0.7], "c": [0.1, 0.2, 0.3]}, True)
     assert unequal.p == pytest.approx(2 / 56)       # against c: 1 / C(8, 5) + 1 / C(8, 3), the largest
     assert pair_p(4, 5) == pytest.approx(2 / 126) and smallest_p(3) == pytest.approx(0.1) and smallest_p(1) is None
+
+
+def test_the_rule_takes_any_numbers_and_refuses_what_is_not_its_arguments():
+    """verdict(values, "False") named the lower-is-better variant with the worst values best (a non-empty string is
+    true); NumPy or tensor seeds were 'The truth value of an array ... is ambiguous', a number a TypeError deep in."""
+    seeds = {"a": [1.0, 2.0, 3.0, 4.0], "b": [5.0, 6.0, 7.0, 8.0]}
+    assert verdict({k: np.array(v) for k, v in seeds.items()}, False).winner == "a"
+    assert verdict({k: torch.tensor(v) for k, v in seeds.items()}, False).winner == "a"
+    with pytest.raises(TypeError, match=r"^verdict: higher_is_better must be True or False, got 'False'$"):
+        verdict(seeds, "False")
+    with pytest.raises(TypeError, match=r"^verdict: values must map each variant to a list of its seeds' values "):
+        verdict({"a": 1.0, "b": 2.0}, False)
 
 
 def test_separated_with_too_few_seeds_names_no_winner():

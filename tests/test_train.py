@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from lengthgen.attention import Attention
@@ -19,6 +20,7 @@ from lengthgen.train import (BEMA, NonFiniteLossError, Trainer, attention_max_lo
                              load_run, lr_multiplier, muon_param_names, qk_clip_, train)
 from lengthgen.train.optim import set_lr
 from lengthgen.train import checkpoint as ckpt_io
+from lengthgen.train.run_folder import RunFolderError
 
 
 def config(*overrides: str) -> RunConfig:
@@ -61,6 +63,70 @@ def test_a_bad_stop_at_is_refused_before_anything_is_written(tmp_path, stop_at):
     with pytest.raises(ConfigError, match=rf"^stop_at={stop_at!r} is not valid; it must be an integer >= 0, or none$"):
         train(config(), tmp_path / "run", progress=False, stop_at=stop_at)
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.json").exists()
+
+
+def test_the_trainer_runs_a_checked_copy_of_the_callers_config(tmp_path):
+    """A RunConfig was used as given: a field set after it was made skipped the checks (train.lr = "abc" ended in
+    a TypeError in the schedule, nan in torch's 'Invalid learning rate'), and one set after the Trainer was built
+    changed the run under way (train.steps = 50 trained 50 steps). The Trainer now takes a checked copy."""
+    cfg = config()
+    cfg.train.lr = "abc"
+    with pytest.raises(ConfigError, match=r"^train.lr='abc' is not valid"):
+        Trainer(cfg, tmp_path / "bad", progress=False)
+    cfg = config("train.steps=2")
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    cfg.train.steps = 50
+    try:
+        assert trainer.fit().step == 2 and trainer.config.train.steps == 2
+    finally:
+        trainer.close()
+
+
+@pytest.mark.filterwarnings("ignore:corpus .* has no validation split:lengthgen.config.ConfigWarning")
+def test_paths_in_a_dict_config_are_saved_as_strings(tmp_path):
+    """A pathlib.Path as data.text.corpus was read and tokenized, then config.json failed ('Object of type PosixPath
+    is not JSON serializable'); one as train.init_from was refused ('must be a string'). Both are strings now."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"line {i} of a tiny corpus, long enough for a few windows" for i in range(200)))
+    cfg = config().to_dict()
+    cfg["data"].update(kind="text", task_kwargs={}, text={"corpus": corpus, "tokenizer": "byte"})
+    cfg["model"].update(head=None, vocab_size=None)
+    cfg["train"].update(steps=1)
+    train(cfg, tmp_path / "first", progress=False)
+    saved = json.loads((tmp_path / "first" / "config.json").read_text())
+    assert saved["data"]["text"]["corpus"] == str(corpus)
+    cfg["train"]["init_from"] = tmp_path / "first"
+    assert train(cfg, tmp_path / "second", progress=False).config.train.init_from == str(tmp_path / "first")
+
+
+@pytest.mark.parametrize("given", [None, 5, ["model.dim=8"]])
+def test_a_config_of_another_type_is_named(tmp_path, given):
+    """train(None, out) trained the default 1000-step config; an int or a list ended in os.fspath's TypeError."""
+    with pytest.raises(ConfigError, match=rf"^config must be a RunConfig, its dict or the path of a TOML or JSON "
+                                          rf"file, got {type(given).__name__}$"):
+        train(given, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("out", [None, 5, ""])
+def test_an_out_dir_that_is_no_path_is_named(out):
+    """train(cfg, None) was pathlib's 'expected str, bytes or os.PathLike object, not NoneType' once the data was
+    built, and train(cfg, "") took the current folder as the run's."""
+    with pytest.raises(ConfigError, match=rf"^out_dir must be the run's folder, a str or Path, got {out!r}$"):
+        train(config(), out, progress=False)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_run_folder_that_is_a_file_is_named(tmp_path, inside):
+    """train(cfg, "notes.txt") ended in the lock's raw mkdir error, '[Errno 17] File exists' (a path under a file:
+    'Not a directory'), after the data and model were built."""
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    out = file / "run" if inside else file
+    with pytest.raises(RunFolderError) as refused:
+        train(config(), out, progress=False)
+    assert str(refused.value) == f"{out}: {file} is a file, not a folder; choose another folder"
+    assert file.read_text() == "mine"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -110,6 +176,39 @@ def test_load_run_and_bema_weights(tmp_path):
         load_run(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_run(tmp_path)
+
+
+def test_running_out_of_memory_while_loading_is_not_a_damaged_checkpoint(tmp_path, monkeypatch):
+    """An allocation failure while a checkpoint's weights were read counted as a damaged checkpoint: load_run warned
+    and returned the older checkpoint's weights, and a resume set the newest aside as step_N.corrupt."""
+    cfg = config("train.steps=4", "train.checkpoint_every=2")
+    train(cfg, tmp_path / "run", progress=False)
+
+    load_model = ckpt_io.load_model
+
+    def oom(model, path, **kwargs):         # the newest checkpoint's weights do not fit, the older ones do
+        if "step_00000004" in path:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return load_model(model, path, **kwargs)
+
+    monkeypatch.setattr(ckpt_io, "load_model", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        load_run(tmp_path / "run")
+    with pytest.raises(torch.OutOfMemoryError):
+        train(cfg, tmp_path / "run", progress=False, resume=True)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+
+
+@pytest.mark.parametrize("device, why", [("gpu", "Expected one of cpu, cuda"), ("cuda:64", "")])
+def test_load_run_names_a_device_it_cannot_load_onto(tmp_path, device, why):
+    """load_run(run, device="gpu"), or a CUDA device this machine lacks, said 'no readable checkpoint in RUN: ...
+    is unreadable (SafetensorError: device gpu is invalid)', blaming the checkpoint (and with several, trying each)."""
+    cfg = config("train.steps=1")
+    train(cfg, tmp_path / "run", progress=False)
+    with pytest.raises(ConfigError, match=rf"^device='{device}' cannot be used here \(.*{why}.*\); give 'cpu', "
+                                          "'cuda' or 'cuda:N' of this machine$"):
+        load_run(tmp_path / "run", device=device)
+    assert load_run(tmp_path / "run", device=torch.device("cpu"))[1].embed.weight.device.type == "cpu"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -292,6 +391,17 @@ def test_a_checkpoint_is_on_disk_before_older_ones_are_pruned(tmp_path, monkeypa
 
 # ---------------------------------------------------------------------------------------------------
 # optimizers, QK-clip
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "normuon"])
+def test_muon_for_a_model_without_blocks_is_refused(optimizer):
+    """build_optimizers of a researcher's own model (its layers not under ``blocks``) with Muon gave every parameter
+    to AdamW, silently: Muon takes the 2-D weights under model.blocks."""
+    model = nn.Sequential(nn.Embedding(8, 16), Attention(16, 2))
+    with pytest.raises(ConfigError, match=rf"^train.optimizer='{optimizer}' found no hidden matrices in Sequential for "
+                                          r"Muon: it takes the trainable 2-D weights under model.blocks"):
+        build_optimizers(model, config(f"train.optimizer={optimizer}").train)
+    assert [type(o) for o in build_optimizers(model, config().train)] == [torch.optim.AdamW]
 
 
 def test_muon_gets_hidden_matrices_adamw_the_rest():
@@ -491,6 +601,21 @@ def test_qk_clip_brings_max_logit_to_tau(kv_heads):
     torch.testing.assert_close(gamma[above], tau / before[above])
     torch.testing.assert_close(after[above], torch.full_like(after[above], tau))
     torch.testing.assert_close(after[~above], before[~above])
+
+
+@pytest.mark.parametrize("tau, max_logits, match", [
+    (-1.0, [3.0, 0.5], r"^tau=-1.0 is not valid; it must be a finite float32 number > 0$"),
+    (0, [3.0, 0.5], r"^tau=0 is not valid"),
+    (float("nan"), [3.0, 0.5], r"^tau=nan is not valid"),
+    (1.0, [3.0], r"^qk_clip_: max_logits must be one per query head, \(2,\) \(attention_max_logits\), got \(1,\)$")])
+def test_qk_clip_checks_its_arguments(tau, max_logits, match):
+    """qk_clip_ from Python with tau < 0 scaled the weights by the square root of a negative gamma: NaN weights; tau
+    = nan or 0 clipped nothing or everything, a max_logits of another length broadcast or failed in torch."""
+    attn = Attention(16, 2)
+    weights = {name: p.clone() for name, p in attn.named_parameters()}
+    with pytest.raises(ConfigError, match=match):
+        qk_clip_(attn, torch.tensor(max_logits), tau)
+    assert all(torch.equal(p, weights[name]) for name, p in attn.named_parameters())
 
 
 def test_qk_clip_with_qk_norm_scales_norm_weights():

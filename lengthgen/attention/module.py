@@ -16,12 +16,17 @@ from lengthgen.attention.cache import KVCache
 from lengthgen.attention.core import attend
 from lengthgen.attention.extras import OutNorm, OutputGate, QueryScaling
 from lengthgen.attention.spec import AttentionSpec, resolve_spec
-from lengthgen.config import MAX_SIZE, check_value, invalid
+from lengthgen.config import MAX_SIZE, ConfigError, check_value, invalid
 
 #: The parameters (names inside `Attention`) that a spec adds to the q/k/v/o projections: a checkpoint
 #: trained without them can be loaded, these keeping their init (e.g. a 2sigmoid gate: the identity).
 SPEC_PARAMETERS = ("q_norm_weight", "k_norm_weight", "scaling.multiplier", "out_norm.weight", "out_norm.bias",
                    "gate.weight")
+
+
+#: The spec fields that a layer's parameters and submodules are built from: a spec set on a built layer keeps them.
+BUILT_FROM = ("kv_heads", "learnable_scaling", "out_norm", "out_norm_affine", "out_norm_eps", "gate", "gate_act",
+              "gate_width")
 
 
 def is_spec_parameter(name: str) -> bool:
@@ -51,10 +56,16 @@ class Attention(nn.Module):
                  layer_index: int = 0, head_dim: int | None = None, bias: bool = False, backend: str = "auto",
                  multiplier: nn.Parameter | None = None, out_proj: bool = True) -> None:
         super().__init__()
-        self.spec = spec = resolve_spec(spec)
+        self._spec = spec = resolve_spec(spec)
         dim, heads, head_dim, layer_index = self._check_sizes(spec, dim, heads, head_dim, layer_index)
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if multiplier is not None and spec.learnable_scaling == "global" and not (
+                isinstance(multiplier, nn.Parameter) and multiplier.dim() == 0):    # else not learned, or per head
+            got = (f"a {type(multiplier).__name__} of shape {tuple(multiplier.shape)}"
+                   if isinstance(multiplier, torch.Tensor) else f"a {type(multiplier).__name__}")
+            raise ConfigError(f"Attention.multiplier must be the 0-d nn.Parameter that learnable_scaling='global' "
+                              f"layers share (QueryScaling.new_parameter), got {got}", "Attention.multiplier")
         self.dim, self.heads, self.head_dim, self.kv_heads = dim, heads, head_dim, spec.kv_heads or heads
         self.layer_index, self.backend, self.capture = layer_index, backend, None
         inner, kv_inner = heads * self.head_dim, self.kv_heads * self.head_dim
@@ -69,6 +80,33 @@ class Attention(nn.Module):
         self.out_norm = OutNorm(spec, heads, self.head_dim)
         self.gate = OutputGate(spec, dim, heads, self.head_dim)
         self.register_buffer("rope_freqs", self.rope_frequencies(), persistent=False)
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: AttentionSpec | str | dict[str, Any]) -> None:
+        """Another spec for the built layer (``layer.spec = layer.spec.replace(window=64)``): it may change what
+        `attend` and the positions read (``rope_freqs`` is recomputed), not what the layer's parameters and
+        submodules were built from (`BUILT_FROM`, QK-norm's weights): that is a `ConfigError` naming the fields."""
+        spec = resolve_spec(spec)
+        built = [f for f in BUILT_FROM if getattr(spec, f) != getattr(self._spec, f)
+                 and not (f == "kv_heads" and (spec.kv_heads or self.heads) == self.kv_heads)]
+        if (spec.qk_norm != "none" and spec.qk_norm_affine) != (self.q_norm_weight is not None):   # its weights
+            built.append("qk_norm" if spec.qk_norm != self._spec.qk_norm else "qk_norm_affine")
+        if built:
+            changes = ", ".join(f"{f} {getattr(self._spec, f)!r} -> {getattr(spec, f)!r}" for f in built)
+            raise ConfigError(f"Attention.spec: {changes} would change the layer's parameters or submodules, built "
+                              "from the spec it was made with; build a new Attention with this spec", "Attention.spec")
+        self._check_sizes(spec, self.dim, self.heads, self.head_dim, self.layer_index)
+        self._spec = spec
+        self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device, self.rope_freqs.dtype)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "spec" in state:           # a layer pickled whole (torch.save(model)) before spec became a property
+            state["_spec"] = state.pop("spec")
+        super().__setstate__(state)
 
     @staticmethod
     def _check_sizes(spec: AttentionSpec, dim: Any, heads: Any, head_dim: Any, layer_index: Any
@@ -96,12 +134,16 @@ class Attention(nn.Module):
         return fn.rope_frequencies(self.head_dim, self.spec.rope_theta, fraction, min_freq=self.spec.rope_min_freq)
 
     def _apply(self, fn, recurse: bool = True):
-        """``module.to(torch.bfloat16)`` (``.half()``, ...) casts every floating buffer; a half-precision ``rope_freqs``
-        is recomputed in float32: bfloat16 frequencies are off by up to 2^-9 relative, an angle error of about 2 rad
-        at position 4096 (transformers' Llama rotary embedding likewise builds its ``inv_freq`` in float32)."""
+        """After every cast or move ``rope_freqs`` is set anew from the spec (computed as at construction, then
+        moved): ``module.to(torch.bfloat16)`` (``.half()``, ...) casts every floating buffer, and half-precision
+        frequencies are kept in float32 (bfloat16 ones are off by up to 2^-9 relative, an angle error of about 2 rad
+        at position 4096; transformers' Llama rotary embedding likewise builds its ``inv_freq`` in float32);
+        ``to_empty`` of a layer built on the meta device would leave them uninitialized, and no state dict holds
+        them."""
         super()._apply(fn, recurse)
-        if self.rope_freqs.dtype in (torch.float16, torch.bfloat16):
-            self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device)
+        dtype = self.rope_freqs.dtype
+        dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device, dtype)
         return self
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, value: torch.Tensor | None = None,
@@ -112,15 +154,17 @@ class Attention(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dim:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"Attention expects (batch, length, dim={self.dim}) input, got {got}")
-        weight = self.q_proj.weight
-        if not x.is_floating_point() or x.device != weight.device or (x.dtype != weight.dtype and not (
-                torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type))):
-            raise ValueError(f"Attention: x must be floating-point activations on the layer's device and of its dtype "
-                             f"({weight.device}, {weight.dtype}; another under autocast), got {x.dtype} on {x.device}")
+        self._check_activations("x", x)
         b, length, _ = x.shape
-        if value is not None and tuple(value.shape) != (b, length, self.kv_heads * self.head_dim):
-            raise ValueError(f"Attention: value must be (batch, length, kv_heads * head_dim) = "
-                             f"{(b, length, self.kv_heads * self.head_dim)}, got {tuple(value.shape)}")
+        if value is not None:
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (b, length, self.kv_heads * self.head_dim):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"Attention: value must be (batch, length, kv_heads * head_dim) = "
+                                 f"{(b, length, self.kv_heads * self.head_dim)}, got {got}")
+            self._check_activations("value", value)
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError(f"Attention: cache must be a KVCache (lengthgen.attention) or None, got "
+                             f"{type(cache).__name__}")
         spec = self.spec
         q = self.q_proj(x).view(b, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -141,6 +185,16 @@ class Attention(nn.Module):
         if past is not None:          # only now: a forward that raised leaves the cache as it was
             past.keep(k, v, doc_ids, spec.window)
         return out
+
+    def _check_activations(self, name: str, t: torch.Tensor) -> None:
+        """A ValueError naming ``name`` unless ``t`` is floating-point, on the layer's device and of its dtype (any
+        float dtype under autocast)."""
+        weight = self.q_proj.weight
+        if not t.is_floating_point() or t.device != weight.device or (t.dtype != weight.dtype and not (
+                torch.amp.is_autocast_available(t.device.type) and torch.is_autocast_enabled(t.device.type))):
+            raise ValueError(f"Attention: {name} must be floating-point activations on the layer's device and of its "
+                             f"dtype ({weight.device}, {weight.dtype}; another under autocast), got {t.dtype} on "
+                             f"{t.device}")
 
     def output(self, y: torch.Tensor, x: torch.Tensor, capture: tuple | None = None) -> torch.Tensor:
         """out-norm -> gate -> merge heads -> o_proj for attention output y (B, H, L, D) and layer input x.

@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from lengthgen.config import MAX_SIZE, ConfigError, check_value, counted, invalid
 from lengthgen.data.config import step_generator
-from lengthgen.data.tasks.base import Batch, check_metrics, contract_error, metric_directions
+from lengthgen.data.tasks.base import Batch, check_batch, check_metrics, contract_error, metric_directions
 from lengthgen.eval.buckets import bucket_means, prefix_means
 from lengthgen.eval.diagnostics import STATS, model_diagnostics
 from lengthgen.eval.results import Bucket, LengthEval, Provenance, RunEval
@@ -180,6 +180,7 @@ def _evaluate_length(model: nn.Module, source: Any, length: int, *, batch_size: 
     diagnostics are taken on the first sequence. The model must already be in eval mode."""
     device = _device(model)
     batch = source.sample(batch_size, length, eval_generator(seed, length))
+    check_batch(source, batch, batch_size, length, fewer=True)
     values = _measure(model, source, batch, device, context, measure, step)
     failed = _failed(values, batch)
     if hasattr(source, "batch_metrics"):
@@ -239,13 +240,13 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
     ``tokens_per_length``, ``seed``, ``autocast`` or ``forward_tokens``, is a `ConfigError` naming it; a length
     whose one sequence cannot fit the CPU's available memory a MemoryError.
     """
-    lengths = sorted(set(check_value("lengths", list(lengths), list[int], ge=1, le=MAX_SIZE)))
+    lengths = sorted(set(check_value("lengths", listed(lengths), list[int], ge=1, le=MAX_SIZE)))
     check_value("tokens_per_length", tokens_per_length, int, ge=1)
     check_value("seed", seed, int, ge=0)
     check_value("forward_tokens", forward_tokens, int | None, ge=1)
     if autocast not in (None, torch.float16, torch.bfloat16):
         raise invalid("autocast", autocast, "None, torch.float16 or torch.bfloat16")
-    _check_fits(model, source)
+    _check_fits(model, source, measure)
     limit = getattr(source, "max_length", None)
     for length in lengths:
         if limit is not None and length > limit:
@@ -274,10 +275,17 @@ def evaluate(model: nn.Module, source: Any, lengths: list[int], *, tokens_per_le
                    parameters=sum(p.numel() for p in model.parameters()))
 
 
-def _check_fits(model: nn.Module, source: Any) -> None:
-    """A ValueError when ``model`` is no torch module, ``source`` has no ``sample``, or a lengthgen model (one with a
-    ``head_kind``) cannot run on ``source``: another head, or fewer token ids than the source uses (torch would fail
-    deep inside the embedding, the loss or the metrics)."""
+def listed(values: Any) -> Any:
+    """``values`` as a list when it is a list, tuple or range, else as it is, for `check_value` to name (``list(32)``
+    would be a TypeError, ``list("32")`` two lengths)."""
+    return list(values) if isinstance(values, (list, tuple, range)) else values
+
+
+def _check_fits(model: nn.Module, source: Any, measure: Measure = measure_gpt) -> None:
+    """A ValueError when ``model`` is no torch module, ``source`` has no ``sample``, another model than a lengthgen
+    one (with a ``head_kind``) has no ``measure`` of its own, or a lengthgen model cannot run on ``source``: another
+    head, or fewer token ids than the source uses (torch would fail deep inside the embedding, the loss or the
+    metrics)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"evaluate: model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(getattr(source, "sample", None)):
@@ -285,6 +293,9 @@ def _check_fits(model: nn.Module, source: Any) -> None:
                          f"task: lengthgen.data.tasks.make_task(name)), got {type(source).__name__}")
     head = getattr(model, "head_kind", None)
     name = getattr(source, "name", "the source")
+    if head is None and measure is measure_gpt:
+        raise ValueError(f"evaluate: the model is a {type(model).__name__}, not a lengthgen GPT, which the default "
+                         "measure (measure_gpt) reads; give measure=(model, source, batch) -> per-position values")
     if head is None:
         return
     needs = getattr(source, "head", "lm")

@@ -25,10 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lengthgen.config import ConfigError, check_value
+from lengthgen.config import MAX_SIZE, ConfigError, check_value
 from lengthgen.data.needles import needle_source
 from lengthgen.data.tasks.base import Batch
-from lengthgen.eval.evaluate import Measure, evaluate, model_rows_at_once
+from lengthgen.eval.evaluate import Measure, evaluate, listed, model_rows_at_once
 from lengthgen.eval.results import NeedleCell, NeedleMap
 
 #: default depths: 0, 0.1, ..., 1 (fractions of the filler before the needle)
@@ -107,7 +107,8 @@ def needle_map(model: nn.Module, source: Any, lengths: list[int], depths: list[f
     """The retrieval map of ``model`` on ``source`` (a retrieval task or text data) at every (depth, length), each
     cell ``samples`` sequences with ``needles`` needles (see the module docstring); checked first by
     `check_needles`. A progress bar over the cells on a terminal (``progress``)."""
-    lengths, depths = sorted(set(lengths)), sorted(set(check_value("depths", list(depths), list[float], ge=0, le=1)))
+    lengths = sorted(set(check_value("lengths", listed(lengths), list[int], ge=1, le=MAX_SIZE)))
+    depths = sorted(set(check_value("depths", listed(depths), list[float], ge=0, le=1)))
     check_value("samples", samples, int, ge=1)
     check_needles(source, lengths, depths, needles)
     try:        # each cell's batch of ``samples`` sequences, at the longest length: before any cell is computed

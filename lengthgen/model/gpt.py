@@ -128,6 +128,8 @@ class GPT(nn.Module):
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype not in (torch.long, torch.int32):
             got = f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"GPT expects (batch, length) token ids (torch.long or torch.int32), got {got}")
+        if cache is not None and not isinstance(cache, KVCache):
+            raise ValueError(f"GPT: cache must be a KVCache (lengthgen.attention) or None, got {type(cache).__name__}")
         if cache is not None and self.training and self.config.norm == "batch":
             raise ValueError("GPT: a KVCache needs causal layers, and norm='batch' in training mode normalizes over "
                              "every position; decode in eval mode (model.eval(): running statistics)")

@@ -102,7 +102,16 @@ def smallest_p(seeds: int) -> float | None:
 def verdict(values: dict[str, list[float]], higher_is_better: bool,
             chance: float | dict[str, float | None] | None = None) -> Verdict:
     """Apply the rule (module docstring) to ``values``: variant -> its seeds' values at one length; ``chance``:
-    the chance level of every variant, or variant -> its own (variants trained on other laws of one task)."""
+    the chance level of every variant, or variant -> its own (variants trained on other laws of one task). Seeds
+    may be any numbers (NumPy arrays, tensors); other ``values``, or a ``higher_is_better`` that is no bool (the
+    string 'False' is true), are a TypeError."""
+    if not isinstance(higher_is_better, bool):
+        raise TypeError(f"verdict: higher_is_better must be True or False, got {higher_is_better!r}")
+    try:
+        values = {name: [float(x) for x in seeds] for name, seeds in values.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise TypeError("verdict: values must map each variant to a list of its seeds' values (numbers), got "
+                        f"{type(values).__name__} {values!r:.80}") from None
     levels = chance if isinstance(chance, dict) else dict.fromkeys(values, chance)
     finite = {name: v for name, v in values.items() if v and all(math.isfinite(x) for x in v)}
     means = {name: sum(v) / len(v) for name, v in finite.items()}

@@ -45,6 +45,7 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from lengthgen.atomic import atomic_write, atomic_write_text, fsync
 from lengthgen.config import ConfigError
 from lengthgen.data.tasks import own_task
+from lengthgen.memory import out_of_memory
 from lengthgen.train.config import RunConfig
 
 LATEST = "latest.json"
@@ -167,7 +168,8 @@ def _verify(path: Path) -> None:
 @contextlib.contextmanager
 def reading(path: Path) -> Iterator[None]:
     """Turn a failure to read ``path``, or bytes that changed since it was written (`_verify`), into a one-line
-    `CheckpointError` naming it."""
+    `CheckpointError` naming it. Running out of memory says nothing of the file: it is raised as it is (else a
+    reader would take an older checkpoint's weights, and a resume would set the newest aside)."""
     try:
         _verify(path)
         yield
@@ -177,6 +179,8 @@ def reading(path: Path) -> Iterator[None]:
         raise CheckpointError(f"{path} is missing") from None
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError,
             SafetensorError) as err:
+        if out_of_memory(err) is not None:
+            raise
         detail = " ".join(line.strip() for line in str(err).splitlines() if line.strip())     # one line, e.g.
         detail = detail if len(detail) <= 300 else detail[:297] + "..."          # state_dict's size mismatches
         raise CheckpointError(f"{path} is unreadable ({type(err).__name__}: {detail})") from None

@@ -23,7 +23,7 @@ import torch.nn as nn
 from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
-from lengthgen.config import ConfigError, pattern_matches
+from lengthgen.config import ConfigError, check_value, pattern_matches
 from lengthgen.train.config import MUON_OPTIMIZERS
 from lengthgen.train.muon import Muon
 from lengthgen.train.normuon import CautiousAdamW, NorMuon
@@ -54,6 +54,10 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
     tc = train_cfg
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     muon_names = muon_param_names(model) if tc.optimizer in MUON_OPTIMIZERS else []
+    if tc.optimizer in MUON_OPTIMIZERS and not muon_names:       # else every parameter would go to AdamW, silently
+        raise ConfigError(f"train.optimizer={tc.optimizer!r} found no hidden matrices in {type(model).__name__} for "
+                          "Muon: it takes the trainable 2-D weights under model.blocks (muon_param_names), as a "
+                          "lengthgen GPT holds them; use adamw for this model", "train.optimizer")
     for key in ("muon_lr_mul", "muon_exclude"):
         if getattr(tc, key) and not muon_names:
             raise ConfigError(f"train.{key} applies only with train.optimizer=muon or normuon", f"train.{key}")
@@ -161,8 +165,14 @@ def qk_clip_(attn: Attention, max_logits: torch.Tensor, tau: float) -> torch.Ten
     K2); under GQA a key head is shared by several query heads, so, as Kimi K2 does for its shared rotary key,
     W_k is left alone and head h's rows of W_q are scaled by gamma_h. With QK-norm the projections cannot change
     the logits; the (shared over heads) affine weights of the Q and K norms are scaled by sqrt(min_h gamma_h)
-    instead, and non-affine QK-norm is left alone (warning). Returns gamma (H,).
+    instead, and non-affine QK-norm is left alone (warning). Returns gamma (H,). A ``tau`` that is not a finite
+    number > 0 (a negative one made NaN weights) or ``max_logits`` not (H,) is a `ConfigError` naming it.
     """
+    tau = check_value("tau", tau, float, gt=0)
+    if not isinstance(max_logits, torch.Tensor) or tuple(max_logits.shape) != (attn.heads,):
+        got = tuple(max_logits.shape) if isinstance(max_logits, torch.Tensor) else type(max_logits).__name__
+        raise ConfigError(f"qk_clip_: max_logits must be one per query head, ({attn.heads},) (attention_max_logits), "
+                          f"got {got}", "max_logits")
     gamma = torch.where(max_logits > tau, tau / max_logits.clamp(min=1e-30), torch.ones_like(max_logits))
     if bool((gamma >= 1).all()):
         return gamma

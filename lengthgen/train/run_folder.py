@@ -89,11 +89,15 @@ class FolderLock:
 
 def lock(folder: str | Path) -> FolderLock:
     """Lock ``folder`` (created if needed, where a symbolic link to nothing leads) for this process and remove its
-    stale temporaries. `RunFolderError` names the holder when another process has it, or a folder in a run's
-    checkpoints (`outside_checkpoints`)."""
+    stale temporaries. `RunFolderError` names the holder when another process has it, a file there or on the way
+    there, or a folder in a run's checkpoints (`outside_checkpoints`)."""
     folder = outside_checkpoints(folder)
     created = not folder.exists()
-    folder.resolve().mkdir(parents=True, exist_ok=True)     # a symbolic link to nothing: the folder it names
+    try:
+        folder.resolve().mkdir(parents=True, exist_ok=True)     # a symbolic link to nothing: the folder it names
+    except (FileExistsError, NotADirectoryError):             # a file there or on the way
+        file = next(p for p in (folder.resolve(), *folder.resolve().parents) if p.exists())
+        raise RunFolderError(f"{folder}: {file} is a file, not a folder; choose another folder") from None
     file = os.fdopen(os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o666), "r+")
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)

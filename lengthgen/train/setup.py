@@ -5,6 +5,7 @@ fails with `ConfigError`."""
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lengthgen.config import ConfigError, ConfigWarning, counted, differences, raised_in_user_code
+from lengthgen.config import ConfigError, ConfigWarning, counted, differences, raised_in_user_code, to_plain
 from lengthgen.data.config import make_source
 from lengthgen.data.tasks.base import Task, check_batch, check_declared, contract_error
 from lengthgen.eval.evaluate import check_row_fits
@@ -20,11 +21,16 @@ from lengthgen.train.config import RunConfig, load_config
 
 
 def as_config(config: RunConfig | dict | str | Path) -> RunConfig:
-    """A `RunConfig` from itself, its dict or a TOML path."""
+    """A `RunConfig` from a copy of one (checked again, as `GPT` checks its `GPTConfig`: fields may have been set
+    since it was made, and the caller's later changes do not reach the run), its dict or a TOML / JSON path;
+    anything else is a `ConfigError`."""
     if isinstance(config, RunConfig):
-        return config
-    if isinstance(config, dict):
-        return RunConfig.from_dict(config)
+        return RunConfig.from_dict(config.to_dict())
+    if isinstance(config, dict):            # its paths (data.text.corpus, train.init_from) as strings
+        return RunConfig.from_dict(to_plain(config))
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"config must be a RunConfig, its dict or the path of a TOML or JSON file, got "
+                          f"{type(config).__name__}")
     return load_config(config)
 
 

@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -102,6 +103,8 @@ class Trainer:
                  ) -> None:
         if resume and overwrite:
             raise ValueError("resume or overwrite a run folder, not both")
+        if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
+            raise ConfigError(f"out_dir must be the run's folder, a str or Path, got {out_dir!r}", "out_dir")
         cfg, self.source = resolve(config)
         self.config, tc = cfg, cfg.train
         if cfg.data.kind == "text" and cfg.data.text.get("val_corpus") is not None:

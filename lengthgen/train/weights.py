@@ -80,8 +80,22 @@ def load_run(path: str | Path, *, bema: bool = False, device: str | torch.device
     """(config, model in eval mode) from a run folder (its newest readable checkpoint, see
     `lengthgen.train.run_folder.load_newest`), a checkpoint folder or a file in one. ``bema=True`` loads the BEMA
     weights (`ConfigError` if the run has none). FileNotFoundError names a missing path, `CheckpointError` a
-    damaged file."""
+    damaged file, `ConfigError` a ``device`` that is none or not usable here."""
+    device = usable_device(device)
     return load_newest(path, lambda ckpt: _load_checkpoint(ckpt, bema, device))[1]
+
+
+def usable_device(device: Any) -> torch.device:
+    """``device`` as a torch.device that this machine has; else a `ConfigError` naming it (as loading a checkpoint
+    onto it would fail as if the checkpoint were unreadable)."""
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, TypeError, AssertionError) as err:    # AssertionError: torch built without CUDA
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"device={str(device)!r} cannot be used here ({why}); give 'cpu', 'cuda' or 'cuda:N' of "
+                          "this machine", "device") from None
+    return device
 
 
 def _load_checkpoint(ckpt: Path, bema: bool, device: str | torch.device) -> tuple[RunConfig, GPT]:

@@ -75,13 +75,15 @@ _TARGETS = {"regress": ("(B, L)", "float", lambda t: t.dtype.is_floating_point o
             "classify": ("(B,)", "long", lambda t: t.dtype == torch.long)}
 
 
-def check_batch(source, batch, rows: int, length: int) -> None:
+def check_batch(source, batch, rows: int, length: int, fewer: bool = False) -> None:
     """``batch``, drawn by ``source.sample(rows, length, generator)``, must keep the `Batch` contract for the
     source's head (shapes, dtypes, token ids in [0, vocab_size)); else a `contract_error`, before a step trips over
-    it deep in the model."""
+    it deep in the model. ``fewer``: it may hold fewer rows (at least one), as an evaluation's long documents do."""
     call = f"sample({rows}, {length}, generator)"
     if not isinstance(batch, Batch):
         raise contract_error(source, call, f"returned a {type(batch).__name__}, not a lengthgen.data.tasks.Batch")
+    if fewer and torch.is_tensor(batch.tokens) and batch.tokens.dim() == 2 and 1 <= batch.tokens.shape[0] <= rows:
+        rows = batch.tokens.shape[0]
     head = getattr(source, "head", "lm")
     for name, (shape, dtype, fits) in {**_CONTRACT, "targets": _TARGETS.get(head, _CONTRACT["targets"])}.items():
         t = getattr(batch, name)
@@ -98,6 +100,16 @@ def check_batch(source, batch, rows: int, length: int) -> None:
     if isinstance(vocab, int) and (low < 0 or high >= vocab):
         raise contract_error(source, call, f"returned token ids in [{low}, {high}]; they must be in [0, vocab_size) "
                              f"= [0, {vocab})")
+    # the loss's cross-entropy reads every scored target as a class (an lm's: a token id)
+    size, classes = {"lm": ("vocab_size", vocab), "classify": ("num_classes", getattr(source, "num_classes", None))
+                     }.get(head, (None, None))
+    scored = batch.targets[batch.loss_mask] if head == "lm" else batch.targets
+    if isinstance(classes, int) and scored.numel():
+        low, high = int(scored.min()), int(scored.max())
+        if low < 0 or high >= classes:
+            where = " where loss_mask is set" if head == "lm" else ""
+            raise contract_error(source, call, f"returned targets in [{low}, {high}]{where}; they must be in "
+                                 f"[0, {size}) = [0, {classes})")
 
 
 def check_metrics(source, values, shape: torch.Size) -> None:
