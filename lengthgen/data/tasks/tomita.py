@@ -22,9 +22,10 @@ _DFAS: dict[int, tuple[list[tuple[int, int]], list[bool]]] = {
     1: ([(1, 0), (1, 1)], [True, False]),
     # 2: (10)*.  0 expecting 1 (accepting), 1 expecting 0, 2 dead.
     2: ([(2, 1), (0, 2), (2, 2)], [True, False, False]),
-    # 3: no odd run of 1s immediately followed by an odd run of 0s (runs maximal).
-    #    0 clean / even 1-run, 1 odd 1-run, 2 odd 1-run then odd 0-run, 3 ... then even 0-run, 4 dead.
-    3: ([(0, 1), (2, 0), (3, 4), (2, 1), (4, 4)], [True, True, False, True, False]),
+    # 3: no odd run of 1s followed, anywhere later, by an odd run of 0s (runs maximal), as Tomita's own examples
+    #    read it (0111001101 and 11011100110 are among his rejected strings).
+    #    0 clean / even 1-run, 1 odd 1-run, 2 odd 0-run after an odd 1-run, 3 even 0-run or 1s after one, 4 dead.
+    3: ([(0, 1), (2, 0), (3, 4), (2, 3), (4, 4)], [True, True, False, True, False]),
     # 4: no 000.  State = trailing zeros (0..2), 3 dead.
     4: ([(1, 0), (2, 0), (3, 0), (3, 3)], [True, True, True, False]),
     # 5: even #0 and even #1.  State = 2 * (#0 % 2) + (#1 % 2).
