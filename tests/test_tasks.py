@@ -501,10 +501,22 @@ def test_the_evaluator_reports_a_whole_batch_metric_once_per_length():
     for row in result.lengths:
         batch = task.sample(row.batch_size, row.length, eval_generator(3, row.length))
         with torch.no_grad():
-            scores = model(batch.tokens).float().softmax(-1)[:, 1]
+            logits = model(batch.tokens).float()
+        scores = logits[:, 1] - logits[:, 0]
         want = roc_auc(scores, batch.targets)
         assert 0 < want < 1 and row.at_length["roc_auc"] == pytest.approx(want, abs=1e-6)
         assert row.mean["roc_auc"] == row.at_length["roc_auc"] and row.chance["roc_auc"] == 0.5
+
+
+def test_tomita_roc_auc_ranks_confident_sequences_by_their_margin():
+    """P(accept) rounds to 1 in float32 beyond a logit margin of about 17: a confident model that ranks every
+    accepted string above every rejected one scored ROC AUC 1/2, the chance level, from tied scores."""
+    task = make_task("tomita", grammar=4)
+    batch = task.sample(64, 20, gen(0))
+    margin = torch.where(batch.targets.bool(), 30.0, 20.0) + torch.rand(64, generator=gen(1))
+    values = task.metrics(torch.stack([torch.zeros(64), margin], 1), batch)
+    assert task.batch_metrics(values, batch) == {"roc_auc": 1.0}
+    torch.testing.assert_close(values["score"], margin)
 
 
 @FEW

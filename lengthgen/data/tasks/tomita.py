@@ -173,9 +173,11 @@ class TomitaTask(Task):
         return torch.where(rejecting, keys, -1.0).argmax(1), rejecting.any(1)
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per sequence (B,): ``accuracy`` (argmax == label) and ``score`` = P(accept)."""
-        return {"accuracy": (output.argmax(-1) == batch.targets).float(),
-                "score": output.float().softmax(-1)[:, 1]}
+        """Per sequence (B,): ``accuracy`` (argmax == label) and ``score`` = log P(accept) - log P(reject), the
+        logit margin that ranks the sequences for the ROC AUC (P(accept) itself rounds to 1 in float32 beyond a
+        margin of about 17, which would tie every confident sequence)."""
+        output = output.float()
+        return {"accuracy": (output.argmax(-1) == batch.targets).float(), "score": output[:, 1] - output[:, 0]}
 
     def batch_metrics(self, values: dict[str, torch.Tensor], batch: Batch) -> dict[str, float]:
         """``roc_auc`` of the batch's scores (`roc_auc`): the seed's metric for sequence classification."""
