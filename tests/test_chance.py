@@ -94,6 +94,15 @@ def test_counting_median_of_the_count_per_position_has_the_chance_error():
     assert task.chance("rel_error", LENGTH) is None
 
 
+def test_counting_mean_of_the_count_per_position_has_the_chance_squared_error():
+    """sq_error (seed 001's MSE, reported in every counting comparison) had no chance level."""
+    task = make_task("counting", vocab_size=4)
+    fit, test = task.sample(4096, LENGTH, gen(0)), task.sample(4096, LENGTH, gen(1))
+    errors = task.metrics(fit.targets.mean(0).expand_as(test.targets), test)["sq_error"]
+    assert_near(at_length(errors), chance_at_length(task, "sq_error"))
+    torch.testing.assert_close(task.chance("sq_error", 3), torch.tensor([0, 3 / 16, 6 / 16], dtype=torch.float64))
+
+
 @pytest.mark.parametrize("q", [0.5, 1 / 3, 1 / 32, 0.9])
 def test_binomial_median_error_matches_the_python_sum(q):
     def exact(n: int) -> float:

@@ -364,9 +364,14 @@ def tomita_reference(grammar: int, s: str) -> bool:
         return re.fullmatch("1*", s) is not None
     if grammar == 2:
         return re.fullmatch("(10)*", s) is not None
-    if grammar == 3:
-        runs = [(ch, len(list(group))) for ch, group in itertools.groupby(s)]
-        return not any(ch == "1" and n % 2 == 1 and m % 2 == 1 for (ch, n), (_, m) in zip(runs, runs[1:]))
+    if grammar == 3:                    # no odd run of 0s anywhere after an odd run of 1s (runs maximal)
+        odd_ones = False
+        for ch, group in itertools.groupby(s):
+            odd = len(list(group)) % 2 == 1
+            if ch == "0" and odd and odd_ones:
+                return False
+            odd_ones |= ch == "1" and odd
+        return True
     if grammar == 4:
         return "000" not in s
     if grammar == 5:
@@ -384,11 +389,48 @@ def decode(tokens: list[int]) -> str:
     return bits
 
 
+#: Tomita's (1982) training strings, accepted and rejected, of each grammar
+TOMITA_EXAMPLES = {
+    1: ("1 11 111 1111 11111 111111 1111111 11111111 1111111111", "0 00 10 01 011 110 0000 11111110 10111111"),
+    2: ("10 1010 101010 10101010 10101010101010 10101010101010101010",
+        "1 0 11 00 01 101 100 1001010 10110 110101010"),
+    3: ("1 0 01 11 00 100 110 111 000 100100 110000011100001 111101100010011100",
+        "10 101 010 1010 1110 1011 10001 111010 1001000 11111000 0111001101 11011100110"),
+    4: ("1 0 10 01 00 100100 001111110100 0100100100 11100 010",
+        "000 11000 0001 000000000 11111000011 1101010000010111 1010010001 0000 00000"),
+    5: ("11 00 1001 0101 1010 1000111101 1001100001111010 111111 0000",
+        "0 111 011 000000000 1000 01 10 1110010100 010111111110 0001"),
+    6: ("10 01 1100 101010 111 000000 10111 0111101111 100100100",
+        "1 0 11 00 101 011 11001 1111 00000000 010111 10111101111 1001001001"),
+    7: ("1 0 10 01 11111 000 00110011 0101 0000100001111 00100 011111011111 00",
+        "1010 00110011000 0101010101 1011010 10101 010100 101001 100100110101"),
+}
+
+
+@pytest.mark.parametrize("grammar", range(1, 8))
+def test_tomita_dfa_labels_tomitas_own_examples(grammar):
+    """Grammar 3 once rejected only an odd 1-run *immediately* followed by an odd 0-run, and so accepted two of
+    Tomita's rejected strings (0111001101, 11011100110)."""
+    task = make_task("tomita", grammar=grammar)
+    transitions, accepting = task.transitions.tolist(), task.accepting.tolist()
+
+    def accepts(s: str) -> bool:
+        state = 0
+        for bit in s:
+            state = transitions[state][int(bit)]
+        return accepting[state]
+
+    accepted, rejected = (words.split() for words in TOMITA_EXAMPLES[grammar])
+    assert [s for s in accepted if not accepts(s)] == [] and [s for s in rejected if accepts(s)] == []
+    assert all(tomita_reference(grammar, s) for s in accepted) and not any(tomita_reference(grammar, s)
+                                                                           for s in rejected)
+
+
 @pytest.mark.parametrize("grammar", range(1, 8))
 def test_tomita_dfa_matches_reference_on_all_short_strings(grammar):
     task = make_task("tomita", grammar=grammar)
     transitions, accepting = task.transitions.tolist(), task.accepting.tolist()
-    for n in range(11):
+    for n in range(13):
         for bits in itertools.product((0, 1), repeat=n):
             state = 0
             for bit in bits:
@@ -459,10 +501,22 @@ def test_the_evaluator_reports_a_whole_batch_metric_once_per_length():
     for row in result.lengths:
         batch = task.sample(row.batch_size, row.length, eval_generator(3, row.length))
         with torch.no_grad():
-            scores = model(batch.tokens).float().softmax(-1)[:, 1]
+            logits = model(batch.tokens).float()
+        scores = logits[:, 1] - logits[:, 0]
         want = roc_auc(scores, batch.targets)
         assert 0 < want < 1 and row.at_length["roc_auc"] == pytest.approx(want, abs=1e-6)
         assert row.mean["roc_auc"] == row.at_length["roc_auc"] and row.chance["roc_auc"] == 0.5
+
+
+def test_tomita_roc_auc_ranks_confident_sequences_by_their_margin():
+    """P(accept) rounds to 1 in float32 beyond a logit margin of about 17: a confident model that ranks every
+    accepted string above every rejected one scored ROC AUC 1/2, the chance level, from tied scores."""
+    task = make_task("tomita", grammar=4)
+    batch = task.sample(64, 20, gen(0))
+    margin = torch.where(batch.targets.bool(), 30.0, 20.0) + torch.rand(64, generator=gen(1))
+    values = task.metrics(torch.stack([torch.zeros(64), margin], 1), batch)
+    assert task.batch_metrics(values, batch) == {"roc_auc": 1.0}
+    torch.testing.assert_close(values["score"], margin)
 
 
 @FEW

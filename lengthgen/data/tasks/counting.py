@@ -49,11 +49,13 @@ class CountingTask(Task):
                 "rel_error": error.abs() / batch.targets.clamp(min=1.0)}
 
     def chance(self, metric: str, length: int) -> torch.Tensor | None:
-        """``abs_error`` (and ``loss``, the same L1 error): the count at position t is Binomial(t, 1/V); the
-        best guess from the position alone is its median, with expected error E|X - median X|."""
-        if metric not in ("abs_error", "loss"):
-            return None
-        return binomial_median_error(length, 1 / self.vocab_size)
+        """The count at position t is Binomial(t, q), q = 1/V. ``abs_error`` (and ``loss``, the same L1 error): the
+        best guess from the position alone is its median, with expected error E|X - median X|; ``sq_error``: its
+        mean tq, with expected error the variance t q (1 - q)."""
+        q = 1 / self.vocab_size
+        if metric == "sq_error":
+            return torch.arange(length, dtype=torch.float64) * q * (1 - q)
+        return binomial_median_error(length, q) if metric in ("abs_error", "loss") else None
 
 
 def binomial_median_error(length: int, q: float) -> torch.Tensor:

@@ -22,9 +22,10 @@ _DFAS: dict[int, tuple[list[tuple[int, int]], list[bool]]] = {
     1: ([(1, 0), (1, 1)], [True, False]),
     # 2: (10)*.  0 expecting 1 (accepting), 1 expecting 0, 2 dead.
     2: ([(2, 1), (0, 2), (2, 2)], [True, False, False]),
-    # 3: no odd run of 1s immediately followed by an odd run of 0s (runs maximal).
-    #    0 clean / even 1-run, 1 odd 1-run, 2 odd 1-run then odd 0-run, 3 ... then even 0-run, 4 dead.
-    3: ([(0, 1), (2, 0), (3, 4), (2, 1), (4, 4)], [True, True, False, True, False]),
+    # 3: no odd run of 1s followed, anywhere later, by an odd run of 0s (runs maximal), as Tomita's own examples
+    #    read it (0111001101 and 11011100110 are among his rejected strings).
+    #    0 clean / even 1-run, 1 odd 1-run, 2 odd 0-run after an odd 1-run, 3 even 0-run or 1s after one, 4 dead.
+    3: ([(0, 1), (2, 0), (3, 4), (2, 3), (4, 4)], [True, True, False, True, False]),
     # 4: no 000.  State = trailing zeros (0..2), 3 dead.
     4: ([(1, 0), (2, 0), (3, 0), (3, 3)], [True, True, True, False]),
     # 5: even #0 and even #1.  State = 2 * (#0 % 2) + (#1 % 2).
@@ -172,9 +173,11 @@ class TomitaTask(Task):
         return torch.where(rejecting, keys, -1.0).argmax(1), rejecting.any(1)
 
     def metrics(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per sequence (B,): ``accuracy`` (argmax == label) and ``score`` = P(accept)."""
-        return {"accuracy": (output.argmax(-1) == batch.targets).float(),
-                "score": output.float().softmax(-1)[:, 1]}
+        """Per sequence (B,): ``accuracy`` (argmax == label) and ``score`` = log P(accept) - log P(reject), the
+        logit margin that ranks the sequences for the ROC AUC (P(accept) itself rounds to 1 in float32 beyond a
+        margin of about 17, which would tie every confident sequence)."""
+        output = output.float()
+        return {"accuracy": (output.argmax(-1) == batch.targets).float(), "score": output[:, 1] - output[:, 0]}
 
     def batch_metrics(self, values: dict[str, torch.Tensor], batch: Batch) -> dict[str, float]:
         """``roc_auc`` of the batch's scores (`roc_auc`): the seed's metric for sequence classification."""
