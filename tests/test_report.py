@@ -179,6 +179,18 @@ def test_no_winner_at_or_below_chance():
     assert above_chance([0.2, 0.3], 0.1, True) and not above_chance([0.2, math.nan], 0.1, True)
 
 
+def test_a_tie_with_a_variant_above_chance_is_not_called_at_chance():
+    """a (one seed at chance) and b (every seed above it) tie for the best mean: the verdict said "a and b, tied for
+    the best mean, are not better than the chance level in every seed", of b too, beside "Not better than chance in
+    every seed: a"; its status hung on which of the two float rounding put first."""
+    for seeds in ({"a": [0.4, 0.8], "b": [0.6, 0.6]}, {"b": [0.6, 0.6], "a": [0.4, 0.8]}):
+        found = verdict(seeds, True, chance=0.5)
+        assert found.status == "not separated" and found.at_chance == ["a"]
+        assert re.fullmatch(r"(a and b|b and a) share the best mean \(0\.6\)", found.reason)
+    both = verdict({"a": [1.2, 0.8], "b": [1.0, 1.0], "c": [2.0, 2.0]}, False, chance=0.9)   # lower is better
+    assert both.status == "at chance" and both.reason.startswith("a and b, tied for the best mean, are not better")
+
+
 def test_nan_seeds_cannot_be_ranked_and_a_lone_variant_is_not_compared():
     assert verdict({"a": [math.nan, 0.9], "b": [0.5, 0.6]}, True).status == "NaN seeds"
     # b is separated from a's finite seeds, but a's NaN seed could be anywhere: no winner
