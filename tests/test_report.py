@@ -234,6 +234,30 @@ def test_a_named_winner_is_printed_apart_from_the_others():
     assert "Means: a 0.11072, b 0.11067." in terminal and "0.11072 [0.11071, 0.11073]" in terminal
 
 
+def test_a_separation_with_too_few_seeds_is_printed_apart():
+    """The verdict row said "too few seeds (post, p = 0.1)", every seed of post beating every other's, beside cells
+    and means that printed alike (set complement at 16x: 0.7479 [0.7479, 0.7479] for post and post+bema): a
+    separated best has the digits that show it, named or not."""
+    results = comparison({"a": [0.110712, 0.110714, 0.110716], "b": [0.110701, 0.110703, 0.110704]})
+    assert verdicts(results)[64].short() == "too few seeds (a, p = 0.1)"
+    text = markdown_report(results)
+    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.11071 [0.11071, 0.11072] (0.123x) |" in text
+    assert "| b | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.1107 [0.1107, 0.1107] (0.123x) |" in text
+    assert "Means: a 0.11071, b 0.1107." in text
+
+
+def test_a_value_better_than_chance_never_prints_as_the_chance_level():
+    """No ° says every seed beats the chance level: a cell "0.1 [0.1, 0.1]" unmarked beside a chance row "0.1" (set
+    complement at 16x: 0.748 [0.7479, 0.748] against 0.748) read as at chance. That length gets the digits to show
+    the worst seed apart from the level; a seed at it keeps its mark whatever the digits."""
+    results = comparison({"a": [0.10002, 0.10004], "b": [0.5, 0.6]}, chance=0.1)
+    text = markdown_report(results)
+    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.10003 [0.10002, 0.10004] (0.111x) |" in text
+    assert "| chance | 0.1 | 0.1 | 0.1 |" in text
+    lower = comparison({"a": [0.10002, 0.1], "b": [0.5, 0.6]}, chance=0.1)
+    assert "| 0.1 [0.1, 0.1]° (0.111x) |" in markdown_report(lower)       # a seed at chance: marked, 4 digits
+
+
 def test_nan_seeds_are_counted_in_cells_and_listed_last():
     results = comparison({"c": [math.nan] * 3, "a": [0.5, math.nan, math.nan], "b": [0.8, 0.9, 0.7]})
     text = markdown_report(results)

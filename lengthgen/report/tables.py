@@ -77,21 +77,25 @@ def verdicts(results: Comparison, names: list[str] | None = None) -> dict[int, V
 
 
 def digits(results: Comparison) -> dict[int, int]:
-    """Significant digits of the headline metric at each length: 4, or as many more as it takes for a named
-    winner's mean and worst seed to print apart from each other variant's mean and best seed and from the chance
-    level (a winner is never shown beside an equal number)."""
+    """Significant digits of the headline metric at each length: 4, or as many more as it takes for the numbers to
+    show what the words say: a separated best's (a named winner's, or one with too few seeds) mean and worst seed
+    apart from each other variant's mean and best seed, and the worst seed of each variant better than the chance
+    level in every seed (no `AT_CHANCE` mark) apart from that level."""
     best, worst = (max, min) if results.higher_is_better else (min, max)
     out = dict.fromkeys(results.eval_lengths, 4)
     for names in groups(results).values():
         for n, found in verdicts(results, names).items():
-            if found.winner is None:
-                continue
             values = seed_values(results, results.metric, n)
-            chance = chance_levels(results, results.metric, n)[found.winner]
-            floor = worst(values[found.winner])
-            pairs = [pair for other in names if other != found.winner
-                     for pair in ((mean(values[found.winner]), mean(values[other])), (floor, best(values[other])))]
-            pairs += [(floor, chance)] if chance is not None else []
+            levels = chance_levels(results, results.metric, n)
+            pairs = []
+            if found.p is not None:         # separated
+                floor = worst(values[found.best])
+                pairs += [pair for other in names if other != found.best
+                          for pair in ((mean(values[found.best]), mean(values[other])), (floor, best(values[other])))]
+            for name in names:
+                known = [v for v in values[name] if not math.isnan(v)]
+                if levels[name] is not None and above_chance(known, levels[name], results.higher_is_better):
+                    pairs.append((worst(known), levels[name]))
             out[n] = max(out[n], next((d for d in range(4, 18)
                                        if all(f"{a:.{d}g}" != f"{b:.{d}g}" for a, b in pairs)), 17))
     return out
