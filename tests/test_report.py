@@ -248,14 +248,21 @@ def test_a_separation_with_too_few_seeds_is_printed_apart():
 
 def test_a_value_better_than_chance_never_prints_as_the_chance_level():
     """No ° says every seed beats the chance level: a cell "0.1 [0.1, 0.1]" unmarked beside a chance row "0.1" (set
-    complement at 16x: 0.748 [0.7479, 0.748] against 0.748) read as at chance. That length gets the digits to show
-    the worst seed apart from the level; a seed at it keeps its mark whatever the digits."""
+    complement at 16x: 0.748 [0.7479, 0.748] against 0.748; Tomita's loss 0.6931 [0.6931, 0.6931] against 0.6931)
+    read as at chance. That length gets the digits to show the worst seed apart from the level, in every metric's
+    table, lower or higher better; a seed at it keeps its mark whatever the digits."""
     results = comparison({"a": [0.10002, 0.10004], "b": [0.5, 0.6]}, chance=0.1)
     text = markdown_report(results)
     assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.10003 [0.10002, 0.10004] (0.111x) |" in text
     assert "| chance | 0.1 | 0.1 | 0.1 |" in text
-    lower = comparison({"a": [0.10002, 0.1], "b": [0.5, 0.6]}, chance=0.1)
-    assert "| 0.1 [0.1, 0.1]° (0.111x) |" in markdown_report(lower)       # a seed at chance: marked, 4 digits
+    at = comparison({"a": [0.10002, 0.1], "b": [0.5, 0.6]}, chance=0.1)
+    assert "| 0.1 [0.1, 0.1]° (0.111x) |" in markdown_report(at)       # a seed at chance: marked, 4 digits
+    lower = comparison({"a": [0.099998, 0.099996], "b": [0.5, 0.6]}, chance=0.1)
+    lower.higher_is_better = False
+    assert "| 0.099997 [0.099996, 0.099998] (0.111x) |" in markdown_report(lower)
+    results.metric, results.directions = "loss", {"loss": False, "accuracy": True}     # another metric's table too
+    other = markdown_report(results).split("## accuracy at length L (higher is better)")[1]
+    assert "| a | 0.9 [0.9, 0.9] | 0.9 [0.9, 0.9] | 0.10003 [0.10002, 0.10004] |" in other
 
 
 def test_nan_seeds_are_counted_in_cells_and_listed_last():
