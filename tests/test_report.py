@@ -166,6 +166,8 @@ def test_one_seed_never_names_a_winner():
     assert "every variant has a single seed" in found.reason
     mixed = verdict({"a": [0.99, 0.98], "b": [0.1]}, True)
     assert mixed.status == "one seed" and "b has a single seed" in mixed.reason
+    none = verdict({"a": [0.99, 0.98], "b": []}, True)         # a variant without runs said "b has a single seed"
+    assert none.status == "one seed" and none.reason.startswith("b has fewer than two seeds, so the seed spread")
 
 
 def test_no_winner_at_or_below_chance():

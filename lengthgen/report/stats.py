@@ -126,7 +126,8 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool,
     if single:
         who = ("every variant has" if len(single) == len(values)
                else f"{', '.join(single)} {'has' if len(single) == 1 else 'have'}")
-        return Verdict("one seed", best, f"{who} a single seed, so the seed spread is unknown and no variant is "
+        few = "a single seed" if all(values[name] for name in single) else "fewer than two seeds"
+        return Verdict("one seed", best, f"{who} {few}, so the seed spread is unknown and no variant is "
                        "named best (run several seeds)", at_chance=at_chance)
     undefined = [name for name, v in values.items() if any(math.isnan(x) for x in v)]
     if undefined:
