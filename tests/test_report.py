@@ -166,6 +166,8 @@ def test_one_seed_never_names_a_winner():
     assert "every variant has a single seed" in found.reason
     mixed = verdict({"a": [0.99, 0.98], "b": [0.1]}, True)
     assert mixed.status == "one seed" and "b has a single seed" in mixed.reason
+    none = verdict({"a": [0.99, 0.98], "b": []}, True)         # a variant without runs said "b has a single seed"
+    assert none.status == "one seed" and none.reason.startswith("b has fewer than two seeds, so the seed spread")
 
 
 def test_no_winner_at_or_below_chance():
@@ -177,6 +179,18 @@ def test_no_winner_at_or_below_chance():
     assert verdict({"a": [1.0, 1.1], "b": [2.0, 2.1]}, False, chance=1.05).status == "at chance"
     assert verdict({"a": [1.0, 1.1, 1.1, 1.0], "b": [2.0, 2.1, 2.2, 2.0]}, False, chance=1.2).winner == "a"
     assert above_chance([0.2, 0.3], 0.1, True) and not above_chance([0.2, math.nan], 0.1, True)
+
+
+def test_a_tie_with_a_variant_above_chance_is_not_called_at_chance():
+    """a (one seed at chance) and b (every seed above it) tie for the best mean: the verdict said "a and b, tied for
+    the best mean, are not better than the chance level in every seed", of b too, beside "Not better than chance in
+    every seed: a"; its status hung on which of the two float rounding put first."""
+    for seeds in ({"a": [0.4, 0.8], "b": [0.6, 0.6]}, {"b": [0.6, 0.6], "a": [0.4, 0.8]}):
+        found = verdict(seeds, True, chance=0.5)
+        assert found.status == "not separated" and found.at_chance == ["a"]
+        assert re.fullmatch(r"(a and b|b and a) share the best mean \(0\.6\)", found.reason)
+    both = verdict({"a": [1.2, 0.8], "b": [1.0, 1.0], "c": [2.0, 2.0]}, False, chance=0.9)   # lower is better
+    assert both.status == "at chance" and both.reason.startswith("a and b, tied for the best mean, are not better")
 
 
 def test_nan_seeds_cannot_be_ranked_and_a_lone_variant_is_not_compared():
@@ -220,6 +234,37 @@ def test_a_named_winner_is_printed_apart_from_the_others():
     assert "Means: a 0.11072, b 0.11067." in text
     assert "Not better than chance (0.110708) in every seed: b." in text
     assert "Means: a 0.11072, b 0.11067." in terminal and "0.11072 [0.11071, 0.11073]" in terminal
+
+
+def test_a_separation_with_too_few_seeds_is_printed_apart():
+    """The verdict row said "too few seeds (post, p = 0.1)", every seed of post beating every other's, beside cells
+    and means that printed alike (set complement at 16x: 0.7479 [0.7479, 0.7479] for post and post+bema): a
+    separated best has the digits that show it, named or not."""
+    results = comparison({"a": [0.110712, 0.110714, 0.110716], "b": [0.110701, 0.110703, 0.110704]})
+    assert verdicts(results)[64].short() == "too few seeds (a, p = 0.1)"
+    text = markdown_report(results)
+    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.11071 [0.11071, 0.11072] (0.123x) |" in text
+    assert "| b | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.1107 [0.1107, 0.1107] (0.123x) |" in text
+    assert "Means: a 0.11071, b 0.1107." in text
+
+
+def test_a_value_better_than_chance_never_prints_as_the_chance_level():
+    """No ° says every seed beats the chance level: a cell "0.1 [0.1, 0.1]" unmarked beside a chance row "0.1" (set
+    complement at 16x: 0.748 [0.7479, 0.748] against 0.748; Tomita's loss 0.6931 [0.6931, 0.6931] against 0.6931)
+    read as at chance. That length gets the digits to show the worst seed apart from the level, in every metric's
+    table, lower or higher better; a seed at it keeps its mark whatever the digits."""
+    results = comparison({"a": [0.10002, 0.10004], "b": [0.5, 0.6]}, chance=0.1)
+    text = markdown_report(results)
+    assert "| a | 0.9 [0.9, 0.9] (1x) | 0.9 [0.9, 0.9] (1x) | 0.10003 [0.10002, 0.10004] (0.111x) |" in text
+    assert "| chance | 0.1 | 0.1 | 0.1 |" in text
+    at = comparison({"a": [0.10002, 0.1], "b": [0.5, 0.6]}, chance=0.1)
+    assert "| 0.1 [0.1, 0.1]° (0.111x) |" in markdown_report(at)       # a seed at chance: marked, 4 digits
+    lower = comparison({"a": [0.099998, 0.099996], "b": [0.5, 0.6]}, chance=0.1)
+    lower.higher_is_better = False
+    assert "| 0.099997 [0.099996, 0.099998] (0.111x) |" in markdown_report(lower)
+    results.metric, results.directions = "loss", {"loss": False, "accuracy": True}     # another metric's table too
+    other = markdown_report(results).split("## accuracy at length L (higher is better)")[1]
+    assert "| a | 0.9 [0.9, 0.9] | 0.9 [0.9, 0.9] | 0.10003 [0.10002, 0.10004] |" in other
 
 
 def test_nan_seeds_are_counted_in_cells_and_listed_last():

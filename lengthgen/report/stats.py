@@ -126,7 +126,8 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool,
     if single:
         who = ("every variant has" if len(single) == len(values)
                else f"{', '.join(single)} {'has' if len(single) == 1 else 'have'}")
-        return Verdict("one seed", best, f"{who} a single seed, so the seed spread is unknown and no variant is "
+        few = "a single seed" if all(values[name] for name in single) else "fewer than two seeds"
+        return Verdict("one seed", best, f"{who} {few}, so the seed spread is unknown and no variant is "
                        "named best (run several seeds)", at_chance=at_chance)
     undefined = [name for name, v in values.items() if any(math.isnan(x) for x in v)]
     if undefined:
@@ -135,7 +136,7 @@ def verdict(values: dict[str, list[float]], higher_is_better: bool,
                        "seeds cannot be ranked and no variant is named best", at_chance=at_chance)
     tied = [name for name in means if math.isclose(means[name], means[best], rel_tol=1e-9, abs_tol=1e-12)]
     top = " and ".join([", ".join(tied[:-1]), tied[-1]] if len(tied) > 1 else tied)
-    if best in at_chance:
+    if all(name in at_chance for name in tied):     # a tie with a variant above chance is no verdict of chance
         lead = f"{best}, the best mean, is" if len(tied) == 1 else f"{top}, tied for the best mean, are"
         return Verdict("at chance", best, f"{lead} not better than the chance level ({levels[best]:.4g}) in every "
                        "seed, so no variant is named best", at_chance=at_chance)

@@ -76,22 +76,31 @@ def verdicts(results: Comparison, names: list[str] | None = None) -> dict[int, V
                        chance_levels(results, results.metric, n)) for n in results.eval_lengths}
 
 
-def digits(results: Comparison) -> dict[int, int]:
-    """Significant digits of the headline metric at each length: 4, or as many more as it takes for a named
-    winner's mean and worst seed to print apart from each other variant's mean and best seed and from the chance
-    level (a winner is never shown beside an equal number)."""
-    best, worst = (max, min) if results.higher_is_better else (min, max)
+def digits(results: Comparison, name: str | None = None) -> dict[int, int]:
+    """Significant digits of ``name`` (default: the headline metric) at length L at each length: 4, or as many more
+    as it takes for the numbers to show what the words say: the headline's separated best (a named winner, or one
+    with too few seeds) with its mean and worst seed apart from each other variant's mean and best seed, and the
+    worst seed of each variant better than the chance level in every seed (no `AT_CHANCE` mark) apart from that
+    level, for every metric whose direction the comparison records."""
+    name = name or results.metric
+    higher = results.higher_is_better_for(name)
     out = dict.fromkeys(results.eval_lengths, 4)
+    if higher is None:
+        return out
+    best, worst = (max, min) if higher else (min, max)
     for names in groups(results).values():
-        for n, found in verdicts(results, names).items():
-            if found.winner is None:
-                continue
-            values = seed_values(results, results.metric, n)
-            chance = chance_levels(results, results.metric, n)[found.winner]
-            floor = worst(values[found.winner])
-            pairs = [pair for other in names if other != found.winner
-                     for pair in ((mean(values[found.winner]), mean(values[other])), (floor, best(values[other])))]
-            pairs += [(floor, chance)] if chance is not None else []
+        found = verdicts(results, names) if name == results.metric else {}
+        for n in results.eval_lengths:
+            values, levels = seed_values(results, name, n), chance_levels(results, name, n)
+            pairs = []
+            if n in found and found[n].p is not None:        # separated
+                top, floor = found[n].best, worst(values[found[n].best])
+                pairs += [pair for other in names if other != top
+                          for pair in ((mean(values[top]), mean(values[other])), (floor, best(values[other])))]
+            for variant in names:
+                known = [v for v in values[variant] if not math.isnan(v)]
+                if levels[variant] is not None and above_chance(known, levels[variant], higher):
+                    pairs.append((worst(known), levels[variant]))
             out[n] = max(out[n], next((d for d in range(4, 18)
                                        if all(f"{a:.{d}g}" != f"{b:.{d}g}" for a, b in pairs)), 17))
     return out
@@ -150,11 +159,11 @@ def length_label(length: int, train_length: int) -> str:
 def value_rows(results: Comparison, name: str, field: str = "at_length", ratio: bool = False) -> list[list[str]]:
     """Header, one row per variant and the chance row of ``name`` by length; values not above chance are marked
     where the comparison records ``name``'s direction; ``ratio``: each mean's ratio to the variant's mean at the
-    training length, where both are finite. The headline at length L has the `digits` that show a named winner
-    apart."""
+    training length, where both are finite. Values at length L have the `digits` that show what the marks and the
+    verdict say."""
     lengths, train_length = results.eval_lengths, results.train_length
     chance = {n: chance_levels(results, name, n) if field == "at_length" else {} for n in lengths}
-    places = digits(results) if (name, field) == (results.metric, "at_length") else dict.fromkeys(lengths, 4)
+    places = digits(results, name) if field == "at_length" else dict.fromkeys(lengths, 4)
     rows = [["variant", *(length_label(n, train_length) for n in lengths)]]
     by_length = {n: seed_values(results, name, n, field) for n in lengths}
     higher = results.higher_is_better_for(name)
