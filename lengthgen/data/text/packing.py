@@ -112,7 +112,8 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
     least that many tokens. ``cache``: ``True`` reads and writes ``<cache_dir>/<name>.npz`` keyed by
     the Python version, corpus fingerprint and tokenizer; ``"auto"`` caches for every tokenizer but
     the byte one (which is faster than the cache); ``False`` never caches. Corpora without a
-    fingerprint (streamed) are never cached. Raises ``CorpusError`` for an empty corpus."""
+    fingerprint (streamed) are never cached. Raises ``CorpusError`` for an empty corpus, or a document holding
+    an id outside the vocabulary or the BOS id."""
     check_value("pretokenize.cache", cache, Literal[True, False, "auto"])
     use_cache = cache is True or (cache == "auto" and not isinstance(tokenizer, ByteTokenizer))
     path = _cache_path(corpus, tokenizer, cache_dir, max_documents, max_tokens) if use_cache else None
@@ -134,6 +135,10 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
         if doc.size and (int(doc.max()) >= tokenizer.vocab_size or int(doc.min()) < 0):
             raise CorpusError(f"corpus {corpus.name}: document {len(lengths)} holds token ids outside "
                               f"[0, {tokenizer.vocab_size}) of tokenizer {tokenizer.name!r}")
+        if doc.size and (doc == tokenizer.bos_id).any():     # a BOS mid-document: doc_ids would not count it
+            raise CorpusError(f"corpus {corpus.name}: document {len(lengths)} encodes to the BOS id "
+                              f"{tokenizer.bos_id} of tokenizer {tokenizer.name!r} inside its text; give the "
+                              "tokenizer a BOS that text cannot produce (hf: bos_token=)")
         pieces.append(bos)
         pieces.append(doc.astype(dtype, copy=False))
         lengths.append(doc.size + 1)
