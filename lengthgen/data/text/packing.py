@@ -211,10 +211,11 @@ class TextData(Task):
 
     ``sample(batch_size, length, generator)`` draws each row's start uniformly over the stream's
     tokens (``bos_aligned``: then moves it back to the BOS of the document it falls in, so each row
-    starts a document and documents are drawn in proportion to their length) and reads ``length + 1``
-    tokens cyclically (with a warning where that is more than the whole stream, whose text then repeats within a
-    row): ``tokens`` the first ``length``, ``targets`` the last ``length``. ``doc_ids``
-    number the documents of a row from 0 and increase by one exactly at each BOS; ``loss_mask`` is
+    starts a document, documents are drawn in proportion to their length plus one (their BOS), and a document's
+    tokens past the first ``length`` are never read, as under modded-nanogpt's ``align_to_bos``) and reads
+    ``length + 1`` tokens cyclically (with a warning where that is more than the whole stream, whose text then
+    repeats within a row): ``tokens`` the first ``length``, ``targets`` the last ``length``. ``doc_ids`` number the
+    documents of a row from 0 and increase by one exactly at each BOS; ``loss_mask`` is
     all True (a target that is the next document's BOS is the end-of-document prediction).
     """
 
