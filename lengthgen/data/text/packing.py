@@ -119,9 +119,12 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
     path = _cache_path(corpus, tokenizer, cache_dir, max_documents, max_tokens) if use_cache else None
     if path is not None and path.is_file():
         try:
-            return TokenStream.load(path)
+            cached = TokenStream.load(path)
         except Exception:   # noqa: BLE001  (a corrupt or foreign cache file: rebuild it)
-            pass
+            cached = None
+        # one written before a BOS id inside a document was refused: rebuild it (which raises)
+        if cached is not None and np.count_nonzero(cached.tokens == cached.bos_id) == cached.num_documents:
+            return cached
 
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
     bos = np.array([tokenizer.bos_id], dtype=dtype)
