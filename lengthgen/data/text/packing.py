@@ -140,8 +140,9 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
                               f"[0, {tokenizer.vocab_size}) of tokenizer {tokenizer.name!r}")
         if doc.size and (doc == tokenizer.bos_id).any():     # a BOS mid-document: doc_ids would not count it
             raise CorpusError(f"corpus {corpus.name}: document {len(lengths)} encodes to the BOS id "
-                              f"{tokenizer.bos_id} of tokenizer {tokenizer.name!r} inside its text; give the "
-                              "tokenizer a BOS that text cannot produce (hf: bos_token=)")
+                              f"{tokenizer.bos_id} of tokenizer {tokenizer.name!r} inside its text; remove that "
+                              "text from the corpus or choose a BOS no text encodes to (HFTokenizer(path, "
+                              "bos_token=...))")
         pieces.append(bos)
         pieces.append(doc.astype(dtype, copy=False))
         lengths.append(doc.size + 1)
