@@ -24,6 +24,7 @@ from lengthgen.data.text import (BIN_MAGIC, BinCorpus, ByteTokenizer, CorpusErro
                                  pretokenize, read_bin_shard, split_of, write_bin_shard)
 
 from lengthgen.data.text.corpus import stat_fingerprint
+from lengthgen.data.text.packing import _cache_path
 
 BYTE = ByteTokenizer()
 BOS = BYTE.bos_id
@@ -163,6 +164,25 @@ def test_an_hf_bos_not_marked_special_never_comes_from_text(tmp_path):
     docs = write_docs(tmp_path, ["x <s> y " * 4, "z"])
     data = make_text_data(str(docs), tok, split="all", cache=False)
     assert np.count_nonzero(data.stream.tokens == tok.bos_id) == data.stream.num_documents == 2
+
+
+def test_a_bos_id_that_document_text_encodes_to_is_refused(tmp_path):
+    """A BOS that is an ordinary word of the vocabulary (no added token to mark special) came from a document's
+    text: a BOS mid-document where doc_ids, which count the stream's document starts, did not change."""
+    tk = pytest.importorskip("tokenizers")
+    raw = tk.Tokenizer(tk.models.WordLevel({"<s>": 0, "a": 1, "b": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    raw.pre_tokenizer = tk.pre_tokenizers.WhitespaceSplit()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = make_tokenizer(f"hf:{tmp_path / 'tokenizer.json'}")
+    assert tok.bos_id == 0 and tok.encode("a <s> b") == [1, 0, 2]
+    docs = write_docs(tmp_path, ["a b", "a <s> b"])
+    with pytest.raises(CorpusError, match=r"document 1 encodes to the BOS id 0 of tokenizer 'hf:.*bos_token="):
+        make_text_data(str(docs), tok, split="all", cache=False)
+    # a token cache written before this was refused holds the BOS mid-document: it is rebuilt, and refused
+    stale = _cache_path(make_corpus(str(docs), "all"), tok, tmp_path / "cache", None, None)
+    TokenStream(np.array([0, 1, 2, 0, 1, 0, 2], dtype=np.uint16), np.array([0, 3]), 4, 0).save(stale)
+    with pytest.raises(CorpusError, match="document 1 encodes to the BOS id 0"):
+        make_text_data(str(docs), tok, split="all", cache_dir=tmp_path / "cache")
 
 
 def test_an_hf_tokenizer_reads_a_lone_surrogate_as_tiktoken_does(tmp_path):

@@ -112,15 +112,19 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
     least that many tokens. ``cache``: ``True`` reads and writes ``<cache_dir>/<name>.npz`` keyed by
     the Python version, corpus fingerprint and tokenizer; ``"auto"`` caches for every tokenizer but
     the byte one (which is faster than the cache); ``False`` never caches. Corpora without a
-    fingerprint (streamed) are never cached. Raises ``CorpusError`` for an empty corpus."""
+    fingerprint (streamed) are never cached. Raises ``CorpusError`` for an empty corpus, or a document holding
+    an id outside the vocabulary or the BOS id."""
     check_value("pretokenize.cache", cache, Literal[True, False, "auto"])
     use_cache = cache is True or (cache == "auto" and not isinstance(tokenizer, ByteTokenizer))
     path = _cache_path(corpus, tokenizer, cache_dir, max_documents, max_tokens) if use_cache else None
     if path is not None and path.is_file():
         try:
-            return TokenStream.load(path)
+            cached = TokenStream.load(path)
         except Exception:   # noqa: BLE001  (a corrupt or foreign cache file: rebuild it)
-            pass
+            cached = None
+        # one written before a BOS id inside a document was refused: rebuild it (which raises)
+        if cached is not None and np.count_nonzero(cached.tokens == cached.bos_id) == cached.num_documents:
+            return cached
 
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
     bos = np.array([tokenizer.bos_id], dtype=dtype)
@@ -134,6 +138,11 @@ def pretokenize(corpus: Corpus, tokenizer: Tokenizer, *, max_documents: int | No
         if doc.size and (int(doc.max()) >= tokenizer.vocab_size or int(doc.min()) < 0):
             raise CorpusError(f"corpus {corpus.name}: document {len(lengths)} holds token ids outside "
                               f"[0, {tokenizer.vocab_size}) of tokenizer {tokenizer.name!r}")
+        if doc.size and (doc == tokenizer.bos_id).any():     # a BOS mid-document: doc_ids would not count it
+            raise CorpusError(f"corpus {corpus.name}: document {len(lengths)} encodes to the BOS id "
+                              f"{tokenizer.bos_id} of tokenizer {tokenizer.name!r} inside its text; remove that "
+                              "text from the corpus or choose a BOS no text encodes to (HFTokenizer(path, "
+                              "bos_token=...))")
         pieces.append(bos)
         pieces.append(doc.astype(dtype, copy=False))
         lengths.append(doc.size + 1)
@@ -206,10 +215,11 @@ class TextData(Task):
 
     ``sample(batch_size, length, generator)`` draws each row's start uniformly over the stream's
     tokens (``bos_aligned``: then moves it back to the BOS of the document it falls in, so each row
-    starts a document and documents are drawn in proportion to their length) and reads ``length + 1``
-    tokens cyclically (with a warning where that is more than the whole stream, whose text then repeats within a
-    row): ``tokens`` the first ``length``, ``targets`` the last ``length``. ``doc_ids``
-    number the documents of a row from 0 and increase by one exactly at each BOS; ``loss_mask`` is
+    starts a document, documents are drawn in proportion to their length plus one (their BOS), and a document's
+    tokens past the first ``length`` are never read, as under modded-nanogpt's ``align_to_bos``) and reads
+    ``length + 1`` tokens cyclically (with a warning where that is more than the whole stream, whose text then
+    repeats within a row): ``tokens`` the first ``length``, ``targets`` the last ``length``. ``doc_ids`` number the
+    documents of a row from 0 and increase by one exactly at each BOS; ``loss_mask`` is
     all True (a target that is the next document's BOS is the end-of-document prediction).
     """
 
