@@ -116,6 +116,14 @@ def test_an_out_dir_that_is_no_path_is_named(out):
         train(config(), out, progress=False)
 
 
+def test_extend_without_resume_is_refused(tmp_path):
+    """train(cfg, out, extend=True) without resume trained a fresh run and ignored extend (the CLI refuses
+    --extend without --resume)."""
+    with pytest.raises(ValueError, match=r"^extend changes train.steps of a resumed run: give resume=True too$"):
+        train(config(), tmp_path / "run", progress=False, extend=True)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("inside", [False, True])
 def test_a_run_folder_that_is_a_file_is_named(tmp_path, inside):
     """train(cfg, "notes.txt") ended in the lock's raw mkdir error, '[Errno 17] File exists' (a path under a file:

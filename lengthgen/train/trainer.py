@@ -103,6 +103,8 @@ class Trainer:
                  ) -> None:
         if resume and overwrite:
             raise ValueError("resume or overwrite a run folder, not both")
+        if extend and not resume:       # as the CLI's --extend without --resume
+            raise ValueError("extend changes train.steps of a resumed run: give resume=True too")
         if not isinstance(out_dir, (str, os.PathLike)) or not str(out_dir):
             raise ConfigError(f"out_dir must be the run's folder, a str or Path, got {out_dir!r}", "out_dir")
         cfg, self.source = resolve(config)
