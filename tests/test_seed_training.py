@@ -391,14 +391,16 @@ def test_a_run_steps_muon_with_the_scheduled_momentum(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_palm"])
-def test_muon_keys_without_muon_are_named_as_without_effect(optimizer):
-    """muon_lr, its weight decay, betas, patterns and schedule were ignored without a word by the AdamW
-    optimizers (only the momentum schedule was named); every Muon key set is named, once."""
+def test_muon_keys_without_muon_are_named_as_without_effect(optimizer, tmp_path):
+    """muon_lr, its weight decay, betas and schedule were ignored without a word by the AdamW optimizers (only the
+    momentum schedule was named); every Muon key set is named, once. Its parameter patterns (muon_lr_mul,
+    muon_exclude) are refused instead, so the warning does not call them without effect."""
     cfg = config(f"train.optimizer={optimizer}", "train.muon_lr=0.1", "train.muon_weight_decay=0.5",
-                 "train.muon_beta2=0.9", "train.muon_lr_mul={'blocks.*' = 2.0}")
-    assert cfg.unused([8]) == [f"train.muon_lr=0.1, train.muon_weight_decay=0.5, train.muon_beta2=0.9, "
-                               f"train.muon_lr_mul={{'blocks.*': 2.0}}: no effect with train.optimizer='{optimizer}' "
-                               "(Muon's keys, read only with muon or normuon)"]
+                 "train.muon_beta2=0.9", "train.muon_lr_mul={'blocks.*' = 2.0}", "train.muon_exclude=['x']")
+    assert cfg.unused([8]) == [f"train.muon_lr=0.1, train.muon_weight_decay=0.5, train.muon_beta2=0.9: no effect "
+                               f"with train.optimizer='{optimizer}' (Muon's keys, read only with muon or normuon)"]
+    with pytest.raises(ConfigError, match=r"^train.muon_lr_mul applies only with train.optimizer=muon or normuon"):
+        train(cfg, tmp_path / "run", progress=False)
     assert config("train.optimizer=normuon", "train.muon_lr=0.1", "train.muon_beta2=0.9").unused([8]) == []
     assert config("train.optimizer=muon", "train.muon_beta2=0.9").unused([8]) == [
         "train.muon_beta2=0.9: no effect with train.optimizer='muon' (NorMuon's second moment, read only with "

@@ -28,6 +28,8 @@ Schedule = Literal["cosine", "wsd", "constant"]
 Optimizer = Literal["adamw", "adamw_palm", "muon", "normuon"]
 #: the optimizers that give 2-D hidden weights to Muon (AdamW takes the rest)
 MUON_OPTIMIZERS = ("muon", "normuon")
+#: Muon's keys that name its parameters: refused without Muon (`build_optimizers`), not merely without effect
+MUON_PATTERNS = ("muon_lr_mul", "muon_exclude")
 MuonAdjust = Literal["original", "match_rms_adamw"]
 Device = Literal["auto", "cpu", "cuda"]
 Dtype = Literal["auto", "float32", "bfloat16"]
@@ -177,7 +179,8 @@ class TrainConfig:
             notes.append(f"train.adam_every={self.adam_every} > train.steps={self.steps}: AdamW never steps (it steps "
                          "where (step + 1) % adam_every == 0)")
         muon_set = [f"train.{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                    if f.name.startswith("muon_") and getattr(self, f.name) != getattr(DEFAULT_TRAIN, f.name)]
+                    if f.name.startswith("muon_") and f.name not in MUON_PATTERNS
+                    and getattr(self, f.name) != getattr(DEFAULT_TRAIN, f.name)]
         if muon_set and self.optimizer not in MUON_OPTIMIZERS:
             notes.append(f"{', '.join(muon_set)}: no effect with train.optimizer='{self.optimizer}' (Muon's keys, "
                          f"read only with {' or '.join(MUON_OPTIMIZERS)})")

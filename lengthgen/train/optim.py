@@ -24,7 +24,7 @@ from lengthgen.attention import Attention
 from lengthgen.attention import functional as fn
 from lengthgen.attention import mods
 from lengthgen.config import ConfigError, check_value, pattern_matches
-from lengthgen.train.config import MUON_OPTIMIZERS
+from lengthgen.train.config import MUON_OPTIMIZERS, MUON_PATTERNS
 from lengthgen.train.muon import Muon
 from lengthgen.train.normuon import CautiousAdamW, NorMuon
 from lengthgen.train.palm_adamw import PaLMAdamW
@@ -58,7 +58,7 @@ def build_optimizers(model: nn.Module, train_cfg) -> list[torch.optim.Optimizer]
         raise ConfigError(f"train.optimizer={tc.optimizer!r} found no hidden matrices in {type(model).__name__} for "
                           "Muon: it takes the trainable 2-D weights under model.blocks (muon_param_names), as a "
                           "lengthgen GPT holds them; use adamw for this model", "train.optimizer")
-    for key in ("muon_lr_mul", "muon_exclude"):
+    for key in MUON_PATTERNS:
         if getattr(tc, key) and not muon_names:
             raise ConfigError(f"train.{key} applies only with train.optimizer=muon or normuon", f"train.{key}")
     excluded = pattern_matches("train.muon_exclude", dict.fromkeys(tc.muon_exclude), muon_names, "Muon parameter")
