@@ -101,7 +101,7 @@ class Attention(nn.Module):
                               "from the spec it was made with; build a new Attention with this spec", "Attention.spec")
         self._check_sizes(spec, self.dim, self.heads, self.head_dim, self.layer_index)
         self._spec = spec
-        self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device, self.rope_freqs.dtype)
+        self._reset_rope_freqs()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "spec" in state:           # a layer pickled whole (torch.save(model)) before spec became a property
@@ -141,10 +141,15 @@ class Attention(nn.Module):
         ``to_empty`` of a layer built on the meta device would leave them uninitialized, and no state dict holds
         them."""
         super()._apply(fn, recurse)
+        self._reset_rope_freqs()
+        return self
+
+    def _reset_rope_freqs(self) -> None:
+        """``rope_freqs`` computed anew from the spec, on the buffer's device and in its dtype (float32 for a half
+        one)."""
         dtype = self.rope_freqs.dtype
         dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
         self.rope_freqs = self.rope_frequencies().to(self.rope_freqs.device, dtype)
-        return self
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
